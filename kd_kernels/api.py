@@ -1,0 +1,189 @@
+"""Public functions: validate, pick a backend, run. The math is in SPEC.md and `reference`."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from . import reference
+from .backends import resolve_backend
+from .options import DivergenceOptions, check_temperature
+from .topk import TopK
+from .validation import (
+    check_group,
+    check_k,
+    check_label_values,
+    check_labels,
+    check_lm_head,
+    check_logits,
+    check_num_tokens,
+    check_teacher,
+    check_teacher_values,
+    resolve_vocab_size,
+)
+
+_LOGPROBS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _check_logprobs_dtype(logprobs_dtype: torch.dtype) -> None:
+    if logprobs_dtype not in _LOGPROBS_DTYPES:
+        raise TypeError(f"logprobs_dtype: expected one of {_LOGPROBS_DTYPES}, got {logprobs_dtype}")
+
+
+def _finish_topk(topk: TopK, logprobs_dtype: torch.dtype) -> TopK:
+    return TopK(topk.logprobs.to(logprobs_dtype), topk.indices.to(torch.int32), topk.lse.float(), topk.temperature)
+
+
+@torch.no_grad()
+def teacher_topk(hidden: torch.Tensor, weight: torch.Tensor, k: int = 64, *, temperature: float = 1.0,
+                 vocab_size: Optional[int] = None, bias: Optional[torch.Tensor] = None, group=None,
+                 logprobs_dtype: torch.dtype = torch.float32, backend: str = "auto") -> TopK:
+    """Top-k of the teacher's tempered distribution straight from hidden states and lm_head.
+
+    Equals ``torch.log_softmax((hidden @ weight.T + bias)[:, :V*].float() / temperature, -1).topk(k)``
+    with ties broken towards the lower id, but never holds ``[N, V]`` logits on the fused backends.
+
+    Args:
+        hidden: ``[N, H]`` float32 / bfloat16 / float16 teacher final hidden states.
+        weight: ``[V, H]`` the teacher lm_head (its vocab shard under ``group``), same dtype.
+        k: entries per row, 1 <= k <= V*.
+        temperature: τ_t > 0.
+        vocab_size: V*, columns at or past it (padded lm_head rows) do not exist.
+        bias: optional ``[V]``.
+        logprobs_dtype: dtype of ``TopK.logprobs``.
+    Returns:
+        `TopK` with ``logprobs [N, k]``, ``indices [N, k]`` int32, ``lse [N]`` float32.
+    """
+    check_lm_head(hidden, weight, bias)
+    check_group(group)
+    check_temperature(temperature)
+    vocab_size = resolve_vocab_size(vocab_size, weight.shape[0], "weight")
+    check_k(k, vocab_size)
+    _check_logprobs_dtype(logprobs_dtype)
+    resolve_backend(backend, "teacher_topk", hidden.device)
+    topk = reference.teacher_topk(hidden, weight, k, temperature, vocab_size, bias)
+    return _finish_topk(topk, logprobs_dtype)
+
+
+@torch.no_grad()
+def teacher_topk_from_logits(logits: torch.Tensor, k: int = 64, *, temperature: float = 1.0,
+                             vocab_size: Optional[int] = None, group=None,
+                             logprobs_dtype: torch.dtype = torch.float32, backend: str = "auto") -> TopK:
+    """`teacher_topk` for callers that already hold ``[N, V]`` logits (any float dtype).
+
+    Equals ``torch.log_softmax(logits[:, :V*].float() / temperature, -1).topk(k)``, lower id first on ties.
+    """
+    check_logits(logits)
+    check_group(group)
+    check_temperature(temperature)
+    vocab_size = resolve_vocab_size(vocab_size, logits.shape[1], "logits")
+    check_k(k, vocab_size)
+    _check_logprobs_dtype(logprobs_dtype)
+    resolve_backend(backend, "teacher_topk_from_logits", logits.device)
+    return _finish_topk(reference.teacher_topk_from_logits(logits, k, temperature, vocab_size), logprobs_dtype)
+
+
+def _student_options(columns: int, argument: str, teacher: TopK, kwargs: dict) -> DivergenceOptions:
+    vocab_size = resolve_vocab_size(kwargs.pop("vocab_size", None), columns, argument)
+    options = DivergenceOptions(vocab_size=vocab_size, **kwargs)
+    if isinstance(teacher, TopK) and teacher.temperature is not None and teacher.temperature != options.temperature:
+        raise ValueError(f"temperature: the student temperature {options.temperature} differs from the teacher's "
+                         f"{teacher.temperature} (teacher.temperature); score both at one temperature, or set "
+                         "teacher.temperature = None to mix them on purpose")
+    return options
+
+
+def _check_student_inputs(num_rows: int, device, teacher: TopK, labels, options: DivergenceOptions,
+                          num_tokens, group, check_values: bool) -> None:
+    check_group(group)
+    check_teacher(teacher, num_rows, device)
+    check_labels(labels, num_rows, device, options.ce_weight)
+    check_num_tokens(num_tokens)
+    if check_values:
+        check_teacher_values(teacher, options.vocab_size, options.support)
+        check_label_values(labels, options.ignore_index, options.vocab_size)
+
+
+def _loss_dtype_result(result, input_dtype: torch.dtype, return_metrics: bool):
+    """The loss in float32, or float64 for float64 inputs."""
+    dtype = torch.promote_types(input_dtype, torch.float32)
+    if return_metrics:
+        loss, metrics = result
+        return loss.to(dtype), metrics
+    return result.to(dtype)
+
+
+def topk_divergence(hidden: torch.Tensor, weight: torch.Tensor, teacher: TopK, labels: Optional[torch.Tensor] = None, *,
+                    divergence: str = "forward_kl", temperature: float = 1.0, support: str = "renormalized",
+                    kd_weight: float = 1.0, ce_weight: float = 0.0, beta: float = 0.5, skew_lambda: float = 0.1,
+                    adaptive_alpha: float = 0.5, ignore_index: int = -100, reduction: str = "mean",
+                    num_tokens=None, vocab_size: Optional[int] = None, bias: Optional[torch.Tensor] = None,
+                    group=None, return_metrics: bool = False, check_values: bool = True,
+                    backend: str = "auto", chunk_rows: Optional[int] = None):
+    """Top-k distillation loss (+ cross-entropy) of the student, fused with its lm_head.
+
+    ``loss = kd_weight · KD + ce_weight · CE``, reduced by ``reduction``, where per row
+    ``KD = D(p ‖ q)`` over the teacher's top-k bins (``support``), e.g. forward KL
+    ``Σ p (log p − log q)`` with p the teacher and q the student at ``temperature``, and
+    ``CE = −log_softmax(z)[label]``, ``z = hidden @ weight.T + bias``. Equals
+    ``topk_divergence_from_logits(hidden @ weight.T + bias, teacher, labels, ...)`` without
+    ever holding ``[N, V]`` logits on the fused backends. No τ² factor is applied.
+
+    Args:
+        hidden: ``[N, H]`` float32 / bfloat16 / float16 student final hidden states (rows are tokens).
+        weight: ``[V, H]`` the student lm_head, same dtype.
+        teacher: `TopK` with ``[N, k]`` log-probs and ids from `teacher_topk`.
+        labels: ``[N]`` int, already shifted (row n predicts token n + 1); ``ignore_index``
+            rows count for nothing. None: every row counts for KD, ``ce_weight`` must be 0.
+        divergence: forward_kl | reverse_kl | jsd | skewed_forward_kl | skewed_reverse_kl |
+            adaptive_kl | tvd (SPEC.md's table; ``beta``, ``skew_lambda``, ``adaptive_alpha``).
+        support: "renormalized" (both sides softmaxed over the k ids) or "tail" (k + 1 bins).
+        reduction: "mean" (over ``num_tokens`` if given, else counted rows), "sum" or "none" (``[N]``).
+        return_metrics: also return a dict of detached sums (see SPEC "Loss").
+        check_values: check teacher ids, NaN log-probs and labels on the device (one host sync).
+        backend: "auto" | "triton" | "cuda" | "torch".
+        chunk_rows: rows per fused chunk (triton backend): memory ∝ chunk_rows · V; None picks one.
+    Returns:
+        float32 loss (float64 for float64 inputs), a scalar or ``[N]`` for reduction="none"; and the
+        metrics dict if asked.
+    """
+    check_lm_head(hidden, weight, bias)
+    options = _student_options(weight.shape[0], "weight", teacher, dict(
+        divergence=divergence, support=support, temperature=temperature, kd_weight=kd_weight,
+        ce_weight=ce_weight, beta=beta, skew_lambda=skew_lambda, adaptive_alpha=adaptive_alpha,
+        ignore_index=ignore_index, reduction=reduction, vocab_size=vocab_size))
+    _check_student_inputs(hidden.shape[0], hidden.device, teacher, labels, options, num_tokens, group, check_values)
+    chosen = resolve_backend(backend, "topk_divergence", hidden.device)
+    if chosen == "triton":
+        from .autograd.student_loss import fused_topk_divergence
+
+        return fused_topk_divergence(hidden, weight, bias, teacher, labels, options, num_tokens, return_metrics,
+                                     chunk_rows)
+    result = reference.topk_divergence(hidden, weight, teacher, labels, options, num_tokens, bias, return_metrics)
+    return _loss_dtype_result(result, hidden.dtype, return_metrics)
+
+
+def topk_divergence_from_logits(logits: torch.Tensor, teacher: TopK, labels: Optional[torch.Tensor] = None, *,
+                                divergence: str = "forward_kl", temperature: float = 1.0,
+                                support: str = "renormalized", kd_weight: float = 1.0, ce_weight: float = 0.0,
+                                beta: float = 0.5, skew_lambda: float = 0.1, adaptive_alpha: float = 0.5,
+                                ignore_index: int = -100, reduction: str = "mean", num_tokens=None,
+                                vocab_size: Optional[int] = None, group=None, return_metrics: bool = False,
+                                check_values: bool = True, backend: str = "auto"):
+    """`topk_divergence` for callers that already hold ``[N, V]`` student logits (e.g. HF models).
+
+    Same math and arguments; the gradient reaches ``logits``.
+    """
+    check_logits(logits)
+    options = _student_options(logits.shape[1], "logits", teacher, dict(
+        divergence=divergence, support=support, temperature=temperature, kd_weight=kd_weight,
+        ce_weight=ce_weight, beta=beta, skew_lambda=skew_lambda, adaptive_alpha=adaptive_alpha,
+        ignore_index=ignore_index, reduction=reduction, vocab_size=vocab_size))
+    _check_student_inputs(logits.shape[0], logits.device, teacher, labels, options, num_tokens, group, check_values)
+    chosen = resolve_backend(backend, "topk_divergence_from_logits", logits.device)
+    if chosen == "triton":
+        from .autograd.student_loss import fused_topk_divergence_from_logits
+
+        return fused_topk_divergence_from_logits(logits, teacher, labels, options, num_tokens, return_metrics)
+    result = reference.topk_divergence_from_logits(logits, teacher, labels, options, num_tokens, return_metrics)
+    return _loss_dtype_result(result, logits.dtype, return_metrics)

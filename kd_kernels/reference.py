@@ -1,0 +1,210 @@
+"""Plain PyTorch of the whole SPEC math, in float64: the oracle of every test, and the CPU path.
+
+Materializes ``[N, V]`` logits on purpose. Two forms:
+- unsharded: `teacher_topk`, `teacher_topk_from_logits`, `topk_divergence`,
+  `topk_divergence_from_logits`;
+- vocab-sharded, as a pure function over a list of logit shards (shard r holds global
+  columns ``[r·V_local, (r+1)·V_local)``): `teacher_topk_sharded`,
+  `topk_divergence_sharded` — the oracle of the tensor-parallel kernels. They combine
+  per-shard statistics the way the distributed kernels do and must equal the unsharded form.
+
+No input validation here beyond what the math needs: the public API validates.
+Unlike the public API, ``k`` may exceed the number of columns (missing entries are
+``-inf`` / index 0), which a vocab shard smaller than k needs.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence
+
+import torch
+
+from .options import DivergenceOptions
+from .support import StudentRowStats, counted_rows, reduce_loss, row_losses, row_metrics
+from .topk import TopK
+
+
+def lm_head_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``[N, V]`` float64 ``hidden @ weight.T (+ bias)``."""
+    logits = hidden.double() @ weight.double().T
+    return logits if bias is None else logits + bias.double()
+
+
+def _existing_columns(logits: torch.Tensor, vocab_size: Optional[int]) -> torch.Tensor:
+    return logits if vocab_size is None else logits[:, :vocab_size]
+
+
+def _sorted_topk(scores: torch.Tensor, k: int, column_offset: int = 0):
+    """Top-k of each row, descending, lower column first on ties; padded to k with (-inf, 0)."""
+    n, columns = scores.shape
+    values, order = torch.sort(scores, dim=-1, descending=True, stable=True)
+    kept = min(k, columns)
+    values, indices = values[:, :kept], order[:, :kept] + column_offset
+    if kept < k:
+        values = torch.cat([values, scores.new_full((n, k - kept), -math.inf)], dim=-1)
+        indices = torch.cat([indices, indices.new_zeros((n, k - kept))], dim=-1)
+    indices = torch.where(torch.isfinite(values), indices, 0)
+    return values, indices
+
+
+def teacher_topk_from_logits(logits: torch.Tensor, k: int, temperature: float = 1.0,
+                             vocab_size: Optional[int] = None) -> TopK:
+    """``topk(log_softmax(logits[:, :V*] / τ), k)``, float64 log-probs, int32 ids, float64 lse."""
+    tempered = _existing_columns(logits, vocab_size).double() / temperature
+    lse = torch.logsumexp(tempered, dim=-1)
+    logprobs, indices = _sorted_topk(tempered - lse.unsqueeze(-1), k)
+    return TopK(logprobs, indices.to(torch.int32), lse, temperature)
+
+
+def teacher_topk(hidden: torch.Tensor, weight: torch.Tensor, k: int, temperature: float = 1.0,
+                 vocab_size: Optional[int] = None, bias: Optional[torch.Tensor] = None) -> TopK:
+    """`teacher_topk_from_logits` of ``hidden @ weight.T (+ bias)``."""
+    return teacher_topk_from_logits(lm_head_logits(hidden, weight, bias), k, temperature, vocab_size)
+
+
+def _safe_ids(ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    return torch.where(valid, ids.long(), 0)
+
+
+def student_row_stats(logits: torch.Tensor, teacher: TopK, labels: Optional[torch.Tensor],
+                      options: DivergenceOptions) -> StudentRowStats:
+    """The student's statistics from materialized logits: log_softmax over V*, then gathers."""
+    z = _existing_columns(logits, options.vocab_size).double()
+    ids = _safe_ids(teacher.indices, teacher.valid)
+    tempered = z / options.temperature
+    label_logprob = None
+    if labels is not None:
+        label_ids = _safe_ids(labels, labels != options.ignore_index).unsqueeze(-1)
+        label_logprob = torch.log_softmax(z, dim=-1).gather(-1, label_ids).squeeze(-1)
+    return StudentRowStats(
+        values=tempered.gather(-1, ids),
+        lse_tempered=torch.logsumexp(tempered, dim=-1),
+        label_logprob=label_logprob,
+        top1=z.argmax(dim=-1),
+    )
+
+
+def loss_from_row_stats(student: StudentRowStats, teacher: TopK, labels: Optional[torch.Tensor],
+                        options: DivergenceOptions, vocab_size: int, num_tokens=None,
+                        return_metrics: bool = False):
+    counted = counted_rows(labels, teacher.num_rows, options.ignore_index, student.values.device)
+    kd, ce = row_losses(student, teacher.logprobs, teacher.indices, counted, options, vocab_size)
+    loss = reduce_loss(kd, ce, counted, options, num_tokens)
+    if return_metrics:
+        return loss, row_metrics(student, teacher.logprobs, teacher.indices, counted, kd, ce)
+    return loss
+
+
+def topk_divergence_from_logits(logits: torch.Tensor, teacher: TopK, labels: Optional[torch.Tensor] = None,
+                                options: DivergenceOptions = DivergenceOptions(), num_tokens=None,
+                                return_metrics: bool = False):
+    """The student loss of the SPEC from ``[N, V]`` logits, float64, differentiable."""
+    vocab_size = options.vocab_size or logits.shape[-1]
+    stats = student_row_stats(logits, teacher, labels, options)
+    return loss_from_row_stats(stats, teacher, labels, options, vocab_size, num_tokens, return_metrics)
+
+
+def topk_divergence(hidden: torch.Tensor, weight: torch.Tensor, teacher: TopK, labels: Optional[torch.Tensor] = None,
+                    options: DivergenceOptions = DivergenceOptions(), num_tokens=None,
+                    bias: Optional[torch.Tensor] = None, return_metrics: bool = False):
+    """`topk_divergence_from_logits` of ``hidden @ weight.T (+ bias)``; grads reach hidden, weight, bias."""
+    return topk_divergence_from_logits(lm_head_logits(hidden, weight, bias), teacher, labels, options,
+                                       num_tokens, return_metrics)
+
+
+# ---------------------------------------------------------------------------------------
+# Vocab-sharded oracle: per-shard statistics, combined with O(N·k) and O(N) values only.
+# ---------------------------------------------------------------------------------------
+
+def _shard_columns(shard: torch.Tensor, rank: int, vocab_size: int) -> torch.Tensor:
+    """The columns of shard ``rank`` that exist (global id < vocab_size), float64."""
+    local_vocab = shard.shape[-1]
+    existing = max(0, min(local_vocab, vocab_size - rank * local_vocab))
+    return shard[:, :existing].double()
+
+
+def _global_vocab(shards: Sequence[torch.Tensor], vocab_size: Optional[int]) -> int:
+    return vocab_size if vocab_size is not None else sum(s.shape[-1] for s in shards)
+
+
+def teacher_topk_sharded(logit_shards: Sequence[torch.Tensor], k: int, temperature: float = 1.0,
+                         vocab_size: Optional[int] = None) -> TopK:
+    """Teacher top-k from vocab shards: local top-k and local logsumexp per shard, then an
+    exact merge of the ``world · k`` candidates (lower global id first on ties)."""
+    vocab_size = _global_vocab(logit_shards, vocab_size)
+    local_vocab = logit_shards[0].shape[-1]
+    candidate_values, candidate_ids, local_lses = [], [], []
+    for rank, shard in enumerate(logit_shards):
+        tempered = _shard_columns(shard, rank, vocab_size) / temperature
+        values, ids = _sorted_topk(tempered, k, column_offset=rank * local_vocab)
+        candidate_values.append(values)
+        candidate_ids.append(ids)
+        local_lses.append(torch.logsumexp(tempered, dim=-1))
+    lse = torch.logsumexp(torch.stack(local_lses, dim=-1), dim=-1)
+    values = torch.cat(candidate_values, dim=-1)
+    ids = torch.cat(candidate_ids, dim=-1)
+    # Candidates are concatenated in ascending shard order, each shard's ties already
+    # lower-id first, so a stable sort keeps lower global ids first on ties.
+    merged_values, order = torch.sort(values, dim=-1, descending=True, stable=True)
+    merged_ids = ids.gather(-1, order)[:, :k]
+    logprobs = merged_values[:, :k] - lse.unsqueeze(-1)
+    merged_ids = torch.where(torch.isfinite(logprobs), merged_ids, 0)
+    return TopK(logprobs, merged_ids.to(torch.int32), lse, temperature)
+
+
+def _owned_gather(columns: torch.Tensor, global_ids: torch.Tensor, column_offset: int):
+    """Values at the global ids this shard owns, and the ownership mask."""
+    local_ids = global_ids - column_offset
+    owned = (local_ids >= 0) & (local_ids < columns.shape[-1])
+    if columns.shape[-1] == 0:
+        return torch.zeros(global_ids.shape, dtype=columns.dtype, device=columns.device), owned
+    values = columns.gather(-1, torch.where(owned, local_ids, 0))
+    return torch.where(owned, values, 0.0), owned
+
+
+def student_row_stats_sharded(logit_shards: Sequence[torch.Tensor], teacher: TopK, labels: Optional[torch.Tensor],
+                              options: DivergenceOptions, vocab_size: int) -> StudentRowStats:
+    """Student statistics from vocab shards: per-shard logsumexps, max and owned gathers,
+    summed / merged across shards."""
+    local_vocab = logit_shards[0].shape[-1]
+    ids = _safe_ids(teacher.indices, teacher.valid)
+    label_ids = None if labels is None else _safe_ids(labels, labels != options.ignore_index).unsqueeze(-1)
+    values = 0.0
+    label_values = 0.0
+    lses, lses_tempered, maxima, argmaxes = [], [], [], []
+    for rank, shard in enumerate(logit_shards):
+        z = _shard_columns(shard, rank, vocab_size)
+        offset = rank * local_vocab
+        tempered = z / options.temperature
+        shard_values, _ = _owned_gather(tempered, ids, offset)
+        values = values + shard_values
+        lses_tempered.append(torch.logsumexp(tempered, dim=-1))
+        lses.append(torch.logsumexp(z, dim=-1))
+        if z.shape[-1]:
+            shard_max, shard_argmax = z.max(dim=-1)
+        else:
+            shard_max = z.new_full((z.shape[0],), -math.inf)
+            shard_argmax = torch.zeros(z.shape[0], dtype=torch.long, device=z.device)
+        maxima.append(shard_max)
+        argmaxes.append(shard_argmax + offset)
+        if label_ids is not None:
+            label_values = label_values + _owned_gather(z, label_ids, offset)[0].squeeze(-1)
+    # The first shard holding the maximum wins, as argmax over the whole row would.
+    best_shard = torch.stack(maxima, dim=-1).argmax(dim=-1, keepdim=True)
+    top1 = torch.stack(argmaxes, dim=-1).gather(-1, best_shard).squeeze(-1)
+    lse = torch.logsumexp(torch.stack(lses, dim=-1), dim=-1)
+    return StudentRowStats(
+        values=values,
+        lse_tempered=torch.logsumexp(torch.stack(lses_tempered, dim=-1), dim=-1),
+        label_logprob=None if label_ids is None else label_values - lse,
+        top1=top1,
+    )
+
+
+def topk_divergence_sharded(logit_shards: Sequence[torch.Tensor], teacher: TopK, labels: Optional[torch.Tensor] = None,
+                            options: DivergenceOptions = DivergenceOptions(), num_tokens=None,
+                            return_metrics: bool = False):
+    """The student loss from vocab shards of the logits; ``options.vocab_size`` is global."""
+    vocab_size = _global_vocab(logit_shards, options.vocab_size)
+    stats = student_row_stats_sharded(logit_shards, teacher, labels, options, vocab_size)
+    return loss_from_row_stats(stats, teacher, labels, options, vocab_size, num_tokens, return_metrics)

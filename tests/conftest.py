@@ -1,0 +1,53 @@
+"""Shared test setup: markers, the Triton interpreter on CPU, and float64 helpers.
+
+TRITON_INTERPRET=1 must be in the environment before any Triton kernel is defined, so it
+is set here, at collection time, whenever no CUDA device is present.
+"""
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+HAS_CUDA = torch.cuda.is_available()
+
+
+def _triton_importable() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+HAS_TRITON = _triton_importable()
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a CUDA device (skipped without one)")
+    config.addinivalue_line("markers", "interpret: runs Triton kernels, on CPU under TRITON_INTERPRET=1")
+    config.addinivalue_line("markers", "cuda_ext: needs the compiled CUDA extension")
+    config.addinivalue_line("markers", "slow: long-running")
+
+
+def pytest_collection_modifyitems(config, items):
+    skip_gpu = pytest.mark.skip(reason="no CUDA device")
+    skip_triton = pytest.mark.skip(reason="triton is not installed")
+    for item in items:
+        if "gpu" in item.keywords and not HAS_CUDA:
+            item.add_marker(skip_gpu)
+        if "interpret" in item.keywords and not HAS_TRITON:
+            item.add_marker(skip_triton)
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """‖actual − expected‖ / ‖expected‖ in float64; inf if actual has a NaN."""
+    actual, expected = actual.double().cpu(), expected.double().cpu()
+    if torch.isnan(actual).any():
+        return float("inf")
+    denominator = expected.norm()
+    if denominator == 0:
+        return (actual - expected).norm().item()
+    return ((actual - expected).norm() / denominator).item()
