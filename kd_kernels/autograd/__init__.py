@@ -1,0 +1,1 @@
+"""autograd.Functions over the Triton kernels (imported lazily by `kd_kernels.api`)."""

@@ -1,0 +1,299 @@
+"""Autograd of the fused student loss: top-k divergence + CE through the lm_head.
+
+Design (measured reasons in benchmarks/NOTES.md):
+- Rows are processed in chunks of ``chunk_rows``. For each chunk one cuBLAS matmul writes
+  float32 logits ``[C, V]`` (bf16 inputs, fp32 accumulator and output: bf16-rounded logits
+  would move probabilities by several percent), a Triton pass takes each row's two
+  logsumexps and argmax, and the O(C·k) loss math runs in torch on the gathered values.
+- For reduction "mean"/"sum" the gradient is produced in the same chunk pass (3 matmuls in
+  all): a Triton pass writes ``dlogits = a·softmax(z) + b·softmax(z/τ)`` in the input
+  dtype, the k + 1 sparse columns are stored on top, then ``dX = dlogits @ W`` and
+  ``dW += dlogitsᵀ @ X``. Backward only scales them by the upstream gradient.
+- For reduction "none" the upstream gradient is per row, so backward recomputes the chunks.
+Memory beyond inputs and outputs: ``chunk_rows · V · (4 + element size)`` bytes.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+
+from ..options import DivergenceOptions
+from ..support import counted_rows, loss_and_gradients_from_logit_stats, row_metrics
+from ..topk import TopK
+
+_METRIC_NAMES = ("kd_sum", "ce_sum", "teacher_mass_sum", "student_mass_sum", "top1_agreement_sum", "rows")
+# fp32 logits chunk + gradient chunk: the default chunk keeps them near this many bytes.
+DEFAULT_CHUNK_BYTES = 1 << 30
+MIN_CHUNK_ROWS = 128
+
+
+def default_chunk_rows(num_rows: int, num_columns: int, grad_element_size: int) -> int:
+    per_row = num_columns * (4 + grad_element_size)
+    rows = max(MIN_CHUNK_ROWS, DEFAULT_CHUNK_BYTES // per_row // MIN_CHUNK_ROWS * MIN_CHUNK_ROWS)
+    return min(rows, max(num_rows, 1))
+
+
+def _kernels():
+    from ..ops.row_logsumexp import row_logsumexp
+    from ..ops.softmax_gradient import softmax_gradient
+
+    return row_logsumexp, softmax_gradient
+
+
+def _lm_head_logits_fp32(hidden_chunk: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``hidden_chunk @ weight.T`` into the float32 ``out``, accumulated in float32."""
+    if hidden_chunk.is_cuda and hidden_chunk.dtype != torch.float32:
+        return torch.mm(hidden_chunk, weight.T, out_dtype=torch.float32, out=out)
+    if hidden_chunk.dtype == torch.float32:
+        return torch.mm(hidden_chunk, weight.T, out=out)
+    return torch.mm(hidden_chunk.float(), weight.float().T, out=out)  # CPU interpreter tests only
+
+
+def _gather_columns(logits: torch.Tensor, bias: Optional[torch.Tensor], columns: torch.Tensor) -> torch.Tensor:
+    values = logits.gather(1, columns).float()
+    return values if bias is None else values + bias.float()[columns]
+
+
+@dataclasses.dataclass
+class _ChunkStats:
+    at_ids: torch.Tensor  # [C, k] float32 raw logits at the (safe) teacher ids
+    at_label: Optional[torch.Tensor]  # [C] float32 raw logit at the (safe) label
+    lse: torch.Tensor
+    lse_tempered: torch.Tensor
+    top1: torch.Tensor
+    ids: torch.Tensor  # [C, k] int64, invalid entries -> 0
+    labels: Optional[torch.Tensor]  # [C] int64, ignored rows -> 0
+
+
+def _chunk_stats(logits, bias, teacher_indices, valid, labels, options: DivergenceOptions, vocab_size) -> _ChunkStats:
+    row_logsumexp, _ = _kernels()
+    lse, lse_tempered, top1 = row_logsumexp(logits, bias, vocab_size, options.temperature)
+    ids = torch.where(valid, teacher_indices.long(), 0)
+    safe_labels = None
+    at_label = None
+    if labels is not None:
+        safe_labels = torch.where(labels != options.ignore_index, labels.long(), 0)
+        at_label = _gather_columns(logits, bias, safe_labels.unsqueeze(-1)).squeeze(-1)
+    return _ChunkStats(_gather_columns(logits, bias, ids), at_label, lse, lse_tempered, top1, ids, safe_labels)
+
+
+def _write_logit_gradient(logits, bias, stats: _ChunkStats, grads, valid, options: DivergenceOptions, vocab_size,
+                          out: torch.Tensor) -> torch.Tensor:
+    """``out [C, V]`` = d objective / d logits: the dense softmax terms, then the k + 1 sparse
+    columns stored with their full value (dense + every sparse term landing on that column),
+    so that duplicate columns (an invalid entry's id 0, the label among the ids) agree."""
+    _, softmax_gradient = _kernels()
+    coef = grads.lse if grads.lse is not None else torch.zeros_like(stats.lse)
+    # d logsumexp(z / τ) / dz = softmax(z / τ) / τ
+    coef_tempered = None if grads.lse_tempered is None else grads.lse_tempered / options.temperature
+    softmax_gradient(logits, bias, out, stats.lse, stats.lse_tempered, coef, coef_tempered, vocab_size,
+                     options.temperature)
+
+    def dense(z):
+        value = coef.unsqueeze(-1) * torch.exp(z - stats.lse.unsqueeze(-1))
+        if coef_tempered is not None:
+            value = value + coef_tempered.unsqueeze(-1) * torch.exp(
+                z / options.temperature - stats.lse_tempered.unsqueeze(-1))
+        return value
+
+    at_ids = torch.where(valid, grads.at_ids, 0.0)
+    at_column0 = torch.where(stats.ids == 0, at_ids, 0.0).sum(-1, keepdim=True)
+    sparse_ids = torch.where(valid, at_ids, at_column0)
+    columns, values = [stats.ids], []
+    if grads.at_label is not None:
+        label = stats.labels.unsqueeze(-1)
+        label_grad = grads.at_label.unsqueeze(-1)
+        sparse_ids = sparse_ids + torch.where(stats.ids == label, label_grad, 0.0)
+        ids_on_label = torch.where(valid & (stats.ids == label), at_ids, 0.0).sum(-1, keepdim=True)
+        columns.append(label)
+        values.append(dense(stats.at_label.unsqueeze(-1)) + (ids_on_label + label_grad))
+    values.insert(0, dense(stats.at_ids) + sparse_ids)
+    out.scatter_(1, torch.cat(columns, -1), torch.cat(values, -1).to(out.dtype))
+    return out
+
+
+class _ChunkedStudentPass:
+    """One pass over the rows in chunks: per-row losses, metrics, and optionally gradients."""
+
+    def __init__(self, teacher_logprobs, teacher_indices, labels, options: DivergenceOptions, vocab_size: int):
+        self.teacher_logprobs = teacher_logprobs
+        self.teacher_indices = teacher_indices
+        self.valid = torch.isfinite(teacher_logprobs)
+        self.labels = labels
+        self.options = options
+        self.vocab_size = vocab_size
+        self.counted = counted_rows(labels, teacher_logprobs.shape[0], options.ignore_index, teacher_logprobs.device)
+
+    def rows(self, start, stop):
+        labels = None if self.labels is None else self.labels[start:stop]
+        return (self.teacher_logprobs[start:stop], self.teacher_indices[start:stop], self.valid[start:stop], labels,
+                self.counted[start:stop])
+
+    def chunk(self, logits, bias, start, stop, row_weight, metrics):
+        """Loss of rows [start, stop) from their logits; gradients w.r.t. the statistics if
+        ``row_weight`` is given. Adds the chunk's metric sums into ``metrics`` (a list or None)."""
+        teacher_logprobs, teacher_indices, valid, labels, counted = self.rows(start, stop)
+        stats = _chunk_stats(logits, bias, teacher_indices, valid, labels, self.options, self.vocab_size)
+        per_row, kd, ce, row_stats, grads = loss_and_gradients_from_logit_stats(
+            stats.at_ids, stats.at_label, stats.lse, stats.lse_tempered, stats.top1, teacher_logprobs, teacher_indices,
+            counted, self.options, self.vocab_size, None if row_weight is None else row_weight[start:stop])
+        if metrics is not None:
+            sums = row_metrics(row_stats, teacher_logprobs, teacher_indices, counted, kd, ce)
+            for index, name in enumerate(_METRIC_NAMES):
+                metrics[index] = metrics[index] + sums[name].float()
+        return per_row, stats, grads
+
+
+def _row_weight(num_rows, counted, options: DivergenceOptions, num_tokens, device) -> torch.Tensor:
+    """d loss / d per-row loss for mean and sum: ``1/divisor`` or 1, on the device, no sync."""
+    if options.reduction == "sum":
+        return torch.ones(num_rows, dtype=torch.float32, device=device)
+    if num_tokens is None:
+        divisor = counted.sum().clamp(min=1).float()
+    else:
+        divisor = torch.as_tensor(num_tokens, dtype=torch.float32, device=device)
+    return (1.0 / divisor).expand(num_rows)
+
+
+def _reduce(per_row: torch.Tensor, row_weight: Optional[torch.Tensor], options: DivergenceOptions) -> torch.Tensor:
+    if options.reduction == "none":
+        return per_row
+    return (per_row * row_weight).sum()
+
+
+def _linear_pass(hidden, weight, bias, student_pass: _ChunkedStudentPass, row_weight, needs, chunk_rows,
+                 with_metrics: bool):
+    """Chunks over rows: logits by cuBLAS, statistics and gradients by the Triton passes.
+    Returns per-row loss, metric sums (or None), and (grad_hidden, grad_weight, grad_bias)."""
+    num_rows, num_columns = hidden.shape[0], weight.shape[0]
+    device = hidden.device
+    want_grads = row_weight is not None and any(needs)
+    chunk_rows = chunk_rows or default_chunk_rows(num_rows, num_columns, hidden.element_size())
+    logits = torch.empty(min(chunk_rows, num_rows), num_columns, dtype=torch.float32, device=device)
+    logit_grads = torch.empty(logits.shape, dtype=hidden.dtype, device=device) if want_grads else None
+    per_row = torch.empty(num_rows, dtype=torch.float32, device=device)
+    metrics = [torch.zeros((), device=device) for _ in _METRIC_NAMES] if with_metrics else None
+    grad_hidden = torch.empty_like(hidden) if want_grads and needs[0] else None
+    grad_weight = torch.zeros_like(weight) if want_grads and needs[1] else None
+    grad_bias = torch.zeros(num_columns, dtype=torch.float32, device=device) if want_grads and needs[2] else None
+    for start in range(0, num_rows, chunk_rows):
+        stop = min(start + chunk_rows, num_rows)
+        hidden_chunk = hidden[start:stop]
+        chunk_logits = _lm_head_logits_fp32(hidden_chunk, weight, logits[:stop - start])
+        per_row[start:stop], stats, grads = student_pass.chunk(chunk_logits, bias, start, stop,
+                                                               row_weight if want_grads else None, metrics)
+        if not want_grads:
+            continue
+        chunk_grad = _write_logit_gradient(chunk_logits, bias, stats, grads, student_pass.valid[start:stop],
+                                           student_pass.options, student_pass.vocab_size,
+                                           logit_grads[:stop - start])
+        if grad_hidden is not None:
+            torch.mm(chunk_grad, weight, out=grad_hidden[start:stop])
+        if grad_weight is not None:
+            grad_weight.addmm_(chunk_grad.T, hidden_chunk)
+        if grad_bias is not None:
+            grad_bias += chunk_grad.float().sum(0)
+    grads = (grad_hidden, grad_weight, None if grad_bias is None else grad_bias.to(bias.dtype))
+    return per_row, (None if metrics is None else torch.stack(metrics)), grads
+
+
+class LinearTopKDivergence(torch.autograd.Function):
+    """loss = f(hidden @ weight.T + bias); see the module docstring for how."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, teacher_logprobs, teacher_indices, labels, num_tokens,
+                options: DivergenceOptions, vocab_size: int, chunk_rows, with_metrics: bool):
+        student_pass = _ChunkedStudentPass(teacher_logprobs, teacher_indices, labels, options, vocab_size)
+        needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2])
+        row_weight = None
+        if options.reduction != "none":
+            row_weight = _row_weight(hidden.shape[0], student_pass.counted, options, num_tokens, hidden.device)
+        per_row, metrics, grads = _linear_pass(hidden, weight, bias, student_pass, row_weight, needs, chunk_rows,
+                                               with_metrics)
+        ctx.options, ctx.chunk_rows, ctx.needs = options, chunk_rows, needs
+        ctx.student_pass = student_pass if options.reduction == "none" else None
+        ctx.save_for_backward(*(grads if options.reduction != "none" else (hidden, weight, bias)))
+        loss = _reduce(per_row, row_weight, options)
+        if metrics is None:
+            metrics = torch.zeros(0, device=hidden.device)
+        ctx.mark_non_differentiable(metrics)
+        return loss, metrics
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_metrics):
+        if ctx.options.reduction == "none":
+            hidden, weight, bias = ctx.saved_tensors
+            _, _, grads = _linear_pass(hidden, weight, bias, ctx.student_pass, grad_loss.float(), ctx.needs,
+                                       ctx.chunk_rows, with_metrics=False)
+        else:
+            grads = tuple(None if g is None else g * grad_loss.to(g.dtype) for g in ctx.saved_tensors)
+        return (*grads, None, None, None, None, None, None, None, None)
+
+
+class LogitsTopKDivergence(torch.autograd.Function):
+    """loss = f(logits); statistics in forward, ``[N, V]`` gradient written once in backward."""
+
+    @staticmethod
+    def forward(ctx, logits, teacher_logprobs, teacher_indices, labels, num_tokens, options: DivergenceOptions,
+                vocab_size: int, with_metrics: bool):
+        student_pass = _ChunkedStudentPass(teacher_logprobs, teacher_indices, labels, options, vocab_size)
+        metrics = [torch.zeros((), device=logits.device) for _ in _METRIC_NAMES] if with_metrics else None
+        per_row, stats, _ = student_pass.chunk(logits, None, 0, logits.shape[0], None, metrics)
+        row_weight = None
+        if options.reduction != "none":
+            row_weight = _row_weight(logits.shape[0], student_pass.counted, options, num_tokens, logits.device)
+        ctx.student_pass, ctx.stats, ctx.row_weight = student_pass, stats, row_weight
+        ctx.save_for_backward(logits)
+        metrics = torch.zeros(0, device=logits.device) if metrics is None else torch.stack(metrics)
+        ctx.mark_non_differentiable(metrics)
+        return _reduce(per_row, row_weight, options), metrics
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_metrics):
+        (logits,) = ctx.saved_tensors
+        student_pass, stats = ctx.student_pass, ctx.stats
+        options = student_pass.options
+        row_weight = grad_loss.float() if options.reduction == "none" else ctx.row_weight * grad_loss.float()
+        teacher_logprobs, teacher_indices, valid, labels, counted = student_pass.rows(0, logits.shape[0])
+        *_, grads = loss_and_gradients_from_logit_stats(
+            stats.at_ids, stats.at_label, stats.lse, stats.lse_tempered, stats.top1, teacher_logprobs,
+            teacher_indices, counted, options, student_pass.vocab_size, row_weight)
+        grad_logits = torch.empty_like(logits, memory_format=torch.contiguous_format)
+        _write_logit_gradient(logits, None, stats, grads, valid, options, student_pass.vocab_size, grad_logits)
+        return grad_logits, None, None, None, None, None, None, None
+
+
+def _metrics_dict(metrics: torch.Tensor) -> dict:
+    out = {name: metrics[index] for index, name in enumerate(_METRIC_NAMES)}
+    out["rows"] = out["rows"].long()
+    return out
+
+
+def _num_tokens_arg(num_tokens):
+    return num_tokens if num_tokens is None or isinstance(num_tokens, torch.Tensor) else float(num_tokens)
+
+
+@torch.compiler.disable
+def fused_topk_divergence(hidden, weight, bias, teacher: TopK, labels, options: DivergenceOptions, num_tokens,
+                          return_metrics: bool, chunk_rows: Optional[int]):
+    """The Triton path of `kd_kernels.topk_divergence` (inputs already validated).
+
+    Under ``torch.compile`` this is a graph break (compiled code around it runs as usual)."""
+    loss, metrics = LinearTopKDivergence.apply(
+        hidden, weight, bias, teacher.logprobs, teacher.indices, labels, _num_tokens_arg(num_tokens), options,
+        options.vocab_size, chunk_rows, return_metrics)
+    return (loss, _metrics_dict(metrics)) if return_metrics else loss
+
+
+@torch.compiler.disable
+def fused_topk_divergence_from_logits(logits, teacher: TopK, labels, options: DivergenceOptions, num_tokens,
+                                      return_metrics: bool):
+    """The Triton path of `kd_kernels.topk_divergence_from_logits` (inputs already validated)."""
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    loss, metrics = LogitsTopKDivergence.apply(logits, teacher.logprobs, teacher.indices, labels,
+                                               _num_tokens_arg(num_tokens), options, options.vocab_size,
+                                               return_metrics)
+    return (loss, _metrics_dict(metrics)) if return_metrics else loss
