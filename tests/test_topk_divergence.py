@@ -1,0 +1,163 @@
+"""The Triton student loss against the float64 reference: losses, gradients, metrics.
+
+On CPU the kernels run under TRITON_INTERPRET=1 (fp32 and fp16, tiny shapes); the `gpu`
+tests run real shapes in bf16 and fp32 on a CUDA device.
+"""
+import pytest
+import torch
+
+import kd_kernels as kd
+from kd_kernels.options import DIVERGENCES
+
+from helpers import HAS_CUDA, relative_error
+
+pytestmark = pytest.mark.interpret
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+
+
+def _problem(n=37, h=16, v=203, k=5, vocab_size=200, ignored=0.2, dtype=torch.float32, seed=0, scale=1.0,
+             temperature=2.0, device=DEVICE):
+    generator = torch.Generator().manual_seed(seed)
+    hidden = (scale * torch.randn(n, h, generator=generator)).to(device, dtype)
+    weight = torch.randn(v, h, generator=generator).to(device, dtype)
+    bias = torch.randn(v, generator=generator).to(device, dtype)
+    teacher = kd.teacher_topk(torch.randn(n, h, generator=generator).to(device) * scale,
+                              torch.randn(v, h, generator=generator).to(device), k=k, temperature=temperature,
+                              vocab_size=vocab_size, backend="torch")
+    labels = torch.randint(0, vocab_size, (n,), generator=generator)
+    labels[torch.rand(n, generator=generator) < ignored] = -100
+    return hidden, weight, bias, teacher, labels.to(device)
+
+
+def _grads(loss, inputs, upstream):
+    return torch.autograd.grad(loss, inputs, upstream)
+
+
+def _compare(problem, tolerance, chunk_rows=16, **options):
+    hidden, weight, bias, teacher, labels = problem
+    leaves = [t.detach().clone().requires_grad_() for t in (hidden, weight, bias)]
+    leaves64 = [t.detach().double().requires_grad_() for t in (hidden, weight, bias)]
+    kwargs = dict(temperature=2.0, ce_weight=0.5, vocab_size=200, **options)
+    expected = kd.topk_divergence(leaves64[0], leaves64[1], teacher, labels, bias=leaves64[2], backend="torch", **kwargs)
+    got = kd.topk_divergence(leaves[0], leaves[1], teacher, labels, bias=leaves[2], backend="triton",
+                             chunk_rows=chunk_rows, **kwargs)
+    assert got.dtype == torch.float32
+    assert relative_error(got, expected) <= tolerance
+    upstream = torch.rand_like(expected) + 0.5  # != 1, and per row for reduction="none"
+    for name, g, r in zip(("hidden", "weight", "bias"), _grads(got, leaves, upstream.float()),
+                          _grads(expected, leaves64, upstream)):
+        assert g.dtype == hidden.dtype
+        assert relative_error(g, r) <= tolerance, name
+
+
+@pytest.mark.parametrize("support", ["renormalized", "tail"])
+@pytest.mark.parametrize("divergence", DIVERGENCES)
+def test_every_divergence_and_support_fp32(divergence, support):
+    _compare(_problem(seed=DIVERGENCES.index(divergence)), 1e-5, divergence=divergence, support=support, beta=0.3)
+
+
+@pytest.mark.parametrize("support", ["renormalized", "tail"])
+@pytest.mark.parametrize("divergence", ["forward_kl", "jsd", "skewed_reverse_kl"])
+def test_fp16_inputs(divergence, support):
+    _compare(_problem(dtype=torch.float16, seed=3), 5e-3, divergence=divergence, support=support)
+
+
+@pytest.mark.parametrize("ignored", [0.0, 1.0])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_reductions_and_ignored_rows(reduction, ignored):
+    _compare(_problem(ignored=ignored, seed=5), 1e-5, reduction=reduction, support="tail")
+
+
+def test_num_tokens_and_one_chunk_and_beta_endpoints():
+    problem = _problem(seed=6)
+    _compare(problem, 1e-5, num_tokens=100, chunk_rows=None)
+    _compare(problem, 1e-5, num_tokens=torch.tensor(100.0, device=DEVICE), divergence="jsd", beta=0.0)
+    _compare(problem, 1e-5, divergence="jsd", beta=1.0, support="tail")
+
+
+def test_large_logits_and_low_temperature_stay_finite():
+    hidden, weight, bias, teacher, labels = _problem(scale=25.0, seed=7, temperature=0.25)
+    hidden.requires_grad_()
+    loss = kd.topk_divergence(hidden, weight, teacher, labels, temperature=0.25, support="tail", ce_weight=1.0,
+                              vocab_size=200, backend="triton", chunk_rows=16)
+    (grad,) = torch.autograd.grad(loss, hidden)
+    expected = kd.topk_divergence(hidden.double(), weight.double(), teacher, labels, temperature=0.25, support="tail",
+                                  ce_weight=1.0, vocab_size=200, backend="torch")
+    assert torch.isfinite(loss) and torch.isfinite(grad).all()
+    assert relative_error(loss, expected) <= 1e-5
+
+
+def test_gradient_to_only_one_of_hidden_and_weight():
+    hidden, weight, _, teacher, labels = _problem(seed=8)
+    weight.requires_grad_()
+    loss = kd.topk_divergence(hidden, weight, teacher, labels, temperature=2.0, vocab_size=200, backend="triton",
+                              chunk_rows=16)
+    (grad_weight,) = torch.autograd.grad(loss, weight)
+    weight64 = weight.detach().double().requires_grad_()
+    expected = kd.topk_divergence(hidden.double(), weight64, teacher, labels, temperature=2.0, vocab_size=200,
+                                  backend="torch")
+    assert relative_error(grad_weight, torch.autograd.grad(expected, weight64)[0]) <= 1e-5
+
+
+def test_metrics_match_reference():
+    hidden, weight, bias, teacher, labels = _problem(seed=9)
+    kwargs = dict(temperature=2.0, ce_weight=0.5, vocab_size=200, bias=bias, return_metrics=True)
+    _, metrics = kd.topk_divergence(hidden, weight, teacher, labels, backend="triton", chunk_rows=16, **kwargs)
+    _, expected = kd.topk_divergence(hidden.double(), weight.double(), teacher, labels, backend="torch",
+                                     **{**kwargs, "bias": bias.double()})
+    for name in expected:
+        assert metrics[name].item() == pytest.approx(expected[name].item(), rel=1e-5, abs=1e-5), name
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("support", ["renormalized", "tail"])
+def test_from_logits(support, dtype):
+    hidden, weight, _, teacher, labels = _problem(seed=10)
+    logits = (hidden.double() @ weight.double().T).to(dtype).requires_grad_()
+    logits64 = logits.detach().double().requires_grad_()
+    kwargs = dict(divergence="skewed_forward_kl", support=support, temperature=2.0, ce_weight=0.3, vocab_size=200)
+    got = kd.topk_divergence_from_logits(logits, teacher, labels, backend="triton", **kwargs)
+    expected = kd.topk_divergence_from_logits(logits64, teacher, labels, backend="torch", **kwargs)
+    tolerance = 1e-5 if dtype == torch.float32 else 5e-3
+    assert relative_error(got, expected) <= tolerance
+    (grad,) = torch.autograd.grad(got * 1.3, logits)
+    (grad64,) = torch.autograd.grad(expected * 1.3, logits64)
+    assert grad.dtype == dtype and relative_error(grad, grad64) <= tolerance
+    assert (grad[:, 200:] == 0).all()
+
+
+def test_inside_torch_compile_of_the_surrounding_model():
+    hidden, weight, _, teacher, labels = _problem(seed=11)
+    projection = torch.nn.Linear(16, 16).to(DEVICE)
+
+    def step(x):
+        return kd.topk_divergence(torch.tanh(projection(x)), weight, teacher, labels, temperature=2.0,
+                                  vocab_size=200, backend="triton", chunk_rows=16, check_values=False)
+
+    compiled = torch.compile(step, backend="aot_eager")
+    loss = compiled(hidden)
+    loss.backward()
+    expected = step(hidden)
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-6)
+    assert torch.isfinite(projection.weight.grad).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, tolerance", [(torch.bfloat16, 2e-2), (torch.float32, 1e-5)])
+@pytest.mark.parametrize("support", ["renormalized", "tail"])
+@pytest.mark.parametrize("divergence", DIVERGENCES)
+def test_gpu_real_shape(divergence, support, dtype, tolerance):
+    torch.backends.cuda.matmul.allow_tf32 = False
+    n, h, v, k = 2048, 1024, 151_936, 64
+    hidden, weight, _, teacher, labels = _problem(n=n, h=h, v=v, k=k, vocab_size=151_900, dtype=dtype, seed=12,
+                                                  scale=0.1)
+    hidden.requires_grad_(), weight.requires_grad_()
+    kwargs = dict(divergence=divergence, support=support, temperature=2.0, ce_weight=0.5, vocab_size=151_900)
+    got = kd.topk_divergence(hidden, weight, teacher, labels, backend="triton", **kwargs)
+    grads = torch.autograd.grad(got, (hidden, weight))
+    hidden64, weight64 = (t.detach().double().requires_grad_() for t in (hidden, weight))
+    expected = kd.topk_divergence(hidden64, weight64, teacher, labels, backend="torch", **kwargs)
+    expected_grads = torch.autograd.grad(expected, (hidden64, weight64))
+    assert relative_error(got, expected) <= tolerance
+    for g, r in zip(grads, expected_grads):
+        assert relative_error(g, r) <= tolerance
