@@ -1,0 +1,75 @@
+"""Shared benchmark harness: CUDA-event timing (warm-up, median, quantiles), peak memory,
+LLM-like inputs (entropy calibrated to 2–4 nats), environment record."""
+from __future__ import annotations
+
+import datetime
+import json
+import statistics
+import subprocess
+
+import torch
+
+
+def time_ms(fn, setup=None, warmup=3, repeats=10):
+    """Median and (p20, p80) of ``fn()`` in ms over ``repeats`` runs; ``setup()`` runs untimed before each."""
+    times = []
+    for index in range(warmup + repeats):
+        args = setup() if setup else ()
+        torch.cuda.synchronize()
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn(*args)
+        stop.record()
+        torch.cuda.synchronize()
+        if index >= warmup:
+            times.append(start.elapsed_time(stop))
+    times.sort()
+    return statistics.median(times), times[len(times) // 5], times[(4 * len(times)) // 5]
+
+
+def peak_extra_gib(fn, setup=None, keep_bytes=0):
+    """Peak memory during ``fn()`` beyond what was allocated before it and ``keep_bytes``
+    (the outputs every provider must produce, e.g. gradients), in GiB."""
+    args = setup() if setup else ()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    fn(*args)
+    torch.cuda.synchronize()
+    return max(0, torch.cuda.max_memory_allocated() - before - keep_bytes) / 2**30
+
+
+def mean_entropy(hidden, weight, rows=512):
+    logits = (hidden[:rows] @ weight.T).float()
+    logprobs = torch.log_softmax(logits, -1)
+    return -(logprobs.exp() * logprobs).sum(-1).mean().item()
+
+
+def llm_like_hidden(n, h, weight, target_entropy=3.0, dtype=torch.bfloat16, seed=0):
+    """``[N, H]`` hidden states scaled so the mean entropy of softmax(hidden @ weight.T) is
+    near ``target_entropy`` nats (a trained LM's 2–4), never near-uniform random logits."""
+    generator = torch.Generator(device="cuda").manual_seed(seed)
+    base = torch.randn(n, h, device="cuda", generator=generator, dtype=torch.float32)
+    low, high = 0.1, 50.0
+    for _ in range(25):
+        scale = (low * high) ** 0.5
+        entropy = mean_entropy((base[:512] * scale).to(dtype), weight)
+        if entropy > target_entropy:
+            low = scale
+        else:
+            high = scale
+    hidden = (base * scale).to(dtype)
+    return hidden, mean_entropy(hidden, weight), scale
+
+
+def environment():
+    sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    import triton
+
+    return dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                cuda=torch.version.cuda, git=sha or "unknown", date=datetime.date.today().isoformat())
+
+
+def write_json(path, payload):
+    with open(path, "w") as handle:
+        json.dump(payload, handle, indent=2)
