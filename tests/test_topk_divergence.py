@@ -161,3 +161,13 @@ def test_gpu_real_shape(divergence, support, dtype, tolerance):
     assert relative_error(got, expected) <= tolerance
     for g, r in zip(grads, expected_grads):
         assert relative_error(g, r) <= tolerance
+
+
+def test_second_backward_through_the_same_graph_is_refused():
+    hidden, weight, _, teacher, labels = _problem(seed=13)
+    hidden.requires_grad_()
+    loss = kd.topk_divergence(hidden, weight, teacher, labels, temperature=2.0, vocab_size=200, backend="triton",
+                              chunk_rows=16)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="backward ran twice"):
+        loss.backward()

@@ -212,7 +212,7 @@ class LinearTopKDivergence(torch.autograd.Function):
             row_weight = _row_weight(hidden.shape[0], student_pass.counted, options, num_tokens, hidden.device)
         per_row, metrics, grads = _linear_pass(hidden, weight, bias, student_pass, row_weight, needs, chunk_rows,
                                                with_metrics)
-        ctx.options, ctx.chunk_rows, ctx.needs = options, chunk_rows, needs
+        ctx.options, ctx.chunk_rows, ctx.needs, ctx.backward_done = options, chunk_rows, needs, False
         ctx.student_pass = student_pass if options.reduction == "none" else None
         ctx.save_for_backward(*(grads if options.reduction != "none" else (hidden, weight, bias)))
         loss = _reduce(per_row, row_weight, options)
@@ -228,7 +228,12 @@ class LinearTopKDivergence(torch.autograd.Function):
             _, _, grads = _linear_pass(hidden, weight, bias, ctx.student_pass, grad_loss.float(), ctx.needs,
                                        ctx.chunk_rows, with_metrics=False)
         else:
-            grads = tuple(None if g is None else g * grad_loss.to(g.dtype) for g in ctx.saved_tensors)
+            if ctx.backward_done:
+                raise RuntimeError("topk_divergence: backward ran twice through the same graph; the fused "
+                                   "kernels scale their saved gradients in place (no retain_graph reuse)")
+            ctx.backward_done = True
+            # In place: a scaled copy of dW would cost another V·H buffer at the peak.
+            grads = tuple(None if g is None else g.mul_(grad_loss.to(g.dtype)) for g in ctx.saved_tensors)
         return (*grads, None, None, None, None, None, None, None, None)
 
 
