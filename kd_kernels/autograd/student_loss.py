@@ -7,10 +7,11 @@ Design (measured reasons in benchmarks/NOTES.md):
   logsumexps and argmax, and the O(C·k) loss math runs in torch on the gathered values.
 - For reduction "mean"/"sum" the gradient is produced in the same chunk pass (3 matmuls in
   all): a Triton pass writes ``dlogits = a·softmax(z) + b·softmax(z/τ)`` in the input
-  dtype, the k + 1 sparse columns are stored on top, then ``dX = dlogits @ W`` and
-  ``dW += dlogitsᵀ @ X``. Backward only scales them by the upstream gradient.
+  dtype over the float32 logits it reads (same buffer), the k + 1 sparse columns are
+  stored on top, then ``dX = dlogits @ W`` and ``dW += dlogitsᵀ @ X``. Backward only
+  scales them by the upstream gradient (skipped on the device when it is 1).
 - For reduction "none" the upstream gradient is per row, so backward recomputes the chunks.
-Memory beyond inputs and outputs: ``chunk_rows · V · (4 + element size)`` bytes.
+Memory beyond inputs and outputs: ``chunk_rows · V · 4`` bytes plus O(N·k).
 """
 from __future__ import annotations
 
@@ -24,22 +25,26 @@ from ..support import counted_rows, loss_and_gradients_from_logit_stats, row_met
 from ..topk import TopK
 
 _METRIC_NAMES = ("kd_sum", "ce_sum", "teacher_mass_sum", "student_mass_sum", "top1_agreement_sum", "rows")
-# fp32 logits chunk + gradient chunk: the default chunk keeps them near this many bytes.
-DEFAULT_CHUNK_BYTES = 1 << 30
-MIN_CHUNK_ROWS = 128
+# The float32 logits chunk (which the gradient then overwrites) stays under this many bytes.
+DEFAULT_CHUNK_BYTES = 5 << 28  # 1.25 GiB: 2048 rows at V = 151,936
+CHUNK_ROW_MULTIPLE = 128
 
 
-def default_chunk_rows(num_rows: int, num_columns: int, grad_element_size: int) -> int:
-    per_row = num_columns * (4 + grad_element_size)
-    rows = max(MIN_CHUNK_ROWS, DEFAULT_CHUNK_BYTES // per_row // MIN_CHUNK_ROWS * MIN_CHUNK_ROWS)
-    return min(rows, max(num_rows, 1))
+def default_chunk_rows(num_rows: int, num_columns: int) -> int:
+    """Rows per chunk: as few chunks as the byte budget allows, split evenly (chunks under
+    ~1024 rows starve the matmuls; equal chunks avoid a small last one)."""
+    most = max(CHUNK_ROW_MULTIPLE, DEFAULT_CHUNK_BYTES // (4 * num_columns))
+    chunks = -(-max(num_rows, 1) // most)
+    rows = -(-num_rows // chunks)
+    return max(1, min(num_rows, -(-rows // CHUNK_ROW_MULTIPLE) * CHUNK_ROW_MULTIPLE))
 
 
 def _kernels():
     from ..ops.row_logsumexp import row_logsumexp
+    from ..ops.scale_inplace import scale_inplace
     from ..ops.softmax_gradient import softmax_gradient
 
-    return row_logsumexp, softmax_gradient
+    return row_logsumexp, softmax_gradient, scale_inplace
 
 
 def _lm_head_logits_fp32(hidden_chunk: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -68,7 +73,7 @@ class _ChunkStats:
 
 
 def _chunk_stats(logits, bias, teacher_indices, valid, labels, options: DivergenceOptions, vocab_size) -> _ChunkStats:
-    row_logsumexp, _ = _kernels()
+    row_logsumexp, *_ = _kernels()
     lse, lse_tempered, top1 = row_logsumexp(logits, bias, vocab_size, options.temperature)
     ids = torch.where(valid, teacher_indices.long(), 0)
     safe_labels = None
@@ -84,10 +89,12 @@ def _write_logit_gradient(logits, bias, stats: _ChunkStats, grads, valid, option
     """``out [C, V]`` = d objective / d logits: the dense softmax terms, then the k + 1 sparse
     columns stored with their full value (dense + every sparse term landing on that column),
     so that duplicate columns (an invalid entry's id 0, the label among the ids) agree."""
-    _, softmax_gradient = _kernels()
+    _, softmax_gradient, _ = _kernels()
     coef = grads.lse if grads.lse is not None else torch.zeros_like(stats.lse)
-    # d logsumexp(z / τ) / dz = softmax(z / τ) / τ
+    # d logsumexp(z / τ) / dz = softmax(z / τ) / τ; at τ = 1 both terms are one softmax
     coef_tempered = None if grads.lse_tempered is None else grads.lse_tempered / options.temperature
+    if coef_tempered is not None and options.temperature == 1.0:
+        coef, coef_tempered = coef + coef_tempered, None
     softmax_gradient(logits, bias, out, stats.lse, stats.lse_tempered, coef, coef_tempered, vocab_size,
                      options.temperature)
 
@@ -170,9 +177,8 @@ def _linear_pass(hidden, weight, bias, student_pass: _ChunkedStudentPass, row_we
     num_rows, num_columns = hidden.shape[0], weight.shape[0]
     device = hidden.device
     want_grads = row_weight is not None and any(needs)
-    chunk_rows = chunk_rows or default_chunk_rows(num_rows, num_columns, hidden.element_size())
+    chunk_rows = chunk_rows or default_chunk_rows(num_rows, num_columns)
     logits = torch.empty(min(chunk_rows, num_rows), num_columns, dtype=torch.float32, device=device)
-    logit_grads = torch.empty(logits.shape, dtype=hidden.dtype, device=device) if want_grads else None
     per_row = torch.empty(num_rows, dtype=torch.float32, device=device)
     metrics = [torch.zeros((), device=device) for _ in _METRIC_NAMES] if with_metrics else None
     grad_hidden = torch.empty_like(hidden) if want_grads and needs[0] else None
@@ -186,9 +192,10 @@ def _linear_pass(hidden, weight, bias, student_pass: _ChunkedStudentPass, row_we
                                                                row_weight if want_grads else None, metrics)
         if not want_grads:
             continue
-        chunk_grad = _write_logit_gradient(chunk_logits, bias, stats, grads, student_pass.valid[start:stop],
-                                           student_pass.options, student_pass.vocab_size,
-                                           logit_grads[:stop - start])
+        # the gradient row, in the input dtype, overwrites the first bytes of its float32 logits row
+        chunk_grad = chunk_logits.view(hidden.dtype)[:, :num_columns]
+        _write_logit_gradient(chunk_logits, bias, stats, grads, student_pass.valid[start:stop],
+                              student_pass.options, student_pass.vocab_size, chunk_grad)
         if grad_hidden is not None:
             torch.mm(chunk_grad, weight, out=grad_hidden[start:stop])
         if grad_weight is not None:
@@ -232,8 +239,10 @@ class LinearTopKDivergence(torch.autograd.Function):
                 raise RuntimeError("topk_divergence: backward ran twice through the same graph; the fused "
                                    "kernels scale their saved gradients in place (no retain_graph reuse)")
             ctx.backward_done = True
-            # In place: a scaled copy of dW would cost another V·H buffer at the peak.
-            grads = tuple(None if g is None else g.mul_(grad_loss.to(g.dtype)) for g in ctx.saved_tensors)
+            # In place (a scaled copy of dW would cost another V·H buffer), and nothing moves
+            # when the upstream gradient is 1.
+            scale_inplace = _kernels()[2]
+            grads = tuple(None if g is None else scale_inplace(g, grad_loss) for g in ctx.saved_tensors)
         return (*grads, None, None, None, None, None, None, None, None)
 
 
