@@ -21,7 +21,8 @@ from typing import Optional
 import torch
 
 from ..options import DivergenceOptions
-from ..support import counted_rows, loss_and_gradients_from_logit_stats, row_metrics
+from ..support import (SupportGradients, StudentRowStats, counted_rows, loss_and_gradients_from_logit_stats,
+                       row_metrics)
 from ..topk import TopK
 
 _METRIC_NAMES = ("kd_sum", "ce_sum", "teacher_mass_sum", "student_mass_sum", "top1_agreement_sum", "rows")
@@ -37,6 +38,35 @@ def default_chunk_rows(num_rows: int, num_columns: int) -> int:
     chunks = -(-max(num_rows, 1) // most)
     rows = -(-num_rows // chunks)
     return max(1, min(num_rows, -(-rows // CHUNK_ROW_MULTIPLE) * CHUNK_ROW_MULTIPLE))
+
+
+def _fused_support(stats, teacher_logprobs, counted, options: DivergenceOptions, vocab_size, row_weight):
+    """The O(N·k) loss math in one Triton kernel (closed-form gradients); same outputs as
+    `loss_and_gradients_from_logit_stats`. CE and its two gradients are O(N) torch ops."""
+    from ..ops.support_loss import support_loss
+
+    kd_scale = None if row_weight is None else row_weight * options.kd_weight
+    kd, grad_ids, grad_lse_tempered = support_loss(teacher_logprobs, stats.at_ids, stats.lse_tempered, counted,
+                                                   kd_scale, options, vocab_size)
+    ce, label_logprob = None, None
+    per_row = options.kd_weight * kd
+    if stats.at_label is not None:
+        label_logprob = stats.at_label - stats.lse
+        ce = torch.where(counted, -label_logprob, 0.0)
+        per_row = per_row + options.ce_weight * ce
+    row_stats = StudentRowStats(stats.at_ids / options.temperature, stats.lse_tempered, label_logprob, stats.top1)
+    grads = None
+    if row_weight is not None:
+        ce_scale = torch.where(counted, row_weight * options.ce_weight, 0.0)
+        with_label = stats.at_label is not None
+        grads = SupportGradients(at_ids=grad_ids, at_label=-ce_scale if with_label else None,
+                                 lse=ce_scale if with_label else None, lse_tempered=grad_lse_tempered)
+    return per_row, kd, ce, row_stats, grads
+
+
+def fused_divergence_available(divergence: str) -> bool:
+    """adaptive_kl sorts its bins by p; it keeps the torch autograd path for the O(N·k) math."""
+    return divergence != "adaptive_kl"
 
 
 def _kernels():
@@ -133,6 +163,14 @@ class _ChunkedStudentPass:
         self.vocab_size = vocab_size
         self.counted = counted_rows(labels, teacher_logprobs.shape[0], options.ignore_index, teacher_logprobs.device)
 
+    def support(self, stats: "_ChunkStats", teacher_logprobs, teacher_indices, counted, row_weight):
+        """(per-row loss, KD, CE, row stats, gradients w.r.t. the statistics or None)."""
+        if fused_divergence_available(self.options.divergence):
+            return _fused_support(stats, teacher_logprobs, counted, self.options, self.vocab_size, row_weight)
+        return loss_and_gradients_from_logit_stats(
+            stats.at_ids, stats.at_label, stats.lse, stats.lse_tempered, stats.top1, teacher_logprobs,
+            teacher_indices, counted, self.options, self.vocab_size, row_weight)
+
     def rows(self, start, stop):
         labels = None if self.labels is None else self.labels[start:stop]
         return (self.teacher_logprobs[start:stop], self.teacher_indices[start:stop], self.valid[start:stop], labels,
@@ -143,9 +181,8 @@ class _ChunkedStudentPass:
         ``row_weight`` is given. Adds the chunk's metric sums into ``metrics`` (a list or None)."""
         teacher_logprobs, teacher_indices, valid, labels, counted = self.rows(start, stop)
         stats = _chunk_stats(logits, bias, teacher_indices, valid, labels, self.options, self.vocab_size)
-        per_row, kd, ce, row_stats, grads = loss_and_gradients_from_logit_stats(
-            stats.at_ids, stats.at_label, stats.lse, stats.lse_tempered, stats.top1, teacher_logprobs, teacher_indices,
-            counted, self.options, self.vocab_size, None if row_weight is None else row_weight[start:stop])
+        per_row, kd, ce, row_stats, grads = self.support(stats, teacher_logprobs, teacher_indices, counted,
+                                                         None if row_weight is None else row_weight[start:stop])
         if metrics is not None:
             sums = row_metrics(row_stats, teacher_logprobs, teacher_indices, counted, kd, ce)
             for index, name in enumerate(_METRIC_NAMES):
@@ -271,9 +308,7 @@ class LogitsTopKDivergence(torch.autograd.Function):
         options = student_pass.options
         row_weight = grad_loss.float() if options.reduction == "none" else ctx.row_weight * grad_loss.float()
         teacher_logprobs, teacher_indices, valid, labels, counted = student_pass.rows(0, logits.shape[0])
-        *_, grads = loss_and_gradients_from_logit_stats(
-            stats.at_ids, stats.at_label, stats.lse, stats.lse_tempered, stats.top1, teacher_logprobs,
-            teacher_indices, counted, options, student_pass.vocab_size, row_weight)
+        *_, grads = student_pass.support(stats, teacher_logprobs, teacher_indices, counted, row_weight)
         grad_logits = torch.empty_like(logits, memory_format=torch.contiguous_format)
         _write_logit_gradient(logits, None, stats, grads, valid, options, student_pass.vocab_size, grad_logits)
         return grad_logits, None, None, None, None, None, None, None

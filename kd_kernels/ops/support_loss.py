@@ -1,0 +1,169 @@
+"""KD divergence over each row's top-k bins and its closed-form gradient, one program per row.
+
+Inputs are the row statistics (teacher log-probs, the student's raw logits at the teacher
+ids, ``logsumexp(z / τ)``); outputs the per-row divergence and, when asked, its gradient
+w.r.t. the raw logits at the ids and w.r.t. ``logsumexp(z / τ)``. With ``u_i = ∂D/∂log q_i``:
+
+- renormalized: ``∂D/∂s_i = u_i − q_i Σ_j u_j`` (softmax over the valid ids);
+- tail: ``log q_i = s_i − lse_τ``, tail bin ``q_T = max(1 − Σ q_i, floor)``;
+  ``w_i = u_i − u_T q_i / (1 − Σ q)`` (the second term only when the floor is not active),
+  ``∂D/∂s_i = w_i``, ``∂D/∂lse_τ = −Σ w_i``.
+Per bin (p teacher, q student): forward_kl ``u = −p``; reverse_kl ``u = q (log q − log p + 1)``;
+jsd ``u = (1−β) q (log q − log m)``; skewed_forward_kl ``u = −(1−λ) p q / mix``;
+skewed_reverse_kl ``u = q (log q − log mix + 1 − λ q / mix)``; tvd ``u = −½ q sign(p − q)``.
+adaptive_kl needs a sort by p and stays on the torch path.
+"""
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from ..options import TAIL_FLOOR
+
+FORWARD_KL, REVERSE_KL, JSD, SKEWED_FORWARD_KL, SKEWED_REVERSE_KL, TVD = range(6)
+_SELECTOR = {"forward_kl": FORWARD_KL, "reverse_kl": REVERSE_KL, "jsd": JSD, "skewed_forward_kl": SKEWED_FORWARD_KL,
+             "skewed_reverse_kl": SKEWED_REVERSE_KL, "tvd": TVD}
+
+
+@triton.jit
+def _logaddexp(a, b):
+    top = tl.maximum(a, b)
+    top = tl.where(top == float("-inf"), 0.0, top)
+    return top + tl.log(tl.exp(a - top) + tl.exp(b - top))
+
+
+@triton.jit
+def _neg_expm1(x):
+    """1 − exp(x) for x <= 0, accurate near 0 (Kahan's expm1: (u − 1) · x / log u)."""
+    u = tl.exp(x)
+    regular = (u != 1.0) & (u != 0.0)
+    safe_log_u = tl.where(regular, tl.log(tl.where(regular, u, 2.0)), 1.0)
+    expm1 = tl.where(u == 1.0, x, tl.where(u == 0.0, -1.0, (u - 1.0) * tl.where(regular, x, 0.0) / safe_log_u))
+    return -expm1
+
+
+@triton.jit
+def _bin_terms(lp, lq, DIVERGENCE: tl.constexpr, log_beta, log_one_minus_beta, beta, lam, log_lam,
+               log_one_minus_lam):
+    """(divergence term, u = ∂term/∂log q) of each bin."""
+    p = tl.exp(lp)
+    q = tl.exp(lq)
+    if DIVERGENCE == 0:
+        term = p * (lp - lq)
+        u = -p
+    elif DIVERGENCE == 1:
+        term = q * (lq - lp)
+        u = q * (lq - lp + 1.0)
+    elif DIVERGENCE == 2:
+        lm = _logaddexp(log_beta + lp, log_one_minus_beta + lq)
+        term = beta * p * (lp - lm) + (1.0 - beta) * q * (lq - lm)
+        u = (1.0 - beta) * q * (lq - lm)
+    elif DIVERGENCE == 3:
+        lmix = _logaddexp(log_lam + lp, log_one_minus_lam + lq)
+        term = p * (lp - lmix)
+        u = -(1.0 - lam) * p * tl.exp(lq - lmix)
+    elif DIVERGENCE == 4:
+        lmix = _logaddexp(log_one_minus_lam + lp, log_lam + lq)
+        term = q * (lq - lmix)
+        u = q * (lq - lmix + 1.0 - lam * tl.exp(lq - lmix))
+    else:
+        term = 0.5 * tl.abs(p - q)
+        sign = tl.where(p > q, 1.0, tl.where(p < q, -1.0, 0.0))
+        u = -0.5 * q * sign
+    return term, u
+
+
+@triton.jit
+def _support_loss_kernel(teacher_ptr, at_ids_ptr, lse_tempered_ptr, counted_ptr, scale_ptr,
+                         kd_ptr, grad_ids_ptr, grad_lse_tempered_ptr,
+                         k, stride_teacher, stride_ids, stride_grad, vocab_size, inv_temperature,
+                         log_beta, log_one_minus_beta, beta, lam, log_lam, log_one_minus_lam, tail_floor,
+                         DIVERGENCE: tl.constexpr, TAIL: tl.constexpr, GRADS: tl.constexpr, BLOCK_K: tl.constexpr):
+    row = tl.program_id(0)
+    offsets = tl.arange(0, BLOCK_K)
+    in_k = offsets < k
+    t = tl.load(teacher_ptr + row.to(tl.int64) * stride_teacher + offsets, mask=in_k,
+                other=float("-inf")).to(tl.float32)
+    valid = in_k & (t > float("-inf"))
+    s = tl.load(at_ids_ptr + row.to(tl.int64) * stride_ids + offsets, mask=in_k, other=0.0) * inv_temperature
+    num_valid = tl.sum(valid.to(tl.int32), axis=0)
+    if TAIL:
+        lse_tempered = tl.load(lse_tempered_ptr + row)
+        lp = tl.where(valid, t, 0.0)
+        lq = tl.where(valid, s - lse_tempered, 0.0)
+    else:
+        t_max = tl.max(tl.where(valid, t, float("-inf")), axis=0)
+        t_max = tl.where(num_valid > 0, t_max, 0.0)
+        s_max = tl.max(tl.where(valid, s, float("-inf")), axis=0)
+        s_max = tl.where(num_valid > 0, s_max, 0.0)
+        t_lse = t_max + tl.log(tl.sum(tl.where(valid, tl.exp(t - t_max), 0.0), axis=0))
+        s_lse = s_max + tl.log(tl.sum(tl.where(valid, tl.exp(s - s_max), 0.0), axis=0))
+        lp = tl.where(valid, t - t_lse, 0.0)
+        lq = tl.where(valid, s - s_lse, 0.0)
+    term, u = _bin_terms(lp, lq, DIVERGENCE, log_beta, log_one_minus_beta, beta, lam, log_lam, log_one_minus_lam)
+    term = tl.where(valid, term, 0.0)
+    u = tl.where(valid, u, 0.0)
+    divergence = tl.sum(term, axis=0)
+    q = tl.where(valid, tl.exp(lq), 0.0)
+    if TAIL:
+        has_tail = num_valid < vocab_size
+        p_max = tl.max(tl.where(valid, lp, float("-inf")), axis=0)
+        p_max = tl.where(num_valid > 0, p_max, 0.0)
+        log_covered_p = p_max + tl.log(tl.sum(tl.where(valid, tl.exp(lp - p_max), 0.0), axis=0))
+        q_max = tl.max(tl.where(valid, lq, float("-inf")), axis=0)
+        q_max = tl.where(num_valid > 0, q_max, 0.0)
+        log_covered_q = q_max + tl.log(tl.sum(tl.where(valid, tl.exp(lq - q_max), 0.0), axis=0))
+        tail_p = tl.maximum(_neg_expm1(tl.minimum(log_covered_p, 0.0)), tail_floor)
+        uncovered_q = _neg_expm1(tl.minimum(log_covered_q, 0.0))
+        uncovered_q = tl.where(log_covered_q >= 0.0, 0.0, uncovered_q)
+        unfloored = uncovered_q > tail_floor
+        tail_q = tl.maximum(uncovered_q, tail_floor)
+        term_tail, u_tail = _bin_terms(tl.log(tail_p), tl.log(tail_q), DIVERGENCE, log_beta, log_one_minus_beta,
+                                       beta, lam, log_lam, log_one_minus_lam)
+        divergence += tl.where(has_tail, term_tail, 0.0)
+        # ∂ log q_T / ∂ log q_i = −q_i / (1 − Σ q); a floored tail is a constant
+        tail_weight = tl.where(has_tail & unfloored, u_tail / tl.where(unfloored, uncovered_q, 1.0), 0.0)
+        w = u - tail_weight * q
+    else:
+        w = u - q * tl.sum(u, axis=0)
+    counted = tl.load(counted_ptr + row) != 0
+    tl.store(kd_ptr + row, tl.where(counted, divergence, 0.0))
+    if GRADS:
+        scale = tl.where(counted, tl.load(scale_ptr + row), 0.0)
+        w = tl.where(valid, w, 0.0) * scale
+        tl.store(grad_ids_ptr + row.to(tl.int64) * stride_grad + offsets, w * inv_temperature, mask=in_k)
+        if TAIL:
+            tl.store(grad_lse_tempered_ptr + row, -tl.sum(w, axis=0))
+
+
+def _log(value: float) -> float:
+    return math.log(value) if value > 0 else -math.inf
+
+
+def support_loss(teacher_logprobs: torch.Tensor, logits_at_ids: torch.Tensor, lse_tempered: torch.Tensor,
+                 counted: torch.Tensor, grad_scale, options, vocab_size: int):
+    """Per-row divergence ``[N]`` float32 (0 on rows not counted), and with ``grad_scale [N]``
+    (d objective / d row divergence) the gradients w.r.t. ``logits_at_ids [N, k]`` (raw,
+    un-tempered) and ``lse_tempered [N]`` (None in renormalized mode)."""
+    rows, k = teacher_logprobs.shape
+    device = teacher_logprobs.device
+    divergence = options.divergence
+    if divergence == "jsd" and options.beta in (0.0, 1.0):
+        divergence = "forward_kl" if options.beta == 0.0 else "reverse_kl"
+    tail = options.support == "tail"
+    grads = grad_scale is not None
+    kd = torch.empty(rows, dtype=torch.float32, device=device)
+    grad_ids = torch.empty(rows, k, dtype=torch.float32, device=device) if grads else kd
+    grad_lse = torch.empty(rows, dtype=torch.float32, device=device) if grads and tail else None
+    logits_at_ids = logits_at_ids.float()
+    if rows:
+        beta, lam = float(options.beta), float(options.skew_lambda)
+        _support_loss_kernel[(rows,)](
+            teacher_logprobs, logits_at_ids, lse_tempered, counted, grad_scale if grads else kd,
+            kd, grad_ids, grad_lse if grad_lse is not None else kd,
+            k, teacher_logprobs.stride(0), logits_at_ids.stride(0), grad_ids.stride(0) if grads else 0, vocab_size,
+            1.0 / options.temperature, _log(beta), _log(1.0 - beta), beta, lam, _log(lam), _log(1.0 - lam),
+            TAIL_FLOOR, DIVERGENCE=_SELECTOR[divergence], TAIL=tail, GRADS=grads,
+            BLOCK_K=triton.next_power_of_2(k), num_warps=4 if k <= 256 else 8)
+    return kd, (grad_ids if grads else None), grad_lse
