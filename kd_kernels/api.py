@@ -119,7 +119,7 @@ def topk_divergence(hidden: torch.Tensor, weight: torch.Tensor, teacher: TopK, l
                     adaptive_alpha: float = 0.5, ignore_index: int = -100, reduction: str = "mean",
                     num_tokens=None, vocab_size: Optional[int] = None, bias: Optional[torch.Tensor] = None,
                     group=None, return_metrics: bool = False, check_values: bool = True,
-                    backend: str = "auto", chunk_rows: Optional[int] = None):
+                    backend: str = "auto", chunk_rows: Optional[int] = None, lean: bool = False):
     """Top-k distillation loss (+ cross-entropy) of the student, fused with its lm_head.
 
     ``loss = kd_weight · KD + ce_weight · CE``, reduced by ``reduction``, where per row
@@ -142,12 +142,19 @@ def topk_divergence(hidden: torch.Tensor, weight: torch.Tensor, teacher: TopK, l
         return_metrics: also return a dict of detached sums (see SPEC "Loss").
         check_values: check teacher ids, NaN log-probs and labels on the device (one host sync).
         backend: "auto" | "triton" | "cuda" | "torch".
-        chunk_rows: rows per fused chunk (triton backend): memory ∝ chunk_rows · V; None picks one.
+        chunk_rows: rows per chunk of the fast schedule (triton backend): extra memory is
+            ``chunk_rows · V · 4`` bytes; None picks ~1.25 GiB worth.
+        lean: the lean schedule instead (triton backend): slices the vocab, ≤ ~256 MiB extra
+            memory at 8192 rows, one more matmul (4 instead of 3).
     Returns:
         float32 loss (float64 for float64 inputs), a scalar or ``[N]`` for reduction="none"; and the
         metrics dict if asked.
     """
     check_lm_head(hidden, weight, bias)
+    if lean and chunk_rows is not None:
+        raise ValueError("chunk_rows: applies to the fast schedule only; pass lean=True or chunk_rows, not both")
+    if chunk_rows is not None and (not isinstance(chunk_rows, int) or chunk_rows < 1):
+        raise ValueError(f"chunk_rows: expected None or an int >= 1, got {chunk_rows!r}")
     options = _student_options(weight.shape[0], "weight", teacher, dict(
         divergence=divergence, support=support, temperature=temperature, kd_weight=kd_weight,
         ce_weight=ce_weight, beta=beta, skew_lambda=skew_lambda, adaptive_alpha=adaptive_alpha,
@@ -158,7 +165,7 @@ def topk_divergence(hidden: torch.Tensor, weight: torch.Tensor, teacher: TopK, l
         from .autograd.student_loss import fused_topk_divergence
 
         return fused_topk_divergence(hidden, weight, bias, teacher, labels, options, num_tokens, return_metrics,
-                                     chunk_rows)
+                                     chunk_rows, lean)
     result = reference.topk_divergence(hidden, weight, teacher, labels, options, num_tokens, bias, return_metrics)
     return _loss_dtype_result(result, hidden.dtype, return_metrics)
 

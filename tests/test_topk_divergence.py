@@ -33,14 +33,16 @@ def _grads(loss, inputs, upstream):
     return torch.autograd.grad(loss, inputs, upstream)
 
 
-def _compare(problem, tolerance, chunk_rows=16, **options):
+def _compare(problem, tolerance, chunk_rows=16, lean=False, **options):
     hidden, weight, bias, teacher, labels = problem
+    if lean:
+        chunk_rows = None
     leaves = [t.detach().clone().requires_grad_() for t in (hidden, weight, bias)]
     leaves64 = [t.detach().double().requires_grad_() for t in (hidden, weight, bias)]
     kwargs = dict(temperature=2.0, ce_weight=0.5, vocab_size=200, **options)
     expected = kd.topk_divergence(leaves64[0], leaves64[1], teacher, labels, bias=leaves64[2], backend="torch", **kwargs)
     got = kd.topk_divergence(leaves[0], leaves[1], teacher, labels, bias=leaves[2], backend="triton",
-                             chunk_rows=chunk_rows, **kwargs)
+                             chunk_rows=chunk_rows, lean=lean, **kwargs)
     assert got.dtype == torch.float32
     assert relative_error(got, expected) <= tolerance
     upstream = torch.rand_like(expected) + 0.5  # != 1, and per row for reduction="none"
@@ -99,10 +101,30 @@ def test_gradient_to_only_one_of_hidden_and_weight():
     assert relative_error(grad_weight, torch.autograd.grad(expected, weight64)[0]) <= 1e-5
 
 
-def test_metrics_match_reference():
+@pytest.fixture
+def small_lean_slices(monkeypatch):
+    """Lean slices of 32 columns at these tiny shapes, so a row spans several slices."""
+    from kd_kernels.autograd import student_loss
+
+    monkeypatch.setattr(student_loss, "CHUNK_ROW_MULTIPLE", 32)
+    monkeypatch.setattr(student_loss, "LEAN_SLICE_BYTES", 37 * 32 * 4)
+
+
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.float16, 5e-3)])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("support", ["renormalized", "tail"])
+@pytest.mark.parametrize("divergence", ["forward_kl", "adaptive_kl", "tvd"])
+def test_lean_schedule(divergence, support, reduction, dtype, tolerance, small_lean_slices):
+    _compare(_problem(seed=14, dtype=dtype), tolerance, lean=True, divergence=divergence, support=support,
+             reduction=reduction)
+
+
+@pytest.mark.parametrize("lean", [False, True])
+def test_metrics_match_reference(lean, small_lean_slices):
     hidden, weight, bias, teacher, labels = _problem(seed=9)
     kwargs = dict(temperature=2.0, ce_weight=0.5, vocab_size=200, bias=bias, return_metrics=True)
-    _, metrics = kd.topk_divergence(hidden, weight, teacher, labels, backend="triton", chunk_rows=16, **kwargs)
+    _, metrics = kd.topk_divergence(hidden, weight, teacher, labels, backend="triton",
+                                    chunk_rows=None if lean else 16, lean=lean, **kwargs)
     _, expected = kd.topk_divergence(hidden.double(), weight.double(), teacher, labels, backend="torch",
                                      **{**kwargs, "bias": bias.double()})
     for name in expected:
@@ -142,18 +164,21 @@ def test_inside_torch_compile_of_the_surrounding_model():
     assert torch.isfinite(projection.weight.grad).all()
 
 
+GPU_CASES = [(d, s, dtype, tol, False) for d in DIVERGENCES for s in ("renormalized", "tail")
+             for dtype, tol in ((torch.bfloat16, 2e-2), (torch.float32, 1e-5))] + [
+    (d, s, torch.bfloat16, 2e-2, True) for d in ("forward_kl", "jsd", "adaptive_kl") for s in ("renormalized", "tail")]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype, tolerance", [(torch.bfloat16, 2e-2), (torch.float32, 1e-5)])
-@pytest.mark.parametrize("support", ["renormalized", "tail"])
-@pytest.mark.parametrize("divergence", DIVERGENCES)
-def test_gpu_real_shape(divergence, support, dtype, tolerance):
+@pytest.mark.parametrize("divergence, support, dtype, tolerance, lean", GPU_CASES)
+def test_gpu_real_shape(divergence, support, dtype, tolerance, lean):
     torch.backends.cuda.matmul.allow_tf32 = False
     n, h, v, k = 2048, 1024, 151_936, 64
     hidden, weight, _, teacher, labels = _problem(n=n, h=h, v=v, k=k, vocab_size=151_900, dtype=dtype, seed=12,
                                                   scale=0.1)
     hidden.requires_grad_(), weight.requires_grad_()
     kwargs = dict(divergence=divergence, support=support, temperature=2.0, ce_weight=0.5, vocab_size=151_900)
-    got = kd.topk_divergence(hidden, weight, teacher, labels, backend="triton", **kwargs)
+    got = kd.topk_divergence(hidden, weight, teacher, labels, backend="triton", lean=lean, **kwargs)
     grads = torch.autograd.grad(got, (hidden, weight))
     hidden64, weight64 = (t.detach().double().requires_grad_() for t in (hidden, weight))
     expected = kd.topk_divergence(hidden64, weight64, teacher, labels, backend="torch", **kwargs)

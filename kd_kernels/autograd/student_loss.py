@@ -29,6 +29,9 @@ _METRIC_NAMES = ("kd_sum", "ce_sum", "teacher_mass_sum", "student_mass_sum", "to
 # The float32 logits chunk (which the gradient then overwrites) stays under this many bytes.
 DEFAULT_CHUNK_BYTES = 5 << 28  # 1.25 GiB: 2048 rows at V = 151,936
 CHUNK_ROW_MULTIPLE = 128
+# The lean schedule slices the vocab instead: its float32 logits slice [N, columns] stays
+# under this, and the float32 dX accumulator (N·H·4) comes on top.
+LEAN_SLICE_BYTES = 3 << 26  # 192 MiB
 
 
 def default_chunk_rows(num_rows: int, num_columns: int) -> int:
@@ -64,6 +67,14 @@ def _fused_support(stats, teacher_logprobs, counted, options: DivergenceOptions,
     return per_row, kd, ce, row_stats, grads
 
 
+def lean_slice_columns(num_rows: int, num_columns: int) -> int:
+    """Vocab columns per slice of the lean schedule: as few slices as the budget allows, even."""
+    most = max(CHUNK_ROW_MULTIPLE, LEAN_SLICE_BYTES // (4 * max(num_rows, 1)) // CHUNK_ROW_MULTIPLE * CHUNK_ROW_MULTIPLE)
+    slices = -(-num_columns // most)
+    columns = -(-num_columns // slices)
+    return min(num_columns, -(-columns // CHUNK_ROW_MULTIPLE) * CHUNK_ROW_MULTIPLE)
+
+
 def fused_divergence_available(divergence: str) -> bool:
     """adaptive_kl sorts its bins by p; it keeps the torch autograd path for the O(N·k) math."""
     return divergence != "adaptive_kl"
@@ -73,8 +84,9 @@ def _kernels():
     from ..ops.row_logsumexp import row_logsumexp
     from ..ops.scale_inplace import scale_inplace
     from ..ops.softmax_gradient import softmax_gradient
+    from ..ops.store_columns import store_columns
 
-    return row_logsumexp, softmax_gradient, scale_inplace
+    return row_logsumexp, softmax_gradient, scale_inplace, store_columns
 
 
 def _lm_head_logits_fp32(hidden_chunk: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -114,19 +126,28 @@ def _chunk_stats(logits, bias, teacher_indices, valid, labels, options: Divergen
     return _ChunkStats(_gather_columns(logits, bias, ids), at_label, lse, lse_tempered, top1, ids, safe_labels)
 
 
-def _write_logit_gradient(logits, bias, stats: _ChunkStats, grads, valid, options: DivergenceOptions, vocab_size,
-                          out: torch.Tensor) -> torch.Tensor:
-    """``out [C, V]`` = d objective / d logits: the dense softmax terms, then the k + 1 sparse
-    columns stored with their full value (dense + every sparse term landing on that column),
-    so that duplicate columns (an invalid entry's id 0, the label among the ids) agree."""
-    _, softmax_gradient, _ = _kernels()
+@dataclasses.dataclass
+class _GradientPlan:
+    """What the gradient writers need for a range of rows: the dense coefficients of
+    softmax(z) and softmax(z / τ) (the latter None when absent or folded in at τ = 1), and
+    the sparse columns ``[R, M]`` with their full gradient values ``[R, M]`` (dense + every
+    sparse term landing on that column, so duplicate columns agree: an invalid entry's id 0,
+    the label among the ids)."""
+
+    coef: torch.Tensor
+    coef_tempered: Optional[torch.Tensor]
+    lse: torch.Tensor
+    lse_tempered: torch.Tensor
+    columns: torch.Tensor
+    values: torch.Tensor
+
+
+def _gradient_plan(stats: _ChunkStats, grads, valid, options: DivergenceOptions) -> _GradientPlan:
     coef = grads.lse if grads.lse is not None else torch.zeros_like(stats.lse)
     # d logsumexp(z / τ) / dz = softmax(z / τ) / τ; at τ = 1 both terms are one softmax
     coef_tempered = None if grads.lse_tempered is None else grads.lse_tempered / options.temperature
     if coef_tempered is not None and options.temperature == 1.0:
         coef, coef_tempered = coef + coef_tempered, None
-    softmax_gradient(logits, bias, out, stats.lse, stats.lse_tempered, coef, coef_tempered, vocab_size,
-                     options.temperature)
 
     def dense(z):
         value = coef.unsqueeze(-1) * torch.exp(z - stats.lse.unsqueeze(-1))
@@ -147,8 +168,18 @@ def _write_logit_gradient(logits, bias, stats: _ChunkStats, grads, valid, option
         columns.append(label)
         values.append(dense(stats.at_label.unsqueeze(-1)) + (ids_on_label + label_grad))
     values.insert(0, dense(stats.at_ids) + sparse_ids)
-    out.scatter_(1, torch.cat(columns, -1), torch.cat(values, -1).to(out.dtype))
-    return out
+    return _GradientPlan(coef, coef_tempered, stats.lse, stats.lse_tempered, torch.cat(columns, -1).contiguous(),
+                         torch.cat(values, -1).float().contiguous())
+
+
+def _write_logit_gradient(logits, bias, plan: _GradientPlan, options: DivergenceOptions, vocab_size: int,
+                          out: torch.Tensor, column_start: int = 0) -> torch.Tensor:
+    """``out [R, C]`` = d objective / d logits for the columns ``[column_start, column_start + C)``
+    of rows R; ``vocab_size`` counts the existing columns of this range. out may alias logits."""
+    _, softmax_gradient, _, store_columns = _kernels()
+    softmax_gradient(logits, bias, out, plan.lse, plan.lse_tempered, plan.coef, plan.coef_tempered, vocab_size,
+                     options.temperature)
+    return store_columns(out, plan.columns, plan.values, column_start, column_start + out.shape[1])
 
 
 class _ChunkedStudentPass:
@@ -176,17 +207,23 @@ class _ChunkedStudentPass:
         return (self.teacher_logprobs[start:stop], self.teacher_indices[start:stop], self.valid[start:stop], labels,
                 self.counted[start:stop])
 
-    def chunk(self, logits, bias, start, stop, row_weight, metrics):
-        """Loss of rows [start, stop) from their logits; gradients w.r.t. the statistics if
-        ``row_weight`` is given. Adds the chunk's metric sums into ``metrics`` (a list or None)."""
+    def step(self, stats: "_ChunkStats", start, stop, row_weight, metrics):
+        """Loss math of rows [start, stop) from their statistics: (per-row loss, gradients
+        w.r.t. the statistics if ``row_weight`` is given). Adds metric sums into ``metrics``."""
         teacher_logprobs, teacher_indices, valid, labels, counted = self.rows(start, stop)
-        stats = _chunk_stats(logits, bias, teacher_indices, valid, labels, self.options, self.vocab_size)
         per_row, kd, ce, row_stats, grads = self.support(stats, teacher_logprobs, teacher_indices, counted,
                                                          None if row_weight is None else row_weight[start:stop])
         if metrics is not None:
             sums = row_metrics(row_stats, teacher_logprobs, teacher_indices, counted, kd, ce)
             for index, name in enumerate(_METRIC_NAMES):
                 metrics[index] = metrics[index] + sums[name].float()
+        return per_row, grads
+
+    def chunk(self, logits, bias, start, stop, row_weight, metrics):
+        """`step` of rows [start, stop) from their logits ``[stop - start, V]``; also returns the stats."""
+        _, teacher_indices, valid, labels, _ = self.rows(start, stop)
+        stats = _chunk_stats(logits, bias, teacher_indices, valid, labels, self.options, self.vocab_size)
+        per_row, grads = self.step(stats, start, stop, row_weight, metrics)
         return per_row, stats, grads
 
 
@@ -231,8 +268,8 @@ def _linear_pass(hidden, weight, bias, student_pass: _ChunkedStudentPass, row_we
             continue
         # the gradient row, in the input dtype, overwrites the first bytes of its float32 logits row
         chunk_grad = chunk_logits.view(hidden.dtype)[:, :num_columns]
-        _write_logit_gradient(chunk_logits, bias, stats, grads, student_pass.valid[start:stop],
-                              student_pass.options, student_pass.vocab_size, chunk_grad)
+        plan = _gradient_plan(stats, grads, student_pass.valid[start:stop], student_pass.options)
+        _write_logit_gradient(chunk_logits, bias, plan, student_pass.options, student_pass.vocab_size, chunk_grad)
         if grad_hidden is not None:
             torch.mm(chunk_grad, weight, out=grad_hidden[start:stop])
         if grad_weight is not None:
@@ -243,20 +280,110 @@ def _linear_pass(hidden, weight, bias, student_pass: _ChunkedStudentPass, row_we
     return per_row, (None if metrics is None else torch.stack(metrics)), grads
 
 
+def _accumulate_mm(accumulator: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``accumulator (float32) += a @ b``, accumulated in float32 by cuBLAS."""
+    if a.is_cuda and a.dtype != torch.float32:
+        torch.addmm(accumulator, a, b, out_dtype=torch.float32, out=accumulator)
+    elif a.dtype == torch.float32:
+        accumulator.addmm_(a, b)
+    else:
+        accumulator += a.float() @ b.float()  # CPU interpreter tests only
+
+
+def _owned_values(logits_slice, bias_slice, columns, column_start, width):
+    """Values of the global ``columns [N, M]`` that fall in this slice, 0 elsewhere."""
+    local = columns - column_start
+    owned = (local >= 0) & (local < width)
+    return torch.where(owned, _gather_columns(logits_slice, bias_slice, torch.where(owned, local, 0)), 0.0)
+
+
+def _vocab_sliced_pass(hidden, weight, bias, student_pass: _ChunkedStudentPass, row_weight, needs,
+                       with_metrics: bool):
+    """The lean schedule: two passes over vocab slices (4 matmuls). Pass 1 merges each row's
+    logsumexps, argmax and gathered values across slices; the loss math runs once on all
+    rows; pass 2 recomputes each slice's logits, writes its gradient in place, accumulates
+    dX in float32 and writes the slice's dW rows once. Memory: one ``[N, slice]`` float32
+    buffer plus dX in float32, whatever N·V is."""
+    num_rows, num_columns = hidden.shape[0], weight.shape[0]
+    options, vocab_size = student_pass.options, student_pass.vocab_size
+    device = hidden.device
+    want_grads = row_weight is not None and any(needs)
+    row_logsumexp, *_ = _kernels()
+    width_most = lean_slice_columns(num_rows, vocab_size)
+    buffer = torch.empty(num_rows * width_most, dtype=torch.float32, device=device)
+    slices = [(start, min(start + width_most, vocab_size)) for start in range(0, vocab_size, width_most)]
+
+    def slice_logits(start, stop):
+        out = buffer[:num_rows * (stop - start)].view(num_rows, stop - start)
+        return _lm_head_logits_fp32(hidden, weight[start:stop], out), None if bias is None else bias[start:stop]
+
+    teacher_logprobs, teacher_indices, valid, labels, counted = student_pass.rows(0, num_rows)
+    ids = torch.where(valid, teacher_indices.long(), 0)
+    safe_labels = None if labels is None else torch.where(labels != options.ignore_index, labels.long(), 0)
+    lse = torch.full((num_rows,), -float("inf"), device=device)
+    lse_tempered = lse.clone()
+    best = lse.clone()
+    top1 = torch.zeros(num_rows, dtype=torch.long, device=device)
+    at_ids = torch.zeros(ids.shape, dtype=torch.float32, device=device)
+    at_label = None if labels is None else torch.zeros(num_rows, dtype=torch.float32, device=device)
+    for start, stop in slices:
+        logits, bias_slice = slice_logits(start, stop)
+        slice_lse, slice_lse_tempered, slice_argmax = row_logsumexp(logits, bias_slice, stop - start,
+                                                                    options.temperature)
+        lse = torch.logaddexp(lse, slice_lse)
+        lse_tempered = torch.logaddexp(lse_tempered, slice_lse_tempered)
+        slice_max = _gather_columns(logits, bias_slice, slice_argmax.unsqueeze(-1)).squeeze(-1)
+        better = slice_max > best  # strict: the lower column keeps a tie
+        best = torch.where(better, slice_max, best)
+        top1 = torch.where(better, slice_argmax + start, top1)
+        at_ids += _owned_values(logits, bias_slice, ids, start, stop - start)
+        if at_label is not None:
+            at_label += _owned_values(logits, bias_slice, safe_labels.unsqueeze(-1), start, stop - start).squeeze(-1)
+    stats = _ChunkStats(at_ids, at_label, lse, lse_tempered, top1, ids, safe_labels)
+    metrics = [torch.zeros((), device=device) for _ in _METRIC_NAMES] if with_metrics else None
+    per_row, grads = student_pass.step(stats, 0, num_rows, row_weight if want_grads else None, metrics)
+    grad_hidden = grad_weight = grad_bias = None
+    if want_grads:
+        plan = _gradient_plan(stats, grads, valid, options)
+        if needs[0]:
+            grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=device)
+        grad_weight = torch.zeros_like(weight) if needs[1] else None
+        grad_bias = torch.zeros(num_columns, dtype=torch.float32, device=device) if needs[2] else None
+        for start, stop in slices:
+            logits, bias_slice = slice_logits(start, stop)
+            gradient = logits.view(hidden.dtype)[:, :stop - start]
+            _write_logit_gradient(logits, bias_slice, plan, options, stop - start, gradient, column_start=start)
+            if grad_hidden is not None:
+                _accumulate_mm(grad_hidden, gradient, weight[start:stop])
+            if grad_weight is not None:
+                torch.mm(gradient.T, hidden, out=grad_weight[start:stop])
+            if grad_bias is not None:
+                grad_bias[start:stop] = gradient.float().sum(0)
+        grad_hidden = None if grad_hidden is None else grad_hidden.to(hidden.dtype)
+    grads = (grad_hidden, grad_weight, None if grad_bias is None else grad_bias.to(bias.dtype))
+    return per_row, (None if metrics is None else torch.stack(metrics)), grads
+
+
+def _schedule(hidden, weight, bias, student_pass, row_weight, needs, chunk_rows, lean, with_metrics):
+    if lean:
+        return _vocab_sliced_pass(hidden, weight, bias, student_pass, row_weight, needs, with_metrics)
+    return _linear_pass(hidden, weight, bias, student_pass, row_weight, needs, chunk_rows, with_metrics)
+
+
 class LinearTopKDivergence(torch.autograd.Function):
     """loss = f(hidden @ weight.T + bias); see the module docstring for how."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, teacher_logprobs, teacher_indices, labels, num_tokens,
-                options: DivergenceOptions, vocab_size: int, chunk_rows, with_metrics: bool):
+                options: DivergenceOptions, vocab_size: int, chunk_rows, lean: bool, with_metrics: bool):
         student_pass = _ChunkedStudentPass(teacher_logprobs, teacher_indices, labels, options, vocab_size)
         needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2])
         row_weight = None
         if options.reduction != "none":
             row_weight = _row_weight(hidden.shape[0], student_pass.counted, options, num_tokens, hidden.device)
-        per_row, metrics, grads = _linear_pass(hidden, weight, bias, student_pass, row_weight, needs, chunk_rows,
-                                               with_metrics)
-        ctx.options, ctx.chunk_rows, ctx.needs, ctx.backward_done = options, chunk_rows, needs, False
+        per_row, metrics, grads = _schedule(hidden, weight, bias, student_pass, row_weight, needs, chunk_rows, lean,
+                                            with_metrics)
+        ctx.options, ctx.chunk_rows, ctx.lean, ctx.needs, ctx.backward_done = options, chunk_rows, lean, needs, False
         ctx.student_pass = student_pass if options.reduction == "none" else None
         ctx.save_for_backward(*(grads if options.reduction != "none" else (hidden, weight, bias)))
         loss = _reduce(per_row, row_weight, options)
@@ -269,8 +396,8 @@ class LinearTopKDivergence(torch.autograd.Function):
     def backward(ctx, grad_loss, _grad_metrics):
         if ctx.options.reduction == "none":
             hidden, weight, bias = ctx.saved_tensors
-            _, _, grads = _linear_pass(hidden, weight, bias, ctx.student_pass, grad_loss.float(), ctx.needs,
-                                       ctx.chunk_rows, with_metrics=False)
+            _, _, grads = _schedule(hidden, weight, bias, ctx.student_pass, grad_loss.float(), ctx.needs,
+                                    ctx.chunk_rows, ctx.lean, with_metrics=False)
         else:
             if ctx.backward_done:
                 raise RuntimeError("topk_divergence: backward ran twice through the same graph; the fused "
@@ -280,7 +407,7 @@ class LinearTopKDivergence(torch.autograd.Function):
             # when the upstream gradient is 1.
             scale_inplace = _kernels()[2]
             grads = tuple(None if g is None else scale_inplace(g, grad_loss) for g in ctx.saved_tensors)
-        return (*grads, None, None, None, None, None, None, None, None)
+        return (*grads, None, None, None, None, None, None, None, None, None)
 
 
 class LogitsTopKDivergence(torch.autograd.Function):
@@ -310,7 +437,8 @@ class LogitsTopKDivergence(torch.autograd.Function):
         teacher_logprobs, teacher_indices, valid, labels, counted = student_pass.rows(0, logits.shape[0])
         *_, grads = student_pass.support(stats, teacher_logprobs, teacher_indices, counted, row_weight)
         grad_logits = torch.empty_like(logits, memory_format=torch.contiguous_format)
-        _write_logit_gradient(logits, None, stats, grads, valid, options, student_pass.vocab_size, grad_logits)
+        _write_logit_gradient(logits, None, _gradient_plan(stats, grads, valid, options), options,
+                              student_pass.vocab_size, grad_logits)
         return grad_logits, None, None, None, None, None, None, None
 
 
@@ -326,13 +454,13 @@ def _num_tokens_arg(num_tokens):
 
 @torch.compiler.disable
 def fused_topk_divergence(hidden, weight, bias, teacher: TopK, labels, options: DivergenceOptions, num_tokens,
-                          return_metrics: bool, chunk_rows: Optional[int]):
+                          return_metrics: bool, chunk_rows: Optional[int], lean: bool = False):
     """The Triton path of `kd_kernels.topk_divergence` (inputs already validated).
 
     Under ``torch.compile`` this is a graph break (compiled code around it runs as usual)."""
     loss, metrics = LinearTopKDivergence.apply(
         hidden, weight, bias, teacher.logprobs, teacher.indices, labels, _num_tokens_arg(num_tokens), options,
-        options.vocab_size, chunk_rows, return_metrics)
+        options.vocab_size, chunk_rows, lean, return_metrics)
     return (loss, _metrics_dict(metrics)) if return_metrics else loss
 
 
