@@ -37,7 +37,8 @@ def _finish_topk(topk: TopK, logprobs_dtype: torch.dtype) -> TopK:
 @torch.no_grad()
 def teacher_topk(hidden: torch.Tensor, weight: torch.Tensor, k: int = 64, *, temperature: float = 1.0,
                  vocab_size: Optional[int] = None, bias: Optional[torch.Tensor] = None, group=None,
-                 logprobs_dtype: torch.dtype = torch.float32, backend: str = "auto") -> TopK:
+                 logprobs_dtype: torch.dtype = torch.float32, backend: str = "auto",
+                 chunk_rows: Optional[int] = None) -> TopK:
     """Top-k of the teacher's tempered distribution straight from hidden states and lm_head.
 
     Equals ``torch.log_softmax((hidden @ weight.T + bias)[:, :V*].float() / temperature, -1).topk(k)``
@@ -51,6 +52,8 @@ def teacher_topk(hidden: torch.Tensor, weight: torch.Tensor, k: int = 64, *, tem
         vocab_size: V*, columns at or past it (padded lm_head rows) do not exist.
         bias: optional ``[V]``.
         logprobs_dtype: dtype of ``TopK.logprobs``.
+        backend: "auto" | "triton" | "torch" (see `available_backends`).
+        chunk_rows: rows per chunk on the triton backend (``chunk_rows · V · 4`` bytes); None: ~1.25 GiB.
     Returns:
         `TopK` with ``logprobs [N, k]``, ``indices [N, k]`` int32, ``lse [N]`` float32.
     """
@@ -60,9 +63,12 @@ def teacher_topk(hidden: torch.Tensor, weight: torch.Tensor, k: int = 64, *, tem
     vocab_size = resolve_vocab_size(vocab_size, weight.shape[0], "weight")
     check_k(k, vocab_size)
     _check_logprobs_dtype(logprobs_dtype)
-    resolve_backend(backend, "teacher_topk", hidden.device)
-    topk = reference.teacher_topk(hidden, weight, k, temperature, vocab_size, bias)
-    return _finish_topk(topk, logprobs_dtype)
+    if resolve_backend(backend, "teacher_topk", hidden.device) == "triton":
+        from . import teacher_chunked as chunked
+
+        return _finish_topk(chunked.teacher_topk(hidden, weight, k, temperature, vocab_size, bias, chunk_rows),
+                            logprobs_dtype)
+    return _finish_topk(reference.teacher_topk(hidden, weight, k, temperature, vocab_size, bias), logprobs_dtype)
 
 
 @torch.no_grad()
@@ -79,7 +85,10 @@ def teacher_topk_from_logits(logits: torch.Tensor, k: int = 64, *, temperature: 
     vocab_size = resolve_vocab_size(vocab_size, logits.shape[1], "logits")
     check_k(k, vocab_size)
     _check_logprobs_dtype(logprobs_dtype)
-    resolve_backend(backend, "teacher_topk_from_logits", logits.device)
+    if resolve_backend(backend, "teacher_topk_from_logits", logits.device) == "triton":
+        from . import teacher_chunked as chunked
+
+        return _finish_topk(chunked.teacher_topk_from_logits(logits, k, temperature, vocab_size), logprobs_dtype)
     return _finish_topk(reference.teacher_topk_from_logits(logits, k, temperature, vocab_size), logprobs_dtype)
 
 

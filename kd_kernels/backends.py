@@ -16,7 +16,8 @@ BACKENDS = ("auto", "cuda", "triton", "torch")
 
 # The ops each compiled backend implements; the torch reference implements all of them.
 _IMPLEMENTED = {
-    "triton": frozenset({"topk_divergence", "topk_divergence_from_logits"}),
+    "triton": frozenset({"topk_divergence", "topk_divergence_from_logits", "teacher_topk",
+                         "teacher_topk_from_logits"}),
     "cuda": frozenset(),
 }
 

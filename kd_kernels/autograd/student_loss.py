@@ -21,6 +21,7 @@ from typing import Optional
 import torch
 
 from ..options import DivergenceOptions
+from ..teacher_chunked import lm_head_logits_fp32 as _lm_head_logits_fp32
 from ..support import (SupportGradients, StudentRowStats, counted_rows, loss_and_gradients_from_logit_stats,
                        row_metrics)
 from ..topk import TopK
@@ -87,15 +88,6 @@ def _kernels():
     from ..ops.store_columns import store_columns
 
     return row_logsumexp, softmax_gradient, scale_inplace, store_columns
-
-
-def _lm_head_logits_fp32(hidden_chunk: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """``hidden_chunk @ weight.T`` into the float32 ``out``, accumulated in float32."""
-    if hidden_chunk.is_cuda and hidden_chunk.dtype != torch.float32:
-        return torch.mm(hidden_chunk, weight.T, out_dtype=torch.float32, out=out)
-    if hidden_chunk.dtype == torch.float32:
-        return torch.mm(hidden_chunk, weight.T, out=out)
-    return torch.mm(hidden_chunk.float(), weight.float().T, out=out)  # CPU interpreter tests only
 
 
 def _gather_columns(logits: torch.Tensor, bias: Optional[torch.Tensor], columns: torch.Tensor) -> torch.Tensor:

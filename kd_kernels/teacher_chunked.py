@@ -1,0 +1,77 @@
+"""Teacher top-k on the Triton backend: chunks of rows, float32 logits by cuBLAS (never the
+whole ``[N, V]``), the row logsumexp kernel, then a top-k of each chunk.
+
+This is the first GPU path, not the final one: it still writes each chunk's float32 logits
+(``chunk_rows · V · 4`` bytes) and selects with ``torch.topk``. A top-k fused into the lm_head
+matmul epilogue, and a radix-select kernel over given logits, are the next steps.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .topk import TopK
+
+DEFAULT_CHUNK_BYTES = 5 << 28  # 1.25 GiB of float32 logits per chunk
+
+
+def _row_logsumexp():
+    from .ops.row_logsumexp import row_logsumexp
+
+    return row_logsumexp
+
+
+def _sorted_topk(scores: torch.Tensor, k: int):
+    """Top-k of each row, descending, lower column first among equal values."""
+    values, indices = torch.topk(scores, k, dim=-1, sorted=False)
+    by_index = torch.argsort(indices, dim=-1)
+    values, indices = values.gather(-1, by_index), indices.gather(-1, by_index)
+    by_value = torch.argsort(values, dim=-1, descending=True, stable=True)
+    return values.gather(-1, by_value), indices.gather(-1, by_value)
+
+
+def _chunk_topk(logits: torch.Tensor, bias: Optional[torch.Tensor], k: int, temperature: float, vocab_size: int):
+    """(logprobs [R, k] float32, indices [R, k] int32, lse [R] float32) of a logits chunk."""
+    existing = logits[:, :vocab_size]
+    if bias is not None:
+        existing = existing.float() + bias[:vocab_size].float()
+    _, lse_tempered, _ = _row_logsumexp()(existing, None, vocab_size, temperature)
+    values, indices = _sorted_topk(existing, k)
+    logprobs = values.float() / temperature - lse_tempered.unsqueeze(-1)
+    return logprobs, indices.to(torch.int32), lse_tempered
+
+
+def teacher_topk_from_logits(logits: torch.Tensor, k: int, temperature: float, vocab_size: int) -> TopK:
+    """logits ``[N, V]`` (bf16 / fp16 / fp32, read once in place) -> `TopK` float32."""
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    logprobs, indices, lse = _chunk_topk(logits, None, k, temperature, vocab_size)
+    return TopK(logprobs, indices, lse, temperature)
+
+
+def lm_head_logits_fp32(hidden: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``hidden @ weight.T`` into the float32 ``out``, accumulated in float32 (bf16-rounded
+    logits would move probabilities by several percent)."""
+    if hidden.is_cuda and hidden.dtype != torch.float32:
+        return torch.mm(hidden, weight.T, out_dtype=torch.float32, out=out)
+    if hidden.dtype == torch.float32:
+        return torch.mm(hidden, weight.T, out=out)
+    return torch.mm(hidden.float(), weight.float().T, out=out)  # CPU interpreter tests only
+
+
+def teacher_topk(hidden: torch.Tensor, weight: torch.Tensor, k: int, temperature: float, vocab_size: int,
+                 bias: Optional[torch.Tensor] = None, chunk_rows: Optional[int] = None) -> TopK:
+    """hidden ``[N, H]``, weight ``[V, H]`` -> `TopK` float32, chunk by chunk of rows."""
+    num_rows = hidden.shape[0]
+    chunk_rows = chunk_rows or max(1, min(num_rows, DEFAULT_CHUNK_BYTES // (4 * weight.shape[0])))
+    logits = torch.empty(min(chunk_rows, num_rows), weight.shape[0], dtype=torch.float32, device=hidden.device)
+    logprobs = torch.empty(num_rows, k, dtype=torch.float32, device=hidden.device)
+    indices = torch.empty(num_rows, k, dtype=torch.int32, device=hidden.device)
+    lse = torch.empty(num_rows, dtype=torch.float32, device=hidden.device)
+    for start in range(0, num_rows, chunk_rows):
+        stop = min(start + chunk_rows, num_rows)
+        chunk = lm_head_logits_fp32(hidden[start:stop], weight, logits[:stop - start])
+        logprobs[start:stop], indices[start:stop], lse[start:stop] = _chunk_topk(chunk, bias, k, temperature,
+                                                                                 vocab_size)
+    return TopK(logprobs, indices, lse, temperature)

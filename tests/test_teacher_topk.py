@@ -1,0 +1,58 @@
+"""Teacher top-k on the Triton backend against the float64 reference: same ids (lower id
+first on ties), log-probs within float32 rounding, invalid-free rows, temperature, vocab_size."""
+import pytest
+import torch
+
+import kd_kernels as kd
+from helpers import HAS_CUDA
+from kd_kernels import reference
+
+pytestmark = pytest.mark.interpret
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+
+
+def _check(top, expected, atol):
+    assert top.logprobs.dtype == torch.float32 and top.indices.dtype == torch.int32
+    values_match = torch.allclose(top.logprobs.double().cpu(), expected.logprobs.cpu(), atol=atol, rtol=0)
+    assert values_match
+    same = top.indices.cpu() == expected.indices.cpu()
+    # ids may differ only where the two values tie in float32
+    tie = (expected.logprobs.float().cpu() == top.logprobs.cpu())
+    assert (same | tie).all()
+    assert torch.allclose(top.lse.double().cpu(), expected.lse.cpu(), atol=atol, rtol=0)
+
+
+@pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-4), (torch.float16, 1e-4)])
+@pytest.mark.parametrize("k, temperature, chunk_rows", [(1, 1.0, None), (7, 0.7, 10), (64, 2.0, 16)])
+def test_teacher_topk_from_hidden(k, temperature, chunk_rows, dtype, atol):
+    generator = torch.Generator().manual_seed(k)
+    hidden = torch.randn(37, 16, generator=generator).to(DEVICE, dtype)
+    weight = torch.randn(203, 16, generator=generator).to(DEVICE, dtype)
+    bias = torch.randn(203, generator=generator).to(DEVICE, dtype)
+    top = kd.teacher_topk(hidden, weight, k=k, temperature=temperature, vocab_size=200, bias=bias, backend="triton",
+                          chunk_rows=chunk_rows)
+    _check(top, reference.teacher_topk(hidden, weight, k, temperature, 200, bias), atol)
+    assert top.temperature == temperature and (top.indices < 200).all()
+
+
+def test_teacher_topk_from_logits_ties_go_to_the_lower_id():
+    logits = torch.randn(9, 130, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    logits[0, [5, 90, 17]] = 9.0
+    top = kd.teacher_topk_from_logits(logits, k=5, temperature=2.0, vocab_size=128, backend="triton")
+    assert top.indices[0, :3].tolist() == [5, 17, 90]
+    _check(top, reference.teacher_topk_from_logits(logits, 5, 2.0, 128), 1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("k", [8, 64, 1024])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_real_shape(k, dtype):
+    torch.backends.cuda.matmul.allow_tf32 = False
+    generator = torch.Generator(device="cuda").manual_seed(k)
+    hidden = (0.2 * torch.randn(1024, 4096, device="cuda", generator=generator)).to(dtype)
+    weight = (torch.randn(151_936, 4096, device="cuda", generator=generator) * 0.02).to(dtype)
+    top = kd.teacher_topk(hidden, weight, k=k, temperature=2.0, vocab_size=151_900, backend="triton")
+    _check(top, reference.teacher_topk(hidden, weight, k, 2.0, 151_900), 1e-4)
+    logits = hidden @ weight.T
+    from_logits = kd.teacher_topk_from_logits(logits, k=k, temperature=2.0, vocab_size=151_900, backend="triton")
+    _check(from_logits, reference.teacher_topk_from_logits(logits, k, 2.0, 151_900), 1e-4)
