@@ -83,11 +83,13 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=None)
     parser.add_argument("--k", default="8,64,1024")
+    parser.add_argument("--shapes", default="all", help="comma-separated shape name prefixes, or all")
     args = parser.parse_args()
     env = environment()
     print(f"environment: {env}")
     ks = [int(k) for k in args.k.split(",")]
-    results = [bench_shape(name, n, h, v, ks) for name, n, h, v in TEACHER_SHAPES]
+    results = [bench_shape(name, n, h, v, ks) for name, n, h, v in TEACHER_SHAPES
+               if args.shapes == "all" or any(name.startswith(prefix) for prefix in args.shapes.split(","))]
     if args.out:
         write_json(args.out, dict(environment=env, results=results))
 

@@ -7,7 +7,7 @@ import torch
 import triton
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from kd_kernels.ops.row_logsumexp import _row_logsumexp_kernel  # noqa: E402
+from kd_kernels.ops.row_statistics import _row_statistics_kernel  # noqa: E402
 from kd_kernels.ops.softmax_gradient import _softmax_gradient_kernel  # noqa: E402
 
 rows, columns = 2048, 151_936
@@ -24,8 +24,10 @@ for tempered in (False, True):
     for block in (1024, 2048, 4096, 8192):
         for warps in (4, 8, 16):
             def run():
-                _row_logsumexp_kernel[(rows,)](logits, logits, lse, lse_t, arg, logits.stride(0), columns, 0.5,
-                                               HAS_BIAS=False, TEMPERED=tempered, BLOCK_V=block, num_warps=warps)
+                _row_statistics_kernel[(rows,)](logits, logits, arg, arg, lse, lse_t, lse_t, arg, lse, lse,
+                                                logits.stride(0), 0, 0, columns, 0, 0, 0.5, HAS_BIAS=False,
+                                                TEMPERED=tempered, HAS_IDS=False, HAS_LABELS=False, MERGE=False,
+                                                BLOCK_V=block, BLOCK_K=1, num_warps=warps)
             ms = triton.testing.do_bench(run, return_mode="median")
             print(f"| lse tempered={tempered} | {block} | {warps} | {ms:.3f} | {nbytes / ms / 1e6:.0f} |")
 for block in (1024, 2048, 4096, 8192):

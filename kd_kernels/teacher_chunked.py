@@ -16,10 +16,12 @@ from .topk import TopK
 DEFAULT_CHUNK_BYTES = 5 << 28  # 1.25 GiB of float32 logits per chunk
 
 
-def _row_logsumexp():
-    from .ops.row_logsumexp import row_logsumexp
+def _lse_tempered(logits: torch.Tensor, vocab_size: int, temperature: float) -> torch.Tensor:
+    """``[R]`` float32 logsumexp(logits[:, :V*] / τ), one Triton pass."""
+    from .ops.row_statistics import RunningRowStats, row_statistics
 
-    return row_logsumexp
+    running = RunningRowStats.empty(logits.shape[0], 0, temperature != 1.0, False, logits.device)
+    return row_statistics(logits, None, vocab_size, temperature, running).lse_tempered
 
 
 def _sorted_topk(scores: torch.Tensor, k: int):
@@ -36,7 +38,7 @@ def _chunk_topk(logits: torch.Tensor, bias: Optional[torch.Tensor], k: int, temp
     existing = logits[:, :vocab_size]
     if bias is not None:
         existing = existing.float() + bias[:vocab_size].float()
-    _, lse_tempered, _ = _row_logsumexp()(existing, None, vocab_size, temperature)
+    lse_tempered = _lse_tempered(existing, vocab_size, temperature)
     values, indices = _sorted_topk(existing, k)
     logprobs = values.float() / temperature - lse_tempered.unsqueeze(-1)
     return logprobs, indices.to(torch.int32), lse_tempered

@@ -32,7 +32,7 @@ DEFAULT_CHUNK_BYTES = 5 << 28  # 1.25 GiB: 2048 rows at V = 151,936
 CHUNK_ROW_MULTIPLE = 128
 # The lean schedule slices the vocab instead: its float32 logits slice [N, columns] stays
 # under this, and the float32 dX accumulator (N·H·4) comes on top.
-LEAN_SLICE_BYTES = 3 << 26  # 192 MiB
+LEAN_SLICE_BYTES = 5 << 25  # 160 MiB
 
 
 def default_chunk_rows(num_rows: int, num_columns: int) -> int:
@@ -81,18 +81,18 @@ def fused_divergence_available(divergence: str) -> bool:
     return divergence != "adaptive_kl"
 
 
+def _statistics_kernel():
+    from ..ops.row_statistics import RunningRowStats, row_statistics
+
+    return row_statistics, RunningRowStats
+
+
 def _kernels():
-    from ..ops.row_logsumexp import row_logsumexp
     from ..ops.scale_inplace import scale_inplace
     from ..ops.softmax_gradient import softmax_gradient
     from ..ops.store_columns import store_columns
 
-    return row_logsumexp, softmax_gradient, scale_inplace, store_columns
-
-
-def _gather_columns(logits: torch.Tensor, bias: Optional[torch.Tensor], columns: torch.Tensor) -> torch.Tensor:
-    values = logits.gather(1, columns).float()
-    return values if bias is None else values + bias.float()[columns]
+    return softmax_gradient, scale_inplace, store_columns
 
 
 @dataclasses.dataclass
@@ -107,15 +107,15 @@ class _ChunkStats:
 
 
 def _chunk_stats(logits, bias, teacher_indices, valid, labels, options: DivergenceOptions, vocab_size) -> _ChunkStats:
-    row_logsumexp, *_ = _kernels()
-    lse, lse_tempered, top1 = row_logsumexp(logits, bias, vocab_size, options.temperature)
+    """Statistics of rows whose logits ``[R, ≥V*]`` are all in memory: one Triton pass."""
+    row_statistics, running_type = _statistics_kernel()
     ids = torch.where(valid, teacher_indices.long(), 0)
-    safe_labels = None
-    at_label = None
-    if labels is not None:
-        safe_labels = torch.where(labels != options.ignore_index, labels.long(), 0)
-        at_label = _gather_columns(logits, bias, safe_labels.unsqueeze(-1)).squeeze(-1)
-    return _ChunkStats(_gather_columns(logits, bias, ids), at_label, lse, lse_tempered, top1, ids, safe_labels)
+    safe_labels = None if labels is None else torch.where(labels != options.ignore_index, labels.long(), 0)
+    running = running_type.empty(logits.shape[0], ids.shape[1], options.temperature != 1.0, labels is not None,
+                                 logits.device)
+    row_statistics(logits, bias, vocab_size, options.temperature, running, ids, safe_labels)
+    return _ChunkStats(running.at_ids, running.at_label, running.lse, running.lse_tempered, running.top1, ids,
+                       safe_labels)
 
 
 @dataclasses.dataclass
@@ -168,7 +168,7 @@ def _write_logit_gradient(logits, bias, plan: _GradientPlan, options: Divergence
                           out: torch.Tensor, column_start: int = 0) -> torch.Tensor:
     """``out [R, C]`` = d objective / d logits for the columns ``[column_start, column_start + C)``
     of rows R; ``vocab_size`` counts the existing columns of this range. out may alias logits."""
-    _, softmax_gradient, _, store_columns = _kernels()
+    softmax_gradient, _, store_columns = _kernels()
     softmax_gradient(logits, bias, out, plan.lse, plan.lse_tempered, plan.coef, plan.coef_tempered, vocab_size,
                      options.temperature)
     return store_columns(out, plan.columns, plan.values, column_start, column_start + out.shape[1])
@@ -282,13 +282,6 @@ def _accumulate_mm(accumulator: torch.Tensor, a: torch.Tensor, b: torch.Tensor) 
         accumulator += a.float() @ b.float()  # CPU interpreter tests only
 
 
-def _owned_values(logits_slice, bias_slice, columns, column_start, width):
-    """Values of the global ``columns [N, M]`` that fall in this slice, 0 elsewhere."""
-    local = columns - column_start
-    owned = (local >= 0) & (local < width)
-    return torch.where(owned, _gather_columns(logits_slice, bias_slice, torch.where(owned, local, 0)), 0.0)
-
-
 def _vocab_sliced_pass(hidden, weight, bias, student_pass: _ChunkedStudentPass, row_weight, needs,
                        with_metrics: bool):
     """The lean schedule: two passes over vocab slices (4 matmuls). Pass 1 merges each row's
@@ -300,7 +293,7 @@ def _vocab_sliced_pass(hidden, weight, bias, student_pass: _ChunkedStudentPass, 
     options, vocab_size = student_pass.options, student_pass.vocab_size
     device = hidden.device
     want_grads = row_weight is not None and any(needs)
-    row_logsumexp, *_ = _kernels()
+    row_statistics, running_type = _statistics_kernel()
     width_most = lean_slice_columns(num_rows, vocab_size)
     buffer = torch.empty(num_rows * width_most, dtype=torch.float32, device=device)
     slices = [(start, min(start + width_most, vocab_size)) for start in range(0, vocab_size, width_most)]
@@ -312,26 +305,13 @@ def _vocab_sliced_pass(hidden, weight, bias, student_pass: _ChunkedStudentPass, 
     teacher_logprobs, teacher_indices, valid, labels, counted = student_pass.rows(0, num_rows)
     ids = torch.where(valid, teacher_indices.long(), 0)
     safe_labels = None if labels is None else torch.where(labels != options.ignore_index, labels.long(), 0)
-    lse = torch.full((num_rows,), -float("inf"), device=device)
-    lse_tempered = lse.clone()
-    best = lse.clone()
-    top1 = torch.zeros(num_rows, dtype=torch.long, device=device)
-    at_ids = torch.zeros(ids.shape, dtype=torch.float32, device=device)
-    at_label = None if labels is None else torch.zeros(num_rows, dtype=torch.float32, device=device)
+    running = running_type.empty(num_rows, ids.shape[1], options.temperature != 1.0, labels is not None, device)
     for start, stop in slices:
         logits, bias_slice = slice_logits(start, stop)
-        slice_lse, slice_lse_tempered, slice_argmax = row_logsumexp(logits, bias_slice, stop - start,
-                                                                    options.temperature)
-        lse = torch.logaddexp(lse, slice_lse)
-        lse_tempered = torch.logaddexp(lse_tempered, slice_lse_tempered)
-        slice_max = _gather_columns(logits, bias_slice, slice_argmax.unsqueeze(-1)).squeeze(-1)
-        better = slice_max > best  # strict: the lower column keeps a tie
-        best = torch.where(better, slice_max, best)
-        top1 = torch.where(better, slice_argmax + start, top1)
-        at_ids += _owned_values(logits, bias_slice, ids, start, stop - start)
-        if at_label is not None:
-            at_label += _owned_values(logits, bias_slice, safe_labels.unsqueeze(-1), start, stop - start).squeeze(-1)
-    stats = _ChunkStats(at_ids, at_label, lse, lse_tempered, top1, ids, safe_labels)
+        row_statistics(logits, bias_slice, stop - start, options.temperature, running, ids, safe_labels,
+                       column_start=start, merge=True)
+    stats = _ChunkStats(running.at_ids, running.at_label, running.lse, running.lse_tempered, running.top1, ids,
+                        safe_labels)
     metrics = [torch.zeros((), device=device) for _ in _METRIC_NAMES] if with_metrics else None
     per_row, grads = student_pass.step(stats, 0, num_rows, row_weight if want_grads else None, metrics)
     grad_hidden = grad_weight = grad_bias = None
@@ -397,7 +377,7 @@ class LinearTopKDivergence(torch.autograd.Function):
             ctx.backward_done = True
             # In place (a scaled copy of dW would cost another V·H buffer), and nothing moves
             # when the upstream gradient is 1.
-            scale_inplace = _kernels()[2]
+            scale_inplace = _kernels()[1]
             grads = tuple(None if g is None else scale_inplace(g, grad_loss) for g in ctx.saved_tensors)
         return (*grads, None, None, None, None, None, None, None, None, None)
 

@@ -1,0 +1,146 @@
+"""Row statistics of a slice of logits in one streaming pass, merged into running values.
+
+For columns ``[column_start, column_start + width)`` of each row (z = logits + bias): the
+logsumexp at temperature 1 and at τ, the maximum and its column (lowest on ties), and the
+values at given global ids and at the label when this slice owns them. With ``merge`` the
+results combine with the running values already stored (vocab slices, one after another);
+without, they overwrite them (a slice that is the whole row).
+"""
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from .launch import ROW_BLOCK_V, num_warps_for
+
+
+@dataclass
+class RunningRowStats:
+    """Float32 ``lse``, ``lse_tempered`` (the same tensor when τ = 1), ``best`` (row max), int64
+    ``top1``, float32 ``at_ids [N, k]`` and ``at_label [N]`` (None without ids / labels)."""
+
+    lse: torch.Tensor
+    lse_tempered: torch.Tensor
+    best: torch.Tensor
+    top1: torch.Tensor
+    at_ids: Optional[torch.Tensor]
+    at_label: Optional[torch.Tensor]
+
+    @staticmethod
+    def empty(num_rows: int, k: int, tempered: bool, labels: bool, device) -> "RunningRowStats":
+        lse = torch.full((num_rows,), -float("inf"), device=device)
+        return RunningRowStats(
+            lse=lse, lse_tempered=lse.clone() if tempered else lse, best=lse.clone(),
+            top1=torch.zeros(num_rows, dtype=torch.int64, device=device),
+            at_ids=torch.zeros(num_rows, k, dtype=torch.float32, device=device) if k else None,
+            at_label=torch.zeros(num_rows, dtype=torch.float32, device=device) if labels else None)
+
+
+@triton.jit
+def _merge_logsumexp(old, new):
+    top = tl.maximum(old, new)
+    safe = tl.where(top == float("-inf"), 0.0, top)
+    return safe + tl.log(tl.exp(old - safe) + tl.exp(new - safe))
+
+
+@triton.jit
+def _row_statistics_kernel(logits_ptr, bias_ptr, ids_ptr, labels_ptr,
+                           lse_ptr, lse_tempered_ptr, best_ptr, top1_ptr, at_ids_ptr, at_label_ptr,
+                           stride_row, stride_ids, stride_at_ids, width, column_start, k, inv_temperature,
+                           HAS_BIAS: tl.constexpr, TEMPERED: tl.constexpr, HAS_IDS: tl.constexpr,
+                           HAS_LABELS: tl.constexpr, MERGE: tl.constexpr, BLOCK_V: tl.constexpr,
+                           BLOCK_K: tl.constexpr):
+    row = tl.program_id(0)
+    row_ptr = logits_ptr + row.to(tl.int64) * stride_row
+    offsets = tl.arange(0, BLOCK_V)
+    # per-lane running max and sums; the temperature shares the max (τ > 0 keeps the order)
+    lane_max = tl.full([BLOCK_V], float("-inf"), tl.float32)
+    lane_sum = tl.zeros([BLOCK_V], tl.float32)
+    lane_sum_tempered = tl.zeros([BLOCK_V], tl.float32)
+    lane_arg = tl.zeros([BLOCK_V], tl.int32)
+    for start in range(0, width, BLOCK_V):
+        cols = start + offsets
+        inside = cols < width
+        z = tl.load(row_ptr + cols, mask=inside, other=float("-inf")).to(tl.float32)
+        if HAS_BIAS:
+            z += tl.load(bias_ptr + cols, mask=inside, other=0.0).to(tl.float32)
+        new_max = tl.maximum(lane_max, z)
+        # a lane that has seen only -inf keeps max -inf: shift by 0 instead of NaN
+        safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
+        lane_sum = lane_sum * tl.exp(lane_max - safe_max) + tl.exp(z - safe_max)
+        if TEMPERED:
+            lane_sum_tempered = (lane_sum_tempered * tl.exp((lane_max - safe_max) * inv_temperature)
+                                 + tl.exp((z - safe_max) * inv_temperature))
+        lane_arg = tl.where(z > lane_max, cols, lane_arg)
+        lane_max = new_max
+    row_max = tl.max(lane_max, axis=0)
+    # the lowest column among lanes holding the maximum
+    arg = tl.min(tl.where(lane_max == row_max, lane_arg, 2147483647), axis=0).to(tl.int64) + column_start
+    safe_row_max = tl.where(row_max == float("-inf"), 0.0, row_max)
+    lse = safe_row_max + tl.log(tl.sum(lane_sum * tl.exp(lane_max - safe_row_max), axis=0))
+    if TEMPERED:
+        lse_tempered = safe_row_max * inv_temperature + tl.log(
+            tl.sum(lane_sum_tempered * tl.exp((lane_max - safe_row_max) * inv_temperature), axis=0))
+    if MERGE:
+        old_best = tl.load(best_ptr + row)
+        better = row_max > old_best  # strict: an earlier slice (lower column) keeps a tie
+        arg = tl.where(better, arg, tl.load(top1_ptr + row))
+        row_max = tl.maximum(row_max, old_best)
+        lse = _merge_logsumexp(tl.load(lse_ptr + row), lse)
+        if TEMPERED:
+            lse_tempered = _merge_logsumexp(tl.load(lse_tempered_ptr + row), lse_tempered)
+    tl.store(lse_ptr + row, lse)
+    if TEMPERED:
+        tl.store(lse_tempered_ptr + row, lse_tempered)
+    tl.store(best_ptr + row, row_max)
+    tl.store(top1_ptr + row, arg)
+    if HAS_IDS:
+        k_offsets = tl.arange(0, BLOCK_K)
+        in_k = k_offsets < k
+        local = tl.load(ids_ptr + row.to(tl.int64) * stride_ids + k_offsets, mask=in_k, other=-1) - column_start
+        owned = in_k & (local >= 0) & (local < width)
+        values = tl.load(row_ptr + local, mask=owned, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            values += tl.load(bias_ptr + local, mask=owned, other=0.0).to(tl.float32)
+        at_ids_row = at_ids_ptr + row.to(tl.int64) * stride_at_ids + k_offsets
+        if MERGE:
+            values = tl.where(owned, values, 0.0) + tl.load(at_ids_row, mask=in_k, other=0.0)
+        tl.store(at_ids_row, values, mask=in_k if MERGE else owned)
+    if HAS_LABELS:
+        local_label = tl.load(labels_ptr + row) - column_start
+        label_owned = (local_label >= 0) & (local_label < width)
+        label_value = tl.load(row_ptr + local_label, mask=label_owned, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            label_value += tl.load(bias_ptr + local_label, mask=label_owned, other=0.0).to(tl.float32)
+        if MERGE:
+            label_value = tl.where(label_owned, label_value, 0.0) + tl.load(at_label_ptr + row)
+            tl.store(at_label_ptr + row, label_value)
+        else:
+            tl.store(at_label_ptr + row, label_value, mask=label_owned)
+
+
+def row_statistics(logits: torch.Tensor, bias, width: int, temperature: float, running: RunningRowStats,
+                   ids: Optional[torch.Tensor] = None, labels: Optional[torch.Tensor] = None,
+                   column_start: int = 0, merge: bool = False) -> RunningRowStats:
+    """logits ``[R, ≥width]`` (unit column stride) of global columns ``[column_start, +width)``,
+    bias ``[width]`` or None; ids ``[R, k]`` / labels ``[R]`` int64 global columns (already
+    safe: no -1 / ignore_index). Updates and returns ``running`` (``RunningRowStats.empty``).
+    Without ``merge`` the slice must hold every id and label of its rows."""
+    rows = logits.shape[0]
+    tempered = temperature != 1.0
+    k = 0 if ids is None else ids.shape[1]
+    if rows:
+        _row_statistics_kernel[(rows,)](
+            logits, bias if bias is not None else logits, ids if ids is not None else running.top1,
+            labels if labels is not None else running.top1,
+            running.lse, running.lse_tempered, running.best, running.top1,
+            running.at_ids if running.at_ids is not None else running.lse,
+            running.at_label if running.at_label is not None else running.lse,
+            logits.stride(0), ids.stride(0) if ids is not None else 0,
+            running.at_ids.stride(0) if running.at_ids is not None else 0, width, column_start, k,
+            1.0 / temperature, HAS_BIAS=bias is not None, TEMPERED=tempered, HAS_IDS=ids is not None,
+            HAS_LABELS=labels is not None, MERGE=merge, BLOCK_V=ROW_BLOCK_V,
+            BLOCK_K=triton.next_power_of_2(max(k, 1)), num_warps=num_warps_for(ROW_BLOCK_V))
+    return running
