@@ -5,12 +5,12 @@ from typing import Optional
 
 import torch
 
-from . import reference
+from . import reference, vocab_parallel
 from .backends import resolve_backend
+from .distributed import vocab_shard
 from .options import DivergenceOptions, check_temperature
 from .topk import TopK
 from .validation import (
-    check_group,
     check_k,
     check_label_values,
     check_labels,
@@ -28,6 +28,21 @@ _LOGPROBS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 def _check_logprobs_dtype(logprobs_dtype: torch.dtype) -> None:
     if logprobs_dtype not in _LOGPROBS_DTYPES:
         raise TypeError(f"logprobs_dtype: expected one of {_LOGPROBS_DTYPES}, got {logprobs_dtype}")
+
+
+def _group_size(group) -> int:
+    if group is None:
+        return 1
+    import torch.distributed as dist
+
+    return dist.get_world_size(group)
+
+
+def _vocab(group, local_columns: int, vocab_size, argument: str):
+    """(V*, this rank's `VocabShard` or None): under a group of W ranks the shards hold
+    ``W · local_columns`` columns in all."""
+    vocab_size = resolve_vocab_size(vocab_size, local_columns * _group_size(group), argument)
+    return vocab_size, vocab_shard(group, local_columns, vocab_size)
 
 
 def _finish_topk(topk: TopK, logprobs_dtype: torch.dtype) -> TopK:
@@ -58,17 +73,20 @@ def teacher_topk(hidden: torch.Tensor, weight: torch.Tensor, k: int = 64, *, tem
         `TopK` with ``logprobs [N, k]``, ``indices [N, k]`` int32, ``lse [N]`` float32.
     """
     check_lm_head(hidden, weight, bias)
-    check_group(group)
     check_temperature(temperature)
-    vocab_size = resolve_vocab_size(vocab_size, weight.shape[0], "weight")
+    vocab_size, shard = _vocab(group, weight.shape[0], vocab_size, "weight")
     check_k(k, vocab_size)
     _check_logprobs_dtype(logprobs_dtype)
     if resolve_backend(backend, "teacher_topk", hidden.device) == "triton":
         from . import teacher_chunked as chunked
 
-        return _finish_topk(chunked.teacher_topk(hidden, weight, k, temperature, vocab_size, bias, chunk_rows),
-                            logprobs_dtype)
-    return _finish_topk(reference.teacher_topk(hidden, weight, k, temperature, vocab_size, bias), logprobs_dtype)
+        topk = chunked.teacher_topk(hidden, weight, k, temperature, vocab_size, bias, chunk_rows, shard)
+    elif shard is not None:
+        topk = vocab_parallel.teacher_topk_from_logits(reference.lm_head_logits(hidden, weight, bias), k, temperature,
+                                                       shard)
+    else:
+        topk = reference.teacher_topk(hidden, weight, k, temperature, vocab_size, bias)
+    return _finish_topk(topk, logprobs_dtype)
 
 
 @torch.no_grad()
@@ -80,31 +98,34 @@ def teacher_topk_from_logits(logits: torch.Tensor, k: int = 64, *, temperature: 
     Equals ``torch.log_softmax(logits[:, :V*].float() / temperature, -1).topk(k)``, lower id first on ties.
     """
     check_logits(logits)
-    check_group(group)
     check_temperature(temperature)
-    vocab_size = resolve_vocab_size(vocab_size, logits.shape[1], "logits")
+    vocab_size, shard = _vocab(group, logits.shape[1], vocab_size, "logits")
     check_k(k, vocab_size)
     _check_logprobs_dtype(logprobs_dtype)
     if resolve_backend(backend, "teacher_topk_from_logits", logits.device) == "triton":
         from . import teacher_chunked as chunked
 
-        return _finish_topk(chunked.teacher_topk_from_logits(logits, k, temperature, vocab_size), logprobs_dtype)
-    return _finish_topk(reference.teacher_topk_from_logits(logits, k, temperature, vocab_size), logprobs_dtype)
+        topk = chunked.teacher_topk_from_logits(logits, k, temperature, vocab_size, shard)
+    elif shard is not None:
+        topk = vocab_parallel.teacher_topk_from_logits(logits, k, temperature, shard)
+    else:
+        topk = reference.teacher_topk_from_logits(logits, k, temperature, vocab_size)
+    return _finish_topk(topk, logprobs_dtype)
 
 
-def _student_options(columns: int, argument: str, teacher: TopK, kwargs: dict) -> DivergenceOptions:
-    vocab_size = resolve_vocab_size(kwargs.pop("vocab_size", None), columns, argument)
+def _student_options(group, local_columns: int, argument: str, teacher: TopK, kwargs: dict):
+    """(options with the global V*, this rank's `VocabShard` or None)."""
+    vocab_size, shard = _vocab(group, local_columns, kwargs.pop("vocab_size", None), argument)
     options = DivergenceOptions(vocab_size=vocab_size, **kwargs)
     if isinstance(teacher, TopK) and teacher.temperature is not None and teacher.temperature != options.temperature:
         raise ValueError(f"temperature: the student temperature {options.temperature} differs from the teacher's "
                          f"{teacher.temperature} (teacher.temperature); score both at one temperature, or set "
                          "teacher.temperature = None to mix them on purpose")
-    return options
+    return options, shard
 
 
 def _check_student_inputs(num_rows: int, device, teacher: TopK, labels, options: DivergenceOptions,
-                          num_tokens, group, check_values: bool) -> None:
-    check_group(group)
+                          num_tokens, check_values: bool) -> None:
     check_teacher(teacher, num_rows, device)
     check_labels(labels, num_rows, device, options.ce_weight)
     check_num_tokens(num_tokens)
@@ -164,18 +185,22 @@ def topk_divergence(hidden: torch.Tensor, weight: torch.Tensor, teacher: TopK, l
         raise ValueError("chunk_rows: applies to the fast schedule only; pass lean=True or chunk_rows, not both")
     if chunk_rows is not None and (not isinstance(chunk_rows, int) or chunk_rows < 1):
         raise ValueError(f"chunk_rows: expected None or an int >= 1, got {chunk_rows!r}")
-    options = _student_options(weight.shape[0], "weight", teacher, dict(
+    options, shard = _student_options(group, weight.shape[0], "weight", teacher, dict(
         divergence=divergence, support=support, temperature=temperature, kd_weight=kd_weight,
         ce_weight=ce_weight, beta=beta, skew_lambda=skew_lambda, adaptive_alpha=adaptive_alpha,
         ignore_index=ignore_index, reduction=reduction, vocab_size=vocab_size))
-    _check_student_inputs(hidden.shape[0], hidden.device, teacher, labels, options, num_tokens, group, check_values)
+    _check_student_inputs(hidden.shape[0], hidden.device, teacher, labels, options, num_tokens, check_values)
     chosen = resolve_backend(backend, "topk_divergence", hidden.device)
     if chosen == "triton":
         from .autograd.student_loss import fused_topk_divergence
 
         return fused_topk_divergence(hidden, weight, bias, teacher, labels, options, num_tokens, return_metrics,
-                                     chunk_rows, lean)
-    result = reference.topk_divergence(hidden, weight, teacher, labels, options, num_tokens, bias, return_metrics)
+                                     chunk_rows, lean, shard)
+    if shard is not None:
+        result = vocab_parallel.topk_divergence(hidden, weight, bias, teacher, labels, options, num_tokens, shard,
+                                                return_metrics)
+    else:
+        result = reference.topk_divergence(hidden, weight, teacher, labels, options, num_tokens, bias, return_metrics)
     return _loss_dtype_result(result, hidden.dtype, return_metrics)
 
 
@@ -191,15 +216,19 @@ def topk_divergence_from_logits(logits: torch.Tensor, teacher: TopK, labels: Opt
     Same math and arguments; the gradient reaches ``logits``.
     """
     check_logits(logits)
-    options = _student_options(logits.shape[1], "logits", teacher, dict(
+    options, shard = _student_options(group, logits.shape[1], "logits", teacher, dict(
         divergence=divergence, support=support, temperature=temperature, kd_weight=kd_weight,
         ce_weight=ce_weight, beta=beta, skew_lambda=skew_lambda, adaptive_alpha=adaptive_alpha,
         ignore_index=ignore_index, reduction=reduction, vocab_size=vocab_size))
-    _check_student_inputs(logits.shape[0], logits.device, teacher, labels, options, num_tokens, group, check_values)
+    _check_student_inputs(logits.shape[0], logits.device, teacher, labels, options, num_tokens, check_values)
     chosen = resolve_backend(backend, "topk_divergence_from_logits", logits.device)
     if chosen == "triton":
         from .autograd.student_loss import fused_topk_divergence_from_logits
 
-        return fused_topk_divergence_from_logits(logits, teacher, labels, options, num_tokens, return_metrics)
-    result = reference.topk_divergence_from_logits(logits, teacher, labels, options, num_tokens, return_metrics)
+        return fused_topk_divergence_from_logits(logits, teacher, labels, options, num_tokens, return_metrics, shard)
+    if shard is not None:
+        result = vocab_parallel.topk_divergence_from_logits(logits, teacher, labels, options, num_tokens, shard,
+                                                            return_metrics)
+    else:
+        result = reference.topk_divergence_from_logits(logits, teacher, labels, options, num_tokens, return_metrics)
     return _loss_dtype_result(result, logits.dtype, return_metrics)

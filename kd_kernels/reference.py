@@ -15,6 +15,7 @@ Unlike the public API, ``k`` may exceed the number of columns (missing entries a
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
@@ -127,24 +128,21 @@ def _global_vocab(shards: Sequence[torch.Tensor], vocab_size: Optional[int]) -> 
     return vocab_size if vocab_size is not None else sum(s.shape[-1] for s in shards)
 
 
-def teacher_topk_sharded(logit_shards: Sequence[torch.Tensor], k: int, temperature: float = 1.0,
-                         vocab_size: Optional[int] = None) -> TopK:
-    """Teacher top-k from vocab shards: local top-k and local logsumexp per shard, then an
-    exact merge of the ``world · k`` candidates (lower global id first on ties)."""
-    vocab_size = _global_vocab(logit_shards, vocab_size)
-    local_vocab = logit_shards[0].shape[-1]
-    candidate_values, candidate_ids, local_lses = [], [], []
-    for rank, shard in enumerate(logit_shards):
-        tempered = _shard_columns(shard, rank, vocab_size) / temperature
-        values, ids = _sorted_topk(tempered, k, column_offset=rank * local_vocab)
-        candidate_values.append(values)
-        candidate_ids.append(ids)
-        local_lses.append(torch.logsumexp(tempered, dim=-1))
-    lse = torch.logsumexp(torch.stack(local_lses, dim=-1), dim=-1)
-    values = torch.cat(candidate_values, dim=-1)
-    ids = torch.cat(candidate_ids, dim=-1)
-    # Candidates are concatenated in ascending shard order, each shard's ties already
-    # lower-id first, so a stable sort keeps lower global ids first on ties.
+def teacher_shard_candidates(shard: torch.Tensor, rank: int, k: int, temperature: float, vocab_size: int):
+    """One shard's part of the teacher top-k: its top-k tempered logits ``[N, k]`` (lower id
+    first on ties, -inf / id 0 where it has fewer columns), their global ids, and the
+    logsumexp ``[N]`` of its tempered logits (-inf if it holds no existing column)."""
+    tempered = _shard_columns(shard, rank, vocab_size) / temperature
+    values, ids = _sorted_topk(tempered, k, column_offset=rank * shard.shape[-1])
+    return values, ids, torch.logsumexp(tempered, dim=-1)
+
+
+def merge_teacher_candidates(values: torch.Tensor, ids: torch.Tensor, local_lses: torch.Tensor, k: int,
+                             temperature: float) -> TopK:
+    """Exact global top-k from ``[N, W·k]`` candidates concatenated in ascending shard order
+    and ``[N, W]`` shard logsumexps. Each shard's ties are already lower-id first, so a
+    stable sort keeps lower global ids first on ties."""
+    lse = torch.logsumexp(local_lses, dim=-1)
     merged_values, order = torch.sort(values, dim=-1, descending=True, stable=True)
     merged_ids = ids.gather(-1, order)[:, :k]
     logprobs = merged_values[:, :k] - lse.unsqueeze(-1)
@@ -152,51 +150,77 @@ def teacher_topk_sharded(logit_shards: Sequence[torch.Tensor], k: int, temperatu
     return TopK(logprobs, merged_ids.to(torch.int32), lse, temperature)
 
 
+def teacher_topk_sharded(logit_shards: Sequence[torch.Tensor], k: int, temperature: float = 1.0,
+                         vocab_size: Optional[int] = None) -> TopK:
+    """Teacher top-k from vocab shards: local top-k and local logsumexp per shard, then an
+    exact merge of the ``world · k`` candidates (lower global id first on ties)."""
+    vocab_size = _global_vocab(logit_shards, vocab_size)
+    parts = [teacher_shard_candidates(shard, rank, k, temperature, vocab_size) for rank, shard in enumerate(logit_shards)]
+    values, ids, lses = zip(*parts)
+    return merge_teacher_candidates(torch.cat(values, -1), torch.cat(ids, -1), torch.stack(lses, -1), k, temperature)
+
+
 def _owned_gather(columns: torch.Tensor, global_ids: torch.Tensor, column_offset: int):
-    """Values at the global ids this shard owns, and the ownership mask."""
+    """Values at the global ids this shard owns (0 elsewhere)."""
     local_ids = global_ids - column_offset
     owned = (local_ids >= 0) & (local_ids < columns.shape[-1])
     if columns.shape[-1] == 0:
-        return torch.zeros(global_ids.shape, dtype=columns.dtype, device=columns.device), owned
+        return torch.zeros(global_ids.shape, dtype=columns.dtype, device=columns.device)
     values = columns.gather(-1, torch.where(owned, local_ids, 0))
-    return torch.where(owned, values, 0.0), owned
+    return torch.where(owned, values, 0.0)
+
+
+@dataclass
+class StudentShardPieces:
+    """One shard's part of the student statistics, before combining over shards (``[N]`` unless
+    noted): tempered logits at the teacher ids it owns ``[N, k]`` (0 elsewhere), the logit at
+    the label if it owns it (0 elsewhere), its two logsumexps, and its row max and argmax."""
+
+    values: torch.Tensor
+    label_values: Optional[torch.Tensor]
+    lse: torch.Tensor
+    lse_tempered: torch.Tensor
+    max: torch.Tensor
+    argmax: torch.Tensor
+
+
+def student_shard_pieces(shard: torch.Tensor, rank: int, teacher: TopK, labels: Optional[torch.Tensor],
+                         options: DivergenceOptions, vocab_size: int) -> StudentShardPieces:
+    z = _shard_columns(shard, rank, vocab_size)
+    offset = rank * shard.shape[-1]
+    tempered = z / options.temperature
+    label_values = None
+    if labels is not None:
+        label_ids = _safe_ids(labels, labels != options.ignore_index).unsqueeze(-1)
+        label_values = _owned_gather(z, label_ids, offset).squeeze(-1)
+    if z.shape[-1]:
+        row_max, row_argmax = z.max(dim=-1)
+    else:
+        row_max = z.new_full((z.shape[0],), -math.inf)
+        row_argmax = torch.zeros(z.shape[0], dtype=torch.long, device=z.device)
+    return StudentShardPieces(
+        values=_owned_gather(tempered, _safe_ids(teacher.indices, teacher.valid), offset),
+        label_values=label_values,
+        lse=torch.logsumexp(z, dim=-1),
+        lse_tempered=torch.logsumexp(tempered, dim=-1),
+        max=row_max,
+        argmax=row_argmax + offset,
+    )
 
 
 def student_row_stats_sharded(logit_shards: Sequence[torch.Tensor], teacher: TopK, labels: Optional[torch.Tensor],
                               options: DivergenceOptions, vocab_size: int) -> StudentRowStats:
-    """Student statistics from vocab shards: per-shard logsumexps, max and owned gathers,
-    summed / merged across shards."""
-    local_vocab = logit_shards[0].shape[-1]
-    ids = _safe_ids(teacher.indices, teacher.valid)
-    label_ids = None if labels is None else _safe_ids(labels, labels != options.ignore_index).unsqueeze(-1)
-    values = 0.0
-    label_values = 0.0
-    lses, lses_tempered, maxima, argmaxes = [], [], [], []
-    for rank, shard in enumerate(logit_shards):
-        z = _shard_columns(shard, rank, vocab_size)
-        offset = rank * local_vocab
-        tempered = z / options.temperature
-        shard_values, _ = _owned_gather(tempered, ids, offset)
-        values = values + shard_values
-        lses_tempered.append(torch.logsumexp(tempered, dim=-1))
-        lses.append(torch.logsumexp(z, dim=-1))
-        if z.shape[-1]:
-            shard_max, shard_argmax = z.max(dim=-1)
-        else:
-            shard_max = z.new_full((z.shape[0],), -math.inf)
-            shard_argmax = torch.zeros(z.shape[0], dtype=torch.long, device=z.device)
-        maxima.append(shard_max)
-        argmaxes.append(shard_argmax + offset)
-        if label_ids is not None:
-            label_values = label_values + _owned_gather(z, label_ids, offset)[0].squeeze(-1)
-    # The first shard holding the maximum wins, as argmax over the whole row would.
-    best_shard = torch.stack(maxima, dim=-1).argmax(dim=-1, keepdim=True)
-    top1 = torch.stack(argmaxes, dim=-1).gather(-1, best_shard).squeeze(-1)
-    lse = torch.logsumexp(torch.stack(lses, dim=-1), dim=-1)
+    """Student statistics from vocab shards: per-shard pieces, summed / merged across shards."""
+    pieces = [student_shard_pieces(shard, rank, teacher, labels, options, vocab_size)
+              for rank, shard in enumerate(logit_shards)]
+    # the first shard holding the maximum wins, as argmax over the whole row would
+    best_shard = torch.stack([p.max for p in pieces], dim=-1).argmax(dim=-1, keepdim=True)
+    top1 = torch.stack([p.argmax for p in pieces], dim=-1).gather(-1, best_shard).squeeze(-1)
+    lse = torch.logsumexp(torch.stack([p.lse for p in pieces], dim=-1), dim=-1)
     return StudentRowStats(
-        values=values,
-        lse_tempered=torch.logsumexp(torch.stack(lses_tempered, dim=-1), dim=-1),
-        label_logprob=None if label_ids is None else label_values - lse,
+        values=sum(p.values for p in pieces),
+        lse_tempered=torch.logsumexp(torch.stack([p.lse_tempered for p in pieces], dim=-1), dim=-1),
+        label_logprob=None if labels is None else sum(p.label_values for p in pieces) - lse,
         top1=top1,
     )
 

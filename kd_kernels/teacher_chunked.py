@@ -33,23 +33,39 @@ def _sorted_topk(scores: torch.Tensor, k: int):
     return values.gather(-1, by_value), indices.gather(-1, by_value)
 
 
-def _chunk_topk(logits: torch.Tensor, bias: Optional[torch.Tensor], k: int, temperature: float, vocab_size: int):
-    """(logprobs [R, k] float32, indices [R, k] int32, lse [R] float32) of a logits chunk."""
-    existing = logits[:, :vocab_size]
+def _chunk_candidates(logits: torch.Tensor, bias: Optional[torch.Tensor], k: int, temperature: float, width: int,
+                      column_start: int = 0):
+    """Top-k candidates of the first ``width`` columns of a logits chunk: tempered values
+    ``[R, k]`` float32 (-inf / id 0 past ``width``), int64 global ids, and lse ``[R]``."""
+    existing = logits[:, :width]
     if bias is not None:
-        existing = existing.float() + bias[:vocab_size].float()
-    lse_tempered = _lse_tempered(existing, vocab_size, temperature)
-    values, indices = _sorted_topk(existing, k)
-    logprobs = values.float() / temperature - lse_tempered.unsqueeze(-1)
-    return logprobs, indices.to(torch.int32), lse_tempered
+        existing = existing.float() + bias[:width].float()
+    lse_tempered = _lse_tempered(existing, width, temperature)
+    kept = min(k, width)
+    values, indices = _sorted_topk(existing, kept) if kept else (existing[:, :0], existing[:, :0].long())
+    values = values.float() / temperature
+    indices = indices.long() + column_start
+    if kept < k:
+        values = torch.cat([values, values.new_full((values.shape[0], k - kept), -float("inf"))], -1)
+        indices = torch.cat([indices, indices.new_zeros((indices.shape[0], k - kept))], -1)
+    return values, indices, lse_tempered
 
 
-def teacher_topk_from_logits(logits: torch.Tensor, k: int, temperature: float, vocab_size: int) -> TopK:
-    """logits ``[N, V]`` (bf16 / fp16 / fp32, read once in place) -> `TopK` float32."""
+def _finish(values, indices, lse_tempered, k, temperature, shard) -> TopK:
+    if shard is None:
+        return TopK(values - lse_tempered.unsqueeze(-1), indices.to(torch.int32), lse_tempered, temperature)
+    from .vocab_parallel import merge_teacher_candidates
+
+    return merge_teacher_candidates(values, indices, lse_tempered, k, temperature, shard)
+
+
+def teacher_topk_from_logits(logits: torch.Tensor, k: int, temperature: float, vocab_size: int, shard=None) -> TopK:
+    """logits ``[N, V]`` (bf16 / fp16 / fp32, read once in place; this rank's shard under
+    ``shard``) -> `TopK` float32."""
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
-    logprobs, indices, lse = _chunk_topk(logits, None, k, temperature, vocab_size)
-    return TopK(logprobs, indices, lse, temperature)
+    width, column_start = (vocab_size, 0) if shard is None else (shard.existing, shard.vocab_start)
+    return _finish(*_chunk_candidates(logits, None, k, temperature, width, column_start), k, temperature, shard)
 
 
 def lm_head_logits_fp32(hidden: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -63,17 +79,19 @@ def lm_head_logits_fp32(hidden: torch.Tensor, weight: torch.Tensor, out: torch.T
 
 
 def teacher_topk(hidden: torch.Tensor, weight: torch.Tensor, k: int, temperature: float, vocab_size: int,
-                 bias: Optional[torch.Tensor] = None, chunk_rows: Optional[int] = None) -> TopK:
-    """hidden ``[N, H]``, weight ``[V, H]`` -> `TopK` float32, chunk by chunk of rows."""
+                 bias: Optional[torch.Tensor] = None, chunk_rows: Optional[int] = None, shard=None) -> TopK:
+    """hidden ``[N, H]``, weight ``[V, H]`` (this rank's shard under ``shard``) -> `TopK`
+    float32, chunk by chunk of rows."""
     num_rows = hidden.shape[0]
+    width, column_start = (vocab_size, 0) if shard is None else (shard.existing, shard.vocab_start)
     chunk_rows = chunk_rows or max(1, min(num_rows, DEFAULT_CHUNK_BYTES // (4 * weight.shape[0])))
     logits = torch.empty(min(chunk_rows, num_rows), weight.shape[0], dtype=torch.float32, device=hidden.device)
-    logprobs = torch.empty(num_rows, k, dtype=torch.float32, device=hidden.device)
-    indices = torch.empty(num_rows, k, dtype=torch.int32, device=hidden.device)
+    values = torch.empty(num_rows, k, dtype=torch.float32, device=hidden.device)
+    indices = torch.empty(num_rows, k, dtype=torch.int64, device=hidden.device)
     lse = torch.empty(num_rows, dtype=torch.float32, device=hidden.device)
     for start in range(0, num_rows, chunk_rows):
         stop = min(start + chunk_rows, num_rows)
         chunk = lm_head_logits_fp32(hidden[start:stop], weight, logits[:stop - start])
-        logprobs[start:stop], indices[start:stop], lse[start:stop] = _chunk_topk(chunk, bias, k, temperature,
-                                                                                 vocab_size)
-    return TopK(logprobs, indices, lse, temperature)
+        values[start:stop], indices[start:stop], lse[start:stop] = _chunk_candidates(chunk, bias, k, temperature,
+                                                                                     width, column_start)
+    return _finish(values, indices, lse, k, temperature, shard)

@@ -123,14 +123,3 @@ def check_num_tokens(num_tokens) -> None:
         return
     if isinstance(num_tokens, bool) or not isinstance(num_tokens, (int, float)) or not num_tokens > 0:
         raise ValueError(f"num_tokens: expected None, a positive number or a tensor, got {num_tokens!r}")
-
-
-def check_group(group) -> None:
-    """Vocab parallel is not built yet: refuse a group of more than one rank rather than ignore it."""
-    if group is None:
-        return
-    import torch.distributed as dist
-
-    if dist.get_world_size(group) != 1:
-        raise NotImplementedError("group: vocab-parallel (tensor-parallel) execution is not implemented yet; "
-                                  "pass group=None or a group of one rank")

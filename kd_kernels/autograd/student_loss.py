@@ -102,20 +102,40 @@ class _ChunkStats:
     lse: torch.Tensor
     lse_tempered: torch.Tensor
     top1: torch.Tensor
+    best: torch.Tensor  # [C] float32 row maximum (to merge argmaxes across ranks)
     ids: torch.Tensor  # [C, k] int64, invalid entries -> 0
     labels: Optional[torch.Tensor]  # [C] int64, ignored rows -> 0
 
 
-def _chunk_stats(logits, bias, teacher_indices, valid, labels, options: DivergenceOptions, vocab_size) -> _ChunkStats:
-    """Statistics of rows whose logits ``[R, ≥V*]`` are all in memory: one Triton pass."""
+def _chunk_stats(logits, bias, teacher_indices, valid, labels, options: DivergenceOptions, width: int,
+                 column_start: int = 0) -> _ChunkStats:
+    """Statistics of rows whose logits (the ``width`` existing columns of this rank, global ids
+    from ``column_start``) are all in memory: one Triton pass. Ids and labels this rank does
+    not own read 0."""
     row_statistics, running_type = _statistics_kernel()
     ids = torch.where(valid, teacher_indices.long(), 0)
     safe_labels = None if labels is None else torch.where(labels != options.ignore_index, labels.long(), 0)
     running = running_type.empty(logits.shape[0], ids.shape[1], options.temperature != 1.0, labels is not None,
                                  logits.device)
-    row_statistics(logits, bias, vocab_size, options.temperature, running, ids, safe_labels)
-    return _ChunkStats(running.at_ids, running.at_label, running.lse, running.lse_tempered, running.top1, ids,
-                       safe_labels)
+    row_statistics(logits, bias, width, options.temperature, running, ids, safe_labels, column_start=column_start)
+    return _ChunkStats(running.at_ids, running.at_label, running.lse, running.lse_tempered, running.top1,
+                       running.best, ids, safe_labels)
+
+
+def _combine_over_ranks(stats: _ChunkStats, shard) -> _ChunkStats:
+    """Every rank's statistics of the same rows -> the whole-vocab ones: O(N·k) + O(N·W)."""
+    from ..distributed import all_reduce_sum_, combine_argmax, combine_logsumexp
+
+    lse = combine_logsumexp(stats.lse, shard)
+    tempered = stats.lse_tempered is not stats.lse
+    summed = [stats.at_ids] + ([stats.at_label.unsqueeze(-1)] if stats.at_label is not None else [])
+    summed = all_reduce_sum_(torch.cat(summed, -1), shard)  # one collective for ids and label
+    k = stats.at_ids.shape[1]
+    return dataclasses.replace(
+        stats, at_ids=summed[:, :k].contiguous(),
+        at_label=summed[:, k] if stats.at_label is not None else None,
+        lse=lse, lse_tempered=combine_logsumexp(stats.lse_tempered, shard) if tempered else lse,
+        top1=combine_argmax(stats.best, stats.top1, shard))
 
 
 @dataclasses.dataclass
@@ -177,7 +197,11 @@ def _write_logit_gradient(logits, bias, plan: _GradientPlan, options: Divergence
 class _ChunkedStudentPass:
     """One pass over the rows in chunks: per-row losses, metrics, and optionally gradients."""
 
-    def __init__(self, teacher_logprobs, teacher_indices, labels, options: DivergenceOptions, vocab_size: int):
+    def __init__(self, teacher_logprobs, teacher_indices, labels, options: DivergenceOptions, vocab_size: int,
+                 shard=None):
+        self.shard = shard
+        # this rank's existing columns and the global id of the first
+        self.width, self.column_start = (vocab_size, 0) if shard is None else (shard.existing, shard.vocab_start)
         self.teacher_logprobs = teacher_logprobs
         self.teacher_indices = teacher_indices
         self.valid = torch.isfinite(teacher_logprobs)
@@ -214,7 +238,10 @@ class _ChunkedStudentPass:
     def chunk(self, logits, bias, start, stop, row_weight, metrics):
         """`step` of rows [start, stop) from their logits ``[stop - start, V]``; also returns the stats."""
         _, teacher_indices, valid, labels, _ = self.rows(start, stop)
-        stats = _chunk_stats(logits, bias, teacher_indices, valid, labels, self.options, self.vocab_size)
+        stats = _chunk_stats(logits, bias, teacher_indices, valid, labels, self.options, self.width,
+                             self.column_start)
+        if self.shard is not None:
+            stats = _combine_over_ranks(stats, self.shard)
         per_row, grads = self.step(stats, start, stop, row_weight, metrics)
         return per_row, stats, grads
 
@@ -261,13 +288,18 @@ def _linear_pass(hidden, weight, bias, student_pass: _ChunkedStudentPass, row_we
         # the gradient row, in the input dtype, overwrites the first bytes of its float32 logits row
         chunk_grad = chunk_logits.view(hidden.dtype)[:, :num_columns]
         plan = _gradient_plan(stats, grads, student_pass.valid[start:stop], student_pass.options)
-        _write_logit_gradient(chunk_logits, bias, plan, student_pass.options, student_pass.vocab_size, chunk_grad)
+        _write_logit_gradient(chunk_logits, bias, plan, student_pass.options, student_pass.width, chunk_grad,
+                              student_pass.column_start)
         if grad_hidden is not None:
             torch.mm(chunk_grad, weight, out=grad_hidden[start:stop])
         if grad_weight is not None:
             grad_weight.addmm_(chunk_grad.T, hidden_chunk)
         if grad_bias is not None:
             grad_bias += chunk_grad.float().sum(0)
+    if grad_hidden is not None and student_pass.shard is not None:
+        from ..distributed import all_reduce_sum_
+
+        all_reduce_sum_(grad_hidden, student_pass.shard)  # hidden is replicated: Σ_r dlogits_r @ W_r
     grads = (grad_hidden, grad_weight, None if grad_bias is None else grad_bias.to(bias.dtype))
     return per_row, (None if metrics is None else torch.stack(metrics)), grads
 
@@ -294,9 +326,10 @@ def _vocab_sliced_pass(hidden, weight, bias, student_pass: _ChunkedStudentPass, 
     device = hidden.device
     want_grads = row_weight is not None and any(needs)
     row_statistics, running_type = _statistics_kernel()
-    width_most = lean_slice_columns(num_rows, vocab_size)
+    width, column_start = student_pass.width, student_pass.column_start
+    width_most = lean_slice_columns(num_rows, max(width, 1))
     buffer = torch.empty(num_rows * width_most, dtype=torch.float32, device=device)
-    slices = [(start, min(start + width_most, vocab_size)) for start in range(0, vocab_size, width_most)]
+    slices = [(start, min(start + width_most, width)) for start in range(0, width, width_most)]
 
     def slice_logits(start, stop):
         out = buffer[:num_rows * (stop - start)].view(num_rows, stop - start)
@@ -309,9 +342,11 @@ def _vocab_sliced_pass(hidden, weight, bias, student_pass: _ChunkedStudentPass, 
     for start, stop in slices:
         logits, bias_slice = slice_logits(start, stop)
         row_statistics(logits, bias_slice, stop - start, options.temperature, running, ids, safe_labels,
-                       column_start=start, merge=True)
-    stats = _ChunkStats(running.at_ids, running.at_label, running.lse, running.lse_tempered, running.top1, ids,
-                        safe_labels)
+                       column_start=column_start + start, merge=True)
+    stats = _ChunkStats(running.at_ids, running.at_label, running.lse, running.lse_tempered, running.top1,
+                        running.best, ids, safe_labels)
+    if student_pass.shard is not None:
+        stats = _combine_over_ranks(stats, student_pass.shard)
     metrics = [torch.zeros((), device=device) for _ in _METRIC_NAMES] if with_metrics else None
     per_row, grads = student_pass.step(stats, 0, num_rows, row_weight if want_grads else None, metrics)
     grad_hidden = grad_weight = grad_bias = None
@@ -324,13 +359,18 @@ def _vocab_sliced_pass(hidden, weight, bias, student_pass: _ChunkedStudentPass, 
         for start, stop in slices:
             logits, bias_slice = slice_logits(start, stop)
             gradient = logits.view(hidden.dtype)[:, :stop - start]
-            _write_logit_gradient(logits, bias_slice, plan, options, stop - start, gradient, column_start=start)
+            _write_logit_gradient(logits, bias_slice, plan, options, stop - start, gradient,
+                                  column_start=column_start + start)
             if grad_hidden is not None:
                 _accumulate_mm(grad_hidden, gradient, weight[start:stop])
             if grad_weight is not None:
                 torch.mm(gradient.T, hidden, out=grad_weight[start:stop])
             if grad_bias is not None:
                 grad_bias[start:stop] = gradient.float().sum(0)
+        if grad_hidden is not None and student_pass.shard is not None:
+            from ..distributed import all_reduce_sum_
+
+            all_reduce_sum_(grad_hidden, student_pass.shard)  # float32, before rounding to the input dtype
         grad_hidden = None if grad_hidden is None else grad_hidden.to(hidden.dtype)
     grads = (grad_hidden, grad_weight, None if grad_bias is None else grad_bias.to(bias.dtype))
     return per_row, (None if metrics is None else torch.stack(metrics)), grads
@@ -347,8 +387,8 @@ class LinearTopKDivergence(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, teacher_logprobs, teacher_indices, labels, num_tokens,
-                options: DivergenceOptions, vocab_size: int, chunk_rows, lean: bool, with_metrics: bool):
-        student_pass = _ChunkedStudentPass(teacher_logprobs, teacher_indices, labels, options, vocab_size)
+                options: DivergenceOptions, vocab_size: int, chunk_rows, lean: bool, with_metrics: bool, shard):
+        student_pass = _ChunkedStudentPass(teacher_logprobs, teacher_indices, labels, options, vocab_size, shard)
         needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2])
         row_weight = None
         if options.reduction != "none":
@@ -379,7 +419,7 @@ class LinearTopKDivergence(torch.autograd.Function):
             # when the upstream gradient is 1.
             scale_inplace = _kernels()[1]
             grads = tuple(None if g is None else scale_inplace(g, grad_loss) for g in ctx.saved_tensors)
-        return (*grads, None, None, None, None, None, None, None, None, None)
+        return (*grads, None, None, None, None, None, None, None, None, None, None)
 
 
 class LogitsTopKDivergence(torch.autograd.Function):
@@ -387,8 +427,8 @@ class LogitsTopKDivergence(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, teacher_logprobs, teacher_indices, labels, num_tokens, options: DivergenceOptions,
-                vocab_size: int, with_metrics: bool):
-        student_pass = _ChunkedStudentPass(teacher_logprobs, teacher_indices, labels, options, vocab_size)
+                vocab_size: int, with_metrics: bool, shard):
+        student_pass = _ChunkedStudentPass(teacher_logprobs, teacher_indices, labels, options, vocab_size, shard)
         metrics = [torch.zeros((), device=logits.device) for _ in _METRIC_NAMES] if with_metrics else None
         per_row, stats, _ = student_pass.chunk(logits, None, 0, logits.shape[0], None, metrics)
         row_weight = None
@@ -410,8 +450,8 @@ class LogitsTopKDivergence(torch.autograd.Function):
         *_, grads = student_pass.support(stats, teacher_logprobs, teacher_indices, counted, row_weight)
         grad_logits = torch.empty_like(logits, memory_format=torch.contiguous_format)
         _write_logit_gradient(logits, None, _gradient_plan(stats, grads, valid, options), options,
-                              student_pass.vocab_size, grad_logits)
-        return grad_logits, None, None, None, None, None, None, None
+                              student_pass.width, grad_logits, student_pass.column_start)
+        return grad_logits, None, None, None, None, None, None, None, None
 
 
 def _metrics_dict(metrics: torch.Tensor) -> dict:
@@ -426,23 +466,23 @@ def _num_tokens_arg(num_tokens):
 
 @torch.compiler.disable
 def fused_topk_divergence(hidden, weight, bias, teacher: TopK, labels, options: DivergenceOptions, num_tokens,
-                          return_metrics: bool, chunk_rows: Optional[int], lean: bool = False):
+                          return_metrics: bool, chunk_rows: Optional[int], lean: bool = False, shard=None):
     """The Triton path of `kd_kernels.topk_divergence` (inputs already validated).
 
     Under ``torch.compile`` this is a graph break (compiled code around it runs as usual)."""
     loss, metrics = LinearTopKDivergence.apply(
         hidden, weight, bias, teacher.logprobs, teacher.indices, labels, _num_tokens_arg(num_tokens), options,
-        options.vocab_size, chunk_rows, lean, return_metrics)
+        options.vocab_size, chunk_rows, lean, return_metrics, shard)
     return (loss, _metrics_dict(metrics)) if return_metrics else loss
 
 
 @torch.compiler.disable
 def fused_topk_divergence_from_logits(logits, teacher: TopK, labels, options: DivergenceOptions, num_tokens,
-                                      return_metrics: bool):
+                                      return_metrics: bool, shard=None):
     """The Triton path of `kd_kernels.topk_divergence_from_logits` (inputs already validated)."""
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     loss, metrics = LogitsTopKDivergence.apply(logits, teacher.logprobs, teacher.indices, labels,
                                                _num_tokens_arg(num_tokens), options, options.vocab_size,
-                                               return_metrics)
+                                               return_metrics, shard)
     return (loss, _metrics_dict(metrics)) if return_metrics else loss
