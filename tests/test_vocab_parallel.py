@@ -162,3 +162,43 @@ def _worker(rank, world, init_file):
 def test_vocab_parallel_matches_unsharded_reference(world):
     with tempfile.TemporaryDirectory() as directory:
         mp.spawn(_worker, args=(world, os.path.join(directory, "init")), nprocs=world, join=True)
+
+
+def _nccl_worker(rank, world, init_file):
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        group = dist.group.WORLD
+        n, h, v, vocab, k = 4096, 2048, 151_936, 151_900, 64
+        generator = torch.Generator(device="cuda").manual_seed(5)  # same on every rank
+        weight = (torch.randn(v, h, device="cuda", generator=generator) * 0.02).to(torch.bfloat16)
+        hidden = (torch.randn(n, h, device="cuda", generator=generator) * 0.3).to(torch.bfloat16)
+        teacher_weight = (torch.randn(v, h, device="cuda", generator=generator) * 0.02).to(torch.bfloat16)
+        labels = torch.randint(0, vocab, (n,), device="cuda", generator=generator)
+        local = v // world
+        shard = slice(rank * local, (rank + 1) * local)
+        expected_teacher = kd.teacher_topk(hidden, teacher_weight, k=k, temperature=2.0, vocab_size=vocab)
+        teacher = kd.teacher_topk(hidden, teacher_weight[shard], k=k, temperature=2.0, vocab_size=vocab, group=group)
+        assert (teacher.indices == expected_teacher.indices).float().mean() > 0.999
+        assert torch.allclose(teacher.logprobs, expected_teacher.logprobs, atol=1e-4)
+        for lean in (False, True):
+            kwargs = dict(divergence="jsd", support="tail", temperature=2.0, ce_weight=0.5, vocab_size=vocab, lean=lean)
+            leaves = [hidden.clone().requires_grad_(), weight.clone().requires_grad_()]
+            expected = kd.topk_divergence(leaves[0], leaves[1], expected_teacher, labels, **kwargs)
+            expected_grads = torch.autograd.grad(expected, leaves)
+            sharded = [hidden.clone().requires_grad_(), weight[shard].clone().requires_grad_()]
+            got = kd.topk_divergence(sharded[0], sharded[1], expected_teacher, labels, group=group, **kwargs)
+            grads = torch.autograd.grad(got, sharded)
+            assert relative_error(got, expected) <= 1e-5
+            assert relative_error(grads[0], expected_grads[0]) <= 1e-2  # bf16 sums in another order
+            assert relative_error(grads[1], expected_grads[1][shard]) <= 1e-2
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+def test_gpu_nccl_two_ranks_match_one():
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA devices")
+    with tempfile.TemporaryDirectory() as directory:
+        mp.spawn(_nccl_worker, args=(2, os.path.join(directory, "init")), nprocs=2, join=True)
