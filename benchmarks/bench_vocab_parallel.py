@@ -14,29 +14,10 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import kd_kernels as kd  # noqa: E402
+from kd_kernels.distributed import CollectiveBytes  # noqa: E402
 from harness import environment, llm_like_hidden, time_ms, write_json  # noqa: E402
 
 N, H, V, K = 8192, 4096, 151_936, 64
-
-
-class ByteCounter:
-    """Bytes delivered to this rank by all_gather (W inputs) and all_reduce (one tensor)."""
-
-    def __enter__(self):
-        self.total, self._gather, self._reduce = 0, dist.all_gather, dist.all_reduce
-
-        def all_gather(outputs, tensor, *args, **kwargs):
-            self.total += sum(t.numel() * t.element_size() for t in outputs)
-            return self._gather(outputs, tensor, *args, **kwargs)
-
-        def all_reduce(tensor, *args, **kwargs):
-            self.total += tensor.numel() * tensor.element_size()
-            return self._reduce(tensor, *args, **kwargs)
-        dist.all_gather, dist.all_reduce = all_gather, all_reduce
-        return self
-
-    def __exit__(self, *exc):
-        dist.all_gather, dist.all_reduce = self._gather, self._reduce
 
 
 def main():
@@ -78,7 +59,7 @@ def main():
         torch.cuda.reset_peak_memory_stats()
         two = time_ms(tp2)[0]
         peak = torch.cuda.max_memory_allocated() / 2**30
-        with ByteCounter() as counter:
+        with CollectiveBytes() as counter:
             tp2()
         torch.cuda.synchronize()
         rows.append(dict(what=name, tp1_ms=one, tp2_ms=two, ratio=two / one, bytes=counter.total,

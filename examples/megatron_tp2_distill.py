@@ -9,13 +9,14 @@ loss every few steps and fails if it did not decrease.
 import argparse
 import glob
 import os
+import sys
 import sysconfig
 
 import torch
 import torch.distributed as dist
 
-import kd_kernels as kd
-from kd_kernels.integrations import megatron as integration
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout too
+from kd_kernels.integrations import megatron as integration  # noqa: E402
 
 VOCAB = 256  # bytes; divisible by the TP size, so no padded rows
 

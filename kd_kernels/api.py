@@ -1,6 +1,7 @@
 """Public functions: validate, pick a backend, run. The math is in SPEC.md and `reference`."""
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import torch
@@ -113,6 +114,12 @@ def teacher_topk_from_logits(logits: torch.Tensor, k: int = 64, *, temperature: 
     return _finish_topk(topk, logprobs_dtype)
 
 
+def _loss_options(arguments: dict) -> dict:
+    """The `DivergenceOptions` fields (and vocab_size) among a public function's arguments."""
+    names = [field.name for field in dataclasses.fields(DivergenceOptions)]
+    return {name: arguments[name] for name in names}
+
+
 def _student_options(group, local_columns: int, argument: str, teacher: TopK, kwargs: dict):
     """(options with the global V*, this rank's `VocabShard` or None)."""
     vocab_size, shard = _vocab(group, local_columns, kwargs.pop("vocab_size", None), argument)
@@ -185,10 +192,7 @@ def topk_divergence(hidden: torch.Tensor, weight: torch.Tensor, teacher: TopK, l
         raise ValueError("chunk_rows: applies to the fast schedule only; pass lean=True or chunk_rows, not both")
     if chunk_rows is not None and (not isinstance(chunk_rows, int) or chunk_rows < 1):
         raise ValueError(f"chunk_rows: expected None or an int >= 1, got {chunk_rows!r}")
-    options, shard = _student_options(group, weight.shape[0], "weight", teacher, dict(
-        divergence=divergence, support=support, temperature=temperature, kd_weight=kd_weight,
-        ce_weight=ce_weight, beta=beta, skew_lambda=skew_lambda, adaptive_alpha=adaptive_alpha,
-        ignore_index=ignore_index, reduction=reduction, vocab_size=vocab_size))
+    options, shard = _student_options(group, weight.shape[0], "weight", teacher, _loss_options(locals()))
     _check_student_inputs(hidden.shape[0], hidden.device, teacher, labels, options, num_tokens, check_values)
     chosen = resolve_backend(backend, "topk_divergence", hidden.device)
     if chosen == "triton":
@@ -216,10 +220,7 @@ def topk_divergence_from_logits(logits: torch.Tensor, teacher: TopK, labels: Opt
     Same math and arguments; the gradient reaches ``logits``.
     """
     check_logits(logits)
-    options, shard = _student_options(group, logits.shape[1], "logits", teacher, dict(
-        divergence=divergence, support=support, temperature=temperature, kd_weight=kd_weight,
-        ce_weight=ce_weight, beta=beta, skew_lambda=skew_lambda, adaptive_alpha=adaptive_alpha,
-        ignore_index=ignore_index, reduction=reduction, vocab_size=vocab_size))
+    options, shard = _student_options(group, logits.shape[1], "logits", teacher, _loss_options(locals()))
     _check_student_inputs(logits.shape[0], logits.device, teacher, labels, options, num_tokens, check_values)
     chosen = resolve_backend(backend, "topk_divergence_from_logits", logits.device)
     if chosen == "triton":

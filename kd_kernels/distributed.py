@@ -141,3 +141,30 @@ def combine_argmax(local_max: torch.Tensor, local_argmax: torch.Tensor, shard: V
     maxima = _all_gather(local_max.detach().float(), shard)
     argmaxes = _all_gather(local_argmax.to(torch.int32), shard).long()  # vocab ids fit in int32
     return argmaxes.gather(0, maxima.argmax(dim=0, keepdim=True)).squeeze(0)
+
+
+class CollectiveBytes:
+    """Context manager counting the bytes the collectives deliver to this rank while it is
+    open: an all_gather delivers W inputs, an all_reduce one tensor (ring traffic is about
+    twice that). For checking communication budgets in tests and benchmarks."""
+
+    def __enter__(self) -> "CollectiveBytes":
+        import torch.distributed as dist
+
+        self.total = 0
+        self._all_gather, self._all_reduce = dist.all_gather, dist.all_reduce
+
+        def all_gather(outputs, tensor, *args, **kwargs):
+            self.total += sum(t.numel() * t.element_size() for t in outputs)
+            return self._all_gather(outputs, tensor, *args, **kwargs)
+
+        def all_reduce(tensor, *args, **kwargs):
+            self.total += tensor.numel() * tensor.element_size()
+            return self._all_reduce(tensor, *args, **kwargs)
+        dist.all_gather, dist.all_reduce = all_gather, all_reduce
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import torch.distributed as dist
+
+        dist.all_gather, dist.all_reduce = self._all_gather, self._all_reduce

@@ -7,7 +7,7 @@ import torch
 
 from helpers import HAS_CUDA, relative_error
 from kd_kernels.options import DivergenceOptions
-from kd_kernels.support import StudentRowStats, counted_rows, row_losses
+from kd_kernels.support import StudentRowStats, row_losses
 
 pytestmark = pytest.mark.interpret
 DEVICE = "cuda" if HAS_CUDA else "cpu"

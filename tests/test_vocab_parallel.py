@@ -15,7 +15,8 @@ import torch.multiprocessing as mp
 import kd_kernels as kd
 from helpers import relative_error
 from kd_kernels import reference
-from kd_kernels.options import DIVERGENCES, DivergenceOptions
+from kd_kernels.distributed import CollectiveBytes
+from kd_kernels.options import DIVERGENCES
 
 pytestmark = pytest.mark.interpret
 N, H, V, VOCAB, K = 13, 8, 50, 47, 5
@@ -88,38 +89,14 @@ def _check_student_from_logits(rank, world, group, problem, teacher, backend):
     assert relative_error(grad, _shard(expected_grad.T, rank, world).T) <= 1e-5
 
 
-class _ByteCounter:
-    """Counts the bytes each collective moves to this rank: an all-gather delivers W inputs,
-    an all-reduce one tensor (ring traffic is about twice that, still O(N·k))."""
-
-    def __init__(self, monkeypatch_target):
-        self.total = 0
-        self._all_gather, self._all_reduce = dist.all_gather, dist.all_reduce
-        self.target = monkeypatch_target
-
-    def __enter__(self):
-        def all_gather(outputs, tensor, *args, **kwargs):
-            self.total += sum(t.numel() * t.element_size() for t in outputs)
-            return self._all_gather(outputs, tensor, *args, **kwargs)
-
-        def all_reduce(tensor, *args, **kwargs):
-            self.total += tensor.numel() * tensor.element_size()
-            return self._all_reduce(tensor, *args, **kwargs)
-        dist.all_gather, dist.all_reduce = all_gather, all_reduce
-        return self
-
-    def __exit__(self, *exc):
-        dist.all_gather, dist.all_reduce = self._all_gather, self._all_reduce
-
-
 def _check_bytes(rank, world, group, problem, teacher):
     hidden, weight, _, teacher_hidden, teacher_weight, labels = problem
     bound = N * (K * 8 * world + 64)
-    with _ByteCounter(dist) as counter:
+    with CollectiveBytes() as counter:
         kd.teacher_topk(teacher_hidden, _shard(teacher_weight, rank, world), k=K, temperature=2.0, vocab_size=VOCAB,
                         group=group, backend="triton")
     assert counter.total <= bound, ("teacher", counter.total, bound)
-    with _ByteCounter(dist) as counter:  # forward only: the backward adds the dX all-reduce (N·H)
+    with CollectiveBytes() as counter:  # forward only: the backward adds the dX all-reduce (N·H)
         with torch.no_grad():
             kd.topk_divergence(hidden, _shard(weight, rank, world), teacher, labels, temperature=2.0, ce_weight=0.5,
                                vocab_size=VOCAB, group=group, backend="triton", check_values=False)

@@ -322,7 +322,7 @@ def _vocab_sliced_pass(hidden, weight, bias, student_pass: _ChunkedStudentPass, 
     dX in float32 and writes the slice's dW rows once. Memory: one ``[N, slice]`` float32
     buffer plus dX in float32, whatever N·V is."""
     num_rows, num_columns = hidden.shape[0], weight.shape[0]
-    options, vocab_size = student_pass.options, student_pass.vocab_size
+    options = student_pass.options
     device = hidden.device
     want_grads = row_weight is not None and any(needs)
     row_statistics, running_type = _statistics_kernel()

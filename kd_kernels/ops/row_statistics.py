@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from .launch import ROW_BLOCK_V, num_warps_for
+from .utils import logaddexp
 
 
 @dataclass
@@ -36,13 +37,6 @@ class RunningRowStats:
             top1=torch.zeros(num_rows, dtype=torch.int64, device=device),
             at_ids=torch.zeros(num_rows, k, dtype=torch.float32, device=device) if k else None,
             at_label=torch.zeros(num_rows, dtype=torch.float32, device=device) if labels else None)
-
-
-@triton.jit
-def _merge_logsumexp(old, new):
-    top = tl.maximum(old, new)
-    safe = tl.where(top == float("-inf"), 0.0, top)
-    return safe + tl.log(tl.exp(old - safe) + tl.exp(new - safe))
 
 
 @triton.jit
@@ -88,9 +82,9 @@ def _row_statistics_kernel(logits_ptr, bias_ptr, ids_ptr, labels_ptr,
         better = row_max > old_best  # strict: an earlier slice (lower column) keeps a tie
         arg = tl.where(better, arg, tl.load(top1_ptr + row))
         row_max = tl.maximum(row_max, old_best)
-        lse = _merge_logsumexp(tl.load(lse_ptr + row), lse)
+        lse = logaddexp(tl.load(lse_ptr + row), lse)
         if TEMPERED:
-            lse_tempered = _merge_logsumexp(tl.load(lse_tempered_ptr + row), lse_tempered)
+            lse_tempered = logaddexp(tl.load(lse_tempered_ptr + row), lse_tempered)
     tl.store(lse_ptr + row, lse)
     if TEMPERED:
         tl.store(lse_tempered_ptr + row, lse_tempered)

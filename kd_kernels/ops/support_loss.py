@@ -20,17 +20,11 @@ import triton
 import triton.language as tl
 
 from ..options import TAIL_FLOOR
+from .utils import logaddexp
 
 FORWARD_KL, REVERSE_KL, JSD, SKEWED_FORWARD_KL, SKEWED_REVERSE_KL, TVD = range(6)
 _SELECTOR = {"forward_kl": FORWARD_KL, "reverse_kl": REVERSE_KL, "jsd": JSD, "skewed_forward_kl": SKEWED_FORWARD_KL,
              "skewed_reverse_kl": SKEWED_REVERSE_KL, "tvd": TVD}
-
-
-@triton.jit
-def _logaddexp(a, b):
-    top = tl.maximum(a, b)
-    top = tl.where(top == float("-inf"), 0.0, top)
-    return top + tl.log(tl.exp(a - top) + tl.exp(b - top))
 
 
 @triton.jit
@@ -56,15 +50,15 @@ def _bin_terms(lp, lq, DIVERGENCE: tl.constexpr, log_beta, log_one_minus_beta, b
         term = q * (lq - lp)
         u = q * (lq - lp + 1.0)
     elif DIVERGENCE == 2:
-        lm = _logaddexp(log_beta + lp, log_one_minus_beta + lq)
+        lm = logaddexp(log_beta + lp, log_one_minus_beta + lq)
         term = beta * p * (lp - lm) + (1.0 - beta) * q * (lq - lm)
         u = (1.0 - beta) * q * (lq - lm)
     elif DIVERGENCE == 3:
-        lmix = _logaddexp(log_lam + lp, log_one_minus_lam + lq)
+        lmix = logaddexp(log_lam + lp, log_one_minus_lam + lq)
         term = p * (lp - lmix)
         u = -(1.0 - lam) * p * tl.exp(lq - lmix)
     elif DIVERGENCE == 4:
-        lmix = _logaddexp(log_one_minus_lam + lp, log_lam + lq)
+        lmix = logaddexp(log_one_minus_lam + lp, log_lam + lq)
         term = q * (lq - lmix)
         u = q * (lq - lmix + 1.0 - lam * tl.exp(lq - lmix))
     else:
