@@ -1,13 +1,43 @@
 """A tiny student trained 200 steps with the Triton loss and with the float64 reference loss:
 same data, same initialization; the loss curves must agree within noise."""
+import glob
 import os
 import sys
+import sysconfig
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import kd_kernels as kd  # noqa: E402
-from orchestrate import BYTE_VOCAB, ByteLM, batches, stdlib_corpus  # noqa: E402
+
+BYTE_VOCAB = 256
+PADDED_VOCAB = 264  # lm_head rows past the 256 bytes exist only as padding (vocab_size=256)
+
+
+def stdlib_corpus(max_bytes: int) -> bytes:
+    files = sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "*.py")))
+    return b"".join(open(path, "rb").read() for path in files)[:max_bytes]
+
+
+class ByteLM(torch.nn.Module):
+    """Embedding → 2-layer GRU → lm_head over bytes."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.embed = torch.nn.Embedding(BYTE_VOCAB, width)
+        self.rnn = torch.nn.GRU(width, width, num_layers=2, batch_first=True)
+        self.lm_head = torch.nn.Linear(width, PADDED_VOCAB, bias=False)
+
+    def hidden_states(self, tokens: torch.Tensor) -> torch.Tensor:
+        out, _ = self.rnn(self.embed(tokens))
+        return out.reshape(-1, out.shape[-1])
+
+
+def batches(data: torch.Tensor, rows: int, sequence: int, generator: torch.Generator):
+    while True:
+        starts = torch.randint(0, data.numel() - sequence - 1, (rows,), generator=generator)
+        window = torch.stack([data[s:s + sequence + 1] for s in starts.tolist()])
+        yield window[:, :-1], window[:, 1:].reshape(-1)
 
 
 def run(backend, teacher, data, steps=200):

@@ -1,0 +1,216 @@
+"""Ray actors: a teacher worker that scores micro-batches into packed top-k buffers, and a
+student worker that trains on them. They use only the public kd_kernels API."""
+from __future__ import annotations
+
+import math
+import random
+import time
+import warnings
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+import kd_kernels as kd
+
+from .config import Config
+from .data import IGNORE_INDEX
+
+LM_HEAD_ROW_MULTIPLE = 64  # lm_head rows padded like real models'; kd vocab_size keeps the real count
+
+
+def pick_device(config: Config) -> torch.device:
+    if config.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(config.device)
+
+
+def build_model(path: Optional[str], hidden: int, layers: int, config: Config, vocab: int, seed: int):
+    """A Hugging Face causal LM from a local path, or a small Llama built from a config."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    if path:
+        return AutoModelForCausalLM.from_pretrained(path, local_files_only=True)
+    torch.manual_seed(seed)
+    padded = -(-vocab // LM_HEAD_ROW_MULTIPLE) * LM_HEAD_ROW_MULTIPLE
+    model_config = LlamaConfig(vocab_size=padded, hidden_size=hidden, intermediate_size=2 * hidden,
+                               num_hidden_layers=layers, num_attention_heads=config.heads,
+                               num_key_value_heads=config.heads, max_position_embeddings=config.row_tokens,
+                               tie_word_embeddings=False)
+    return LlamaForCausalLM(model_config)
+
+
+def final_hidden_states(model, tokens: torch.Tensor) -> torch.Tensor:
+    """``[B·T, H]`` last hidden states (rows in (batch, position) order), no logits."""
+    hidden = model.model(input_ids=tokens).last_hidden_state
+    return hidden.reshape(-1, hidden.shape[-1])
+
+
+def lm_head_weight(model, dtype: torch.dtype) -> torch.Tensor:
+    weight = model.get_output_embeddings().weight
+    return weight if weight.dtype == dtype else weight.to(dtype)  # differentiable cast under autocast
+
+
+def unpack_buffer(buffer) -> kd.TopK:
+    """A packed top-k buffer from the object store (a read-only numpy array, read in place)."""
+    if isinstance(buffer, np.ndarray):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # read-only memory: we never write it
+            buffer = torch.from_numpy(buffer)
+    return kd.TopK.unpack(buffer)
+
+
+def _autocast(device: torch.device):
+    return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu",
+                                                                                                   enabled=False)
+
+
+class TeacherWorker:
+    """Frozen teacher (eval, no grad). Builds and pretrains itself when no path is given."""
+
+    def __init__(self, config: Config, vocab: int):
+        self.config, self.vocab = config, vocab
+        self.device = pick_device(config)
+        self.model = build_model(config.teacher_path, config.teacher_hidden, config.teacher_layers, config, vocab,
+                                 config.seed).to(self.device)
+
+    def pretrain(self, rows: torch.Tensor, labels: torch.Tensor) -> float:
+        """CE steps on the training rows when the teacher was built, not loaded; last loss."""
+        if self.config.teacher_path or self.config.teacher_pretrain_steps == 0:
+            return float("nan")
+        optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.config.lr)
+        generator = torch.Generator().manual_seed(self.config.seed + 17)
+        loss = torch.zeros(())
+        self.model.train()
+        for _ in range(self.config.teacher_pretrain_steps):
+            batch_rows = self.config.rows_per_micro_batch * self.config.micro_batches  # a student step's rows
+            pick = torch.randint(0, rows.shape[0], (batch_rows,), generator=generator)
+            tokens, targets = rows[pick].to(self.device), labels[pick].to(self.device)
+            with _autocast(self.device):
+                logits = self.model(input_ids=tokens).logits[..., :self.vocab]
+            loss = F.cross_entropy(logits.float().reshape(-1, self.vocab), targets.reshape(-1),
+                                   ignore_index=IGNORE_INDEX)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
+            optimizer.step()
+        return loss.item()
+
+    @torch.no_grad()
+    def score(self, tokens: torch.Tensor):
+        """tokens ``[B, T]`` → (packed bf16 top-k buffer as a numpy array, seconds spent)."""
+        start = time.perf_counter()
+        self.model.eval()
+        tokens = tokens.to(self.device)
+        with _autocast(self.device):
+            hidden = final_hidden_states(self.model, tokens)
+        topk = kd.teacher_topk(hidden, lm_head_weight(self.model, hidden.dtype), k=self.config.k,
+                               temperature=self.config.temperature, vocab_size=self.vocab)
+        buffer = topk.pack(torch.bfloat16).cpu().numpy()
+        return buffer, time.perf_counter() - start
+
+    @torch.no_grad()
+    def held_out_ce(self, rows: torch.Tensor, labels: torch.Tensor) -> float:
+        return _held_out_ce(self.model, rows, labels, self.vocab, self.device)
+
+
+@torch.no_grad()
+def _held_out_ce(model, rows, labels, vocab, device) -> float:
+    model.eval()
+    total, count = 0.0, 0
+    for start in range(0, rows.shape[0], 8):
+        tokens, targets = rows[start:start + 8].to(device), labels[start:start + 8].to(device)
+        logits = model(input_ids=tokens).logits[..., :vocab].float()
+        mask = targets != IGNORE_INDEX
+        total += F.cross_entropy(logits.reshape(-1, vocab), targets.reshape(-1), ignore_index=IGNORE_INDEX,
+                                 reduction="sum").item()
+        count += mask.sum().item()
+    return total / max(count, 1)
+
+
+def _schedule(config: Config):
+    def factor(step):
+        if step < config.warmup_steps:
+            return (step + 1) / config.warmup_steps
+        progress = (step - config.warmup_steps) / max(1, config.steps - config.warmup_steps)
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+    return factor
+
+
+class StudentWorker:
+    """Trains the student with kd.topk_divergence on its final hidden states (AdamW, clip,
+    warm-up + cosine LR, bf16 autocast on GPU); saves and restores exact checkpoints."""
+
+    def __init__(self, config: Config, vocab: int):
+        self.config, self.vocab = config, vocab
+        self.device = pick_device(config)
+        self.model = build_model(config.student_path, config.student_hidden, config.student_layers, config, vocab,
+                                 config.seed + 1).to(self.device)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.lr)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _schedule(config))
+        torch.manual_seed(config.seed + 2)
+        random.seed(config.seed + 2)
+
+    def train_step(self, step: int, micro_batches: list, topk_refs: list) -> dict:
+        """One optimizer step over the micro-batches ``[(tokens, labels)]`` with the teacher's
+        packed top-k (object refs, resolved here). The loss is normalized by the step's token count."""
+        import os
+
+        import ray
+
+        if self.config.fail_student_at_step == step:
+            os._exit(1)  # fault injection (tests): the process dies as a crashed worker would
+
+        start = time.perf_counter()
+        buffers = ray.get(topk_refs)
+        transfer_seconds = time.perf_counter() - start
+        num_tokens = sum(int((labels != IGNORE_INDEX).sum()) for _, labels in micro_batches)
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        totals = dict(loss=0.0, kd_sum=0.0, ce_sum=0.0, teacher_mass_sum=0.0, rows=0, teacher_seconds=0.0)
+        for (tokens, labels), (buffer, teacher_seconds) in zip(micro_batches, buffers):
+            teacher = unpack_buffer(buffer).to(self.device)
+            tokens, labels = tokens.to(self.device), labels.to(self.device).reshape(-1)
+            with _autocast(self.device):
+                hidden = final_hidden_states(self.model, tokens)
+            loss, metrics = kd.topk_divergence(
+                hidden, lm_head_weight(self.model, hidden.dtype), teacher, labels, divergence=self.config.divergence,
+                support=self.config.support, temperature=self.config.temperature, kd_weight=self.config.kd_weight,
+                ce_weight=self.config.ce_weight, num_tokens=max(num_tokens, 1), vocab_size=self.vocab,
+                return_metrics=True)
+            loss.backward()
+            totals["loss"] += loss.item()
+            totals["teacher_seconds"] += teacher_seconds
+            for name in ("kd_sum", "ce_sum", "teacher_mass_sum", "rows"):
+                totals[name] += metrics[name].item()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
+        self.optimizer.step()
+        self.scheduler.step()
+        rows = max(totals["rows"], 1)
+        return dict(loss=totals["loss"], kd=totals["kd_sum"] / rows, ce=totals["ce_sum"] / rows,
+                    teacher_tail_mass=1.0 - totals["teacher_mass_sum"] / rows, tokens=num_tokens,
+                    teacher_seconds=totals["teacher_seconds"], transfer_seconds=transfer_seconds,
+                    student_seconds=time.perf_counter() - start - transfer_seconds, lr=self.scheduler.get_last_lr()[0])
+
+    def save(self, path: str, step: int) -> str:
+        torch.save(dict(model=self.model.state_dict(), optimizer=self.optimizer.state_dict(),
+                        scheduler=self.scheduler.state_dict(), step=step, torch_rng=torch.get_rng_state(),
+                        python_rng=random.getstate()), path)
+        return path
+
+    def load(self, path: str) -> int:
+        state = torch.load(path, weights_only=False)
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        torch.set_rng_state(state["torch_rng"])
+        random.setstate(state["python_rng"])
+        return state["step"]
+
+    def parameters_vector(self) -> torch.Tensor:
+        return torch.cat([p.detach().float().cpu().reshape(-1) for p in self.model.parameters()])
+
+    @torch.no_grad()
+    def held_out_ce(self, rows: torch.Tensor, labels: torch.Tensor) -> float:
+        return _held_out_ce(self.model, rows, labels, self.vocab, self.device)

@@ -1,0 +1,149 @@
+"""The Ray driver's parts: config, comm plan, label shifting and packing, object-store
+transfer, checkpoint / resume equality, and a dead worker (CPU, tiny sizes)."""
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import kd_kernels as kd
+from orchestration.comm_plan import CommPlan
+from orchestration.config import Config, help_text, load_config
+from orchestration.data import IGNORE_INDEX, Document, encode, pack, shifted_labels
+
+ray = pytest.importorskip("ray")
+
+
+# ---- config ---------------------------------------------------------------------------
+
+def test_config_defaults_yaml_and_overrides(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("steps: 7\nk: 16\n")
+    config = load_config(str(path), ["output_dir=runs/x", "lr=0.01", "overlap=false", "k=8"])
+    assert (config.steps, config.k, config.output_dir, config.lr, config.overlap) == (7, 8, "runs/x", 0.01, False)
+    assert Config().steps == load_config().steps
+    with pytest.raises(ValueError, match="unknown"):
+        path.write_text("stepz: 1\n")
+        load_config(str(path))
+    with pytest.raises(ValueError, match="steps"):
+        load_config(None, ["steps=many"])
+    with pytest.raises(ValueError, match="key=value"):
+        load_config(None, ["nokey"])
+    assert all(f"  {name} (" in help_text() for name in ("steps", "output_dir", "transfer", "k"))
+
+
+# ---- comm plan ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("teachers, students", [(1, 1), (1, 4), (4, 1), (2, 4), (4, 2)])
+def test_comm_plan_maps_integer_ratios_both_ways(teachers, students):
+    plan = CommPlan(teachers, students, num_micro_batches=8)
+    routes = plan.routes()
+    assert [r.micro_batch for r in routes] == list(range(8))
+    for rank in range(teachers):
+        assert len(plan.micro_batches_of_teacher(rank)) == 8 // teachers
+    for rank in range(students):
+        assert len(plan.micro_batches_of_student(rank)) == 8 // students
+    # contiguous: a teacher's micro-batches go to as few students as the ratio allows
+    for rank in range(teachers):
+        targets = {plan.student_of(m) for m in plan.micro_batches_of_teacher(rank)}
+        assert len(targets) == max(1, students // teachers)
+
+
+@pytest.mark.parametrize("teachers, students, micro, match", [(2, 3, 6, "divide"), (3, 2, 6, "divide"),
+                                                               (2, 4, 6, "num_micro_batches"), (0, 1, 1, "teacher")])
+def test_comm_plan_refuses_non_divisible_layouts(teachers, students, micro, match):
+    with pytest.raises(ValueError, match=match):
+        CommPlan(teachers, students, micro)
+
+
+# ---- labels and packing -------------------------------------------------------------------
+
+class _Characters:
+    """A stand-in tokenizer: one id per character."""
+
+    def encode(self, text):
+        return [ord(c) for c in text]
+
+
+def test_labels_are_shifted_once_and_kd_ce_score_the_same_positions():
+    document = Document([10, 11, 12, 13], [True] * 4)
+    assert shifted_labels(document) == [11, 12, 13, IGNORE_INDEX]
+    rows = list(pack([document, Document([20, 21, 22], [True] * 3)], row_tokens=5, pad_id=0))
+    tokens, labels = rows[0]
+    assert tokens.tolist() == [10, 11, 12, 13, 20]
+    # the last token of a document predicts nothing: no label crosses a document boundary
+    assert labels.tolist() == [11, 12, 13, IGNORE_INDEX, 21]
+    tokens, labels = rows[1]
+    assert tokens.tolist() == [21, 22, 0, 0, 0] and labels.tolist() == [22, IGNORE_INDEX] + [IGNORE_INDEX] * 3
+    # labels[t] is the token at t + 1 wherever it is trained: the row the loss scores for KD and CE
+    for tokens, labels in rows:
+        trained = labels != IGNORE_INDEX
+        assert torch.equal(labels[:-1][trained[:-1]], tokens[1:][trained[:-1]])
+
+
+def test_chat_template_masks_the_prompt():
+    record = {"prompt": "ab", "response": "cd"}
+    document = encode(record, _Characters(), "Q:{prompt} A:{response}")
+    labels = shifted_labels(document)
+    text = "Q:ab A:cd"
+    first_response = text.index("cd")
+    assert all(label == IGNORE_INDEX for label in labels[:first_response - 1])
+    assert labels[first_response - 1] == ord("c") and labels[first_response] == ord("d")
+    assert labels[-1] == IGNORE_INDEX
+
+
+# ---- transfer through the object store -----------------------------------------------------
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False,
+             ignore_reinit_error=True)
+    yield
+    ray.shutdown()
+
+
+def test_object_store_transfer_round_trip(ray_cluster):
+    from orchestration.workers import unpack_buffer
+
+    logprobs = torch.log_softmax(torch.randn(6, 40), -1).topk(5).values
+    logprobs[0, -1] = -math.inf
+    top = kd.TopK(logprobs, torch.randint(0, 40, (6, 5), dtype=torch.int32), torch.randn(6), 2.0)
+    ref = ray.put(top.pack(torch.bfloat16).numpy())
+    fetched = ray.get(ref)
+    assert isinstance(fetched, np.ndarray) and not fetched.flags.writeable  # shared memory, read in place
+    back = unpack_buffer(fetched)
+    assert torch.equal(back.indices, top.indices) and torch.equal(back.logprobs, top.logprobs.to(torch.bfloat16))
+    assert back.temperature == 2.0
+
+
+# ---- runs ---------------------------------------------------------------------------------
+
+def _tiny(tmp_path, name, **overrides):
+    values = dict(output_dir=str(tmp_path / name), max_corpus_bytes=60_000, tokenizer_vocab=300, row_tokens=32,
+                  rows_per_micro_batch=4, micro_batches=2, teacher_hidden=32, teacher_layers=1,
+                  teacher_pretrain_steps=3, student_hidden=16, student_layers=1, heads=2, steps=6, k=8,
+                  warmup_steps=2, checkpoint_every=3)
+    values.update(overrides)
+    return Config(**values)
+
+
+def test_resume_equals_an_uninterrupted_run(ray_cluster, tmp_path):
+    from orchestration.driver import run
+
+    whole = run(_tiny(tmp_path, "whole"), progress=False)
+    expected = ray.get(whole["student"].parameters_vector.remote())
+    # kill after step 2 (of 0..5): the checkpoint at step 2 is the last good one, then resume
+    first = run(_tiny(tmp_path, "resumed", stop_after=2), progress=False)
+    assert first["last_step"] == 2
+    resumed = run(_tiny(tmp_path, "resumed", resume=True), progress=False)
+    assert resumed["last_step"] == 5
+    assert torch.equal(ray.get(resumed["student"].parameters_vector.remote()), expected)
+    lines = open(resumed["metrics"]).read().splitlines()
+    assert len(lines) == 6  # steps 0..2, then 3..5 appended
+
+
+def test_a_dead_worker_stops_the_run_naming_it_and_the_last_checkpoint(ray_cluster, tmp_path):
+    from orchestration.driver import WorkerDied, run
+
+    with pytest.raises(WorkerDied, match=r"student-0 died at step 4; last good checkpoint: .*step_0000002\.pt"):
+        run(_tiny(tmp_path, "dies", fail_student_at_step=4), progress=False)
