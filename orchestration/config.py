@@ -48,6 +48,10 @@ class Config:
     support: str = _option("renormalized", "renormalized | tail")
     kd_weight: float = _option(1.0, "weight of the KD term")
     ce_weight: float = _option(0.5, "weight of the CE term")
+    teacher_workers: int = _option(1, "teacher data-parallel workers (one must divide the other with "
+                                      "student_workers, and both must divide micro_batches)")
+    student_workers: int = _option(1, "student data-parallel workers (gradients summed with gloo / NCCL; the loss "
+                                      "is normalized by the step's global token count)")
     transfer: str = _option("auto", "auto | object_store | cuda_ipc: how teacher top-k reaches the student "
                                     "(auto: CUDA IPC when both share a GPU, else the object store)")
     overlap: bool = _option(True, "score step i + 1 on the teacher while the student trains step i")

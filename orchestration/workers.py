@@ -97,6 +97,12 @@ class TeacherWorker:
             optimizer.step()
         return loss.item()
 
+    def state_dict(self) -> dict:
+        return {name: tensor.cpu() for name, tensor in self.model.state_dict().items()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.model.load_state_dict(state)
+
     @torch.no_grad()
     def score(self, tokens: torch.Tensor):
         """tokens ``[B, T]`` → (packed bf16 top-k buffer as a numpy array, seconds spent)."""
@@ -142,9 +148,14 @@ class StudentWorker:
     """Trains the student with kd.topk_divergence on its final hidden states (AdamW, clip,
     warm-up + cosine LR, bf16 autocast on GPU); saves and restores exact checkpoints."""
 
-    def __init__(self, config: Config, vocab: int):
-        self.config, self.vocab = config, vocab
+    def __init__(self, config: Config, vocab: int, rank: int = 0, world_size: int = 1, master_port: int = 0):
+        self.config, self.vocab, self.rank, self.world_size = config, vocab, rank, world_size
         self.device = pick_device(config)
+        if world_size > 1:
+            import torch.distributed as dist
+
+            dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo",
+                                    init_method=f"tcp://127.0.0.1:{master_port}", rank=rank, world_size=world_size)
         self.model = build_model(config.student_path, config.student_hidden, config.student_layers, config, vocab,
                                  config.seed + 1).to(self.device)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.lr)
@@ -152,9 +163,11 @@ class StudentWorker:
         torch.manual_seed(config.seed + 2)
         random.seed(config.seed + 2)
 
-    def train_step(self, step: int, micro_batches: list, topk_refs: list) -> dict:
-        """One optimizer step over the micro-batches ``[(tokens, labels)]`` with the teacher's
-        packed top-k (object refs, resolved here). The loss is normalized by the step's token count."""
+    def train_step(self, step: int, micro_batches: list, topk_refs: list, num_tokens: int) -> dict:
+        """One optimizer step over this rank's micro-batches ``[(tokens, labels)]`` with the
+        teacher's packed top-k (object refs, resolved here). The loss is normalized by the
+        step's global token count ``num_tokens`` and gradients are summed over the ranks, so
+        any split of the micro-batches gives the same update. Returns this rank's sums."""
         import os
 
         import ray
@@ -165,7 +178,6 @@ class StudentWorker:
         start = time.perf_counter()
         buffers = ray.get(topk_refs)
         transfer_seconds = time.perf_counter() - start
-        num_tokens = sum(int((labels != IGNORE_INDEX).sum()) for _, labels in micro_batches)
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         totals = dict(loss=0.0, kd_sum=0.0, ce_sum=0.0, teacher_mass_sum=0.0, rows=0, teacher_seconds=0.0)
@@ -184,14 +196,25 @@ class StudentWorker:
             totals["teacher_seconds"] += teacher_seconds
             for name in ("kd_sum", "ce_sum", "teacher_mass_sum", "rows"):
                 totals[name] += metrics[name].item()
+        self._sum_gradients_over_ranks()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
         self.optimizer.step()
         self.scheduler.step()
-        rows = max(totals["rows"], 1)
-        return dict(loss=totals["loss"], kd=totals["kd_sum"] / rows, ce=totals["ce_sum"] / rows,
-                    teacher_tail_mass=1.0 - totals["teacher_mass_sum"] / rows, tokens=num_tokens,
-                    teacher_seconds=totals["teacher_seconds"], transfer_seconds=transfer_seconds,
+        return dict(totals, transfer_seconds=transfer_seconds,
                     student_seconds=time.perf_counter() - start - transfer_seconds, lr=self.scheduler.get_last_lr()[0])
+
+    def _sum_gradients_over_ranks(self) -> None:
+        if self.world_size == 1:
+            return
+        import torch.distributed as dist
+
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.model.parameters()]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat)  # one collective for all parameters
+        offset = 0
+        for parameter, grad in zip(self.model.parameters(), grads):
+            parameter.grad = flat[offset:offset + grad.numel()].view_as(grad).clone()
+            offset += grad.numel()
 
     def save(self, path: str, step: int) -> str:
         torch.save(dict(model=self.model.state_dict(), optimizer=self.optimizer.state_dict(),

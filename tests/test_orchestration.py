@@ -147,3 +147,23 @@ def test_a_dead_worker_stops_the_run_naming_it_and_the_last_checkpoint(ray_clust
 
     with pytest.raises(WorkerDied, match=r"student-0 died at step 4; last good checkpoint: .*step_0000002\.pt"):
         run(_tiny(tmp_path, "dies", fail_student_at_step=4), progress=False)
+
+
+def test_two_teacher_and_two_student_workers_resume_exactly(ray_cluster, tmp_path):
+    from orchestration.driver import run
+
+    layout = dict(teacher_workers=2, student_workers=2, micro_batches=2, steps=4, checkpoint_every=2)
+    whole = run(_tiny(tmp_path, "dp_whole", **layout), progress=False)
+    vectors = ray.get([s.parameters_vector.remote() for s in whole["students"]])
+    assert torch.equal(vectors[0], vectors[1])  # data-parallel replicas stay identical
+    run(_tiny(tmp_path, "dp_resumed", stop_after=1, **layout), progress=False)
+    resumed = run(_tiny(tmp_path, "dp_resumed", resume=True, **layout), progress=False)
+    for vector in ray.get([s.parameters_vector.remote() for s in resumed["students"]]):
+        assert torch.equal(vector, vectors[0])
+
+
+def test_uneven_worker_layouts_are_refused(ray_cluster, tmp_path):
+    from orchestration.driver import run
+
+    with pytest.raises(ValueError, match="divide"):
+        run(_tiny(tmp_path, "uneven", teacher_workers=2, student_workers=3, micro_batches=6), progress=False)
