@@ -1,17 +1,23 @@
 """Autograd of the fused student loss: top-k divergence + CE through the lm_head.
 
 Design (measured reasons in benchmarks/NOTES.md):
-- Rows are processed in chunks of ``chunk_rows``. For each chunk one cuBLAS matmul writes
-  float32 logits ``[C, V]`` (bf16 inputs, fp32 accumulator and output: bf16-rounded logits
-  would move probabilities by several percent), a Triton pass takes each row's two
-  logsumexps and argmax, and the O(C·k) loss math runs in torch on the gathered values.
+- Fast schedule: rows are processed in chunks of ``chunk_rows``. For each chunk one cuBLAS
+  matmul writes float32 logits ``[C, V]`` (bf16 inputs, fp32 accumulator and output:
+  bf16-rounded logits would move probabilities by several percent), one Triton pass takes
+  each row's two logsumexps, argmax and the values at the teacher ids and label, and the
+  O(C·k) loss math with its closed-form gradient runs in one Triton program per row
+  (adaptive_kl, which sorts its bins, runs it with torch autograd instead).
 - For reduction "mean"/"sum" the gradient is produced in the same chunk pass (3 matmuls in
   all): a Triton pass writes ``dlogits = a·softmax(z) + b·softmax(z/τ)`` in the input
   dtype over the float32 logits it reads (same buffer), the k + 1 sparse columns are
   stored on top, then ``dX = dlogits @ W`` and ``dW += dlogitsᵀ @ X``. Backward only
   scales them by the upstream gradient (skipped on the device when it is 1).
 - For reduction "none" the upstream gradient is per row, so backward recomputes the chunks.
-Memory beyond inputs and outputs: ``chunk_rows · V · 4`` bytes plus O(N·k).
+- Lean schedule (``lean=True``): vocab slices instead of row chunks, two passes, 4 matmuls
+  (see `_vocab_sliced_pass`).
+- Vocab parallel (a `VocabShard`): the same passes over this rank's columns, statistics
+  combined over the group before the loss math, dX summed over the group.
+Memory beyond inputs and outputs: ``chunk_rows · V · 4`` bytes plus O(N·k) (fast schedule).
 """
 from __future__ import annotations
 
@@ -195,7 +201,8 @@ def _write_logit_gradient(logits, bias, plan: _GradientPlan, options: Divergence
 
 
 class _ChunkedStudentPass:
-    """One pass over the rows in chunks: per-row losses, metrics, and optionally gradients."""
+    """The per-row part both schedules share: teacher rows, counted rows, this rank's columns,
+    and the loss math from row statistics (losses, metrics, gradients w.r.t. the statistics)."""
 
     def __init__(self, teacher_logprobs, teacher_indices, labels, options: DivergenceOptions, vocab_size: int,
                  shard=None):
