@@ -46,11 +46,19 @@ def main():
                                check_values=False).backward()
         return run
 
+    def student_forward(weight_part, group_arg):
+        def run():
+            with torch.no_grad():
+                kd.topk_divergence(hidden, weight_part, teacher, labels, temperature=2.0, ce_weight=0.5,
+                                   group=group_arg, check_values=False)
+        return run
+
     def teacher_side(weight_part, group_arg):
         return lambda: kd.teacher_topk(teacher_hidden, weight_part, k=K, temperature=2.0, group=group_arg)
 
     rows = []
     for name, tp1, tp2 in (("student fwd+bwd", student(weight, None), student(weight[shard], group)),
+                           ("student fwd", student_forward(weight, None), student_forward(weight[shard], group)),
                            ("teacher top-k", teacher_side(teacher_weight, None), teacher_side(teacher_weight[shard],
                                                                                                group))):
         dist.barrier()
@@ -72,7 +80,7 @@ def main():
             print(f"| {row['what']} | {row['tp1_ms']:.1f} | {row['tp2_ms']:.1f} | {row['ratio']:.2f} | "
                   f"{row['bytes']:,} | {row['bound']:,} | {row['peak_gib']:.2f} |")
         print("student bytes include the dX all-reduce of the backward (N·H·2 bytes), which every "
-              "tensor-parallel output layer does; the statistics alone are the forward's share.")
+              "tensor-parallel output layer does; the statistics alone are the forward row's bytes.")
         if args.out:
             write_json(args.out, dict(environment=environment(), rows=rows))
     dist.destroy_process_group()

@@ -5,6 +5,7 @@ ignored rows; every divergence and support mode on the torch backend, a subset o
 Triton backend (interpreter), both schedules; teacher TP ≠ student TP.
 """
 import os
+import sys
 import tempfile
 
 import pytest
@@ -104,6 +105,10 @@ def _check_bytes(rank, world, group, problem, teacher):
 
 
 def _worker(rank, world, init_file):
+    # CPU tensors through the Triton backend need the interpreter, also on a machine with CUDA;
+    # it takes effect only if no kernel module has been imported in this process yet
+    os.environ["TRITON_INTERPRET"] = "1"
+    assert "kd_kernels.ops.row_statistics" not in sys.modules, "kernels defined before TRITON_INTERPRET was set"
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         group = dist.group.WORLD
