@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 
 from . import reference, vocab_parallel
-from .backends import resolve_backend
+from .backends import CUDA_MAX_TOPK, resolve_backend
 from .distributed import vocab_shard
 from .options import DivergenceOptions, check_temperature
 from .topk import TopK
@@ -51,6 +51,15 @@ def _finish_topk(topk: TopK, logprobs_dtype: torch.dtype) -> TopK:
 
 
 @torch.no_grad()
+def _teacher_backend(backend: str, op: str, device: torch.device, k: int) -> str:
+    """The backend of a teacher op; "auto" passes over cuda for k above its kernel's limit."""
+    chosen = resolve_backend(backend, op, device, skip_cuda=k > CUDA_MAX_TOPK)
+    if chosen == "cuda" and k > CUDA_MAX_TOPK:
+        raise ValueError(f"k: backend='cuda' selects at most {CUDA_MAX_TOPK} entries, got {k}; "
+                         "use backend='triton' (or 'auto') for larger k")
+    return chosen
+
+
 def teacher_topk(hidden: torch.Tensor, weight: torch.Tensor, k: int = 64, *, temperature: float = 1.0,
                  vocab_size: Optional[int] = None, bias: Optional[torch.Tensor] = None, group=None,
                  logprobs_dtype: torch.dtype = torch.float32, backend: str = "auto",
@@ -68,7 +77,8 @@ def teacher_topk(hidden: torch.Tensor, weight: torch.Tensor, k: int = 64, *, tem
         vocab_size: V*, columns at or past it (padded lm_head rows) do not exist.
         bias: optional ``[V]``.
         logprobs_dtype: dtype of ``TopK.logprobs``.
-        backend: "auto" | "triton" | "torch" (see `available_backends`).
+        backend: "auto" | "cuda" | "triton" | "torch" (see `available_backends`); "auto" takes
+            cuda (a CUDA top-k kernel, k <= 1024) when built, else triton (``torch.topk``).
         chunk_rows: rows per chunk on the triton backend (``chunk_rows · V · 4`` bytes); None: ~1.25 GiB.
     Returns:
         `TopK` with ``logprobs [N, k]``, ``indices [N, k]`` int32, ``lse [N]`` float32.
@@ -78,10 +88,11 @@ def teacher_topk(hidden: torch.Tensor, weight: torch.Tensor, k: int = 64, *, tem
     vocab_size, shard = _vocab(group, weight.shape[0], vocab_size, "weight")
     check_k(k, vocab_size)
     _check_logprobs_dtype(logprobs_dtype)
-    if resolve_backend(backend, "teacher_topk", hidden.device) == "triton":
+    chosen = _teacher_backend(backend, "teacher_topk", hidden.device, k)
+    if chosen in ("cuda", "triton"):
         from . import teacher_chunked as chunked
 
-        topk = chunked.teacher_topk(hidden, weight, k, temperature, vocab_size, bias, chunk_rows, shard)
+        topk = chunked.teacher_topk(hidden, weight, k, temperature, vocab_size, bias, chunk_rows, shard, select=chosen)
     elif shard is not None:
         topk = vocab_parallel.teacher_topk_from_logits(reference.lm_head_logits(hidden, weight, bias), k, temperature,
                                                        shard)
@@ -103,10 +114,16 @@ def teacher_topk_from_logits(logits: torch.Tensor, k: int = 64, *, temperature: 
     vocab_size, shard = _vocab(group, logits.shape[1], vocab_size, "logits")
     check_k(k, vocab_size)
     _check_logprobs_dtype(logprobs_dtype)
-    if resolve_backend(backend, "teacher_topk_from_logits", logits.device) == "triton":
+    chosen = _teacher_backend(backend, "teacher_topk_from_logits", logits.device, k)
+    if chosen in ("cuda", "triton"):
         from . import teacher_chunked as chunked
 
-        topk = chunked.teacher_topk_from_logits(logits, k, temperature, vocab_size, shard)
+        if logits.shape[1] > 1 and logits.stride(1) != 1:
+            raise ValueError(f"logits: the {chosen} backend reads rows in place and needs contiguous rows "
+                             f"(logits.stride(1) == 1), got strides {tuple(logits.stride())}; pass "
+                             "logits.contiguous() (a copy of [N, V])")
+
+        topk = chunked.teacher_topk_from_logits(logits, k, temperature, vocab_size, shard, select=chosen)
     elif shard is not None:
         topk = vocab_parallel.teacher_topk_from_logits(logits, k, temperature, shard)
     else:

@@ -14,11 +14,14 @@ import torch
 
 BACKENDS = ("auto", "cuda", "triton", "torch")
 
+# The largest k of the CUDA top-k kernel (csrc/topk_candidates.h kMaxTopK; a GPU test checks they agree).
+CUDA_MAX_TOPK = 1024
+
 # The ops each compiled backend implements; the torch reference implements all of them.
 _IMPLEMENTED = {
     "triton": frozenset({"topk_divergence", "topk_divergence_from_logits", "teacher_topk",
                          "teacher_topk_from_logits"}),
-    "cuda": frozenset(),
+    "cuda": frozenset({"teacher_topk", "teacher_topk_from_logits"}),
 }
 
 
@@ -41,9 +44,15 @@ def _triton_status() -> tuple[bool, str]:
 
 @functools.lru_cache(maxsize=None)
 def _cuda_status() -> tuple[bool, str]:
-    if not _IMPLEMENTED["cuda"]:
-        return False, "no op is implemented by the CUDA extension yet"
-    return False, "the CUDA extension is not built"
+    try:
+        from . import _C
+    except ImportError as error:
+        return False, (f"the CUDA extension kd_kernels._C is not built ({error}); on a machine with nvcc and a CUDA "
+                       "build of torch: KD_KERNELS_BUILD_CUDA=1 pip install --no-build-isolation .")
+    if not torch.cuda.is_available():
+        return False, "the CUDA extension is built but there is no CUDA device"
+    return True, f"kd_kernels._C built for torch {torch.__version__}, top-k up to k = {_C.MAX_TOPK}"
+
 
 
 def available_backends() -> dict[str, str]:
@@ -63,9 +72,10 @@ def _usable(backend: str, op: str) -> tuple[bool, str]:
     return ok, reason
 
 
-def resolve_backend(requested: str, op: str, device: torch.device) -> str:
+def resolve_backend(requested: str, op: str, device: torch.device, skip_cuda: bool = False) -> str:
     """The backend that runs ``op`` on ``device``: the one requested, or for "auto" the best
-    available (cuda, then triton, on a GPU; torch on CPU). Raises if a requested one cannot."""
+    available (cuda, then triton, on a GPU; torch on CPU). Raises if a requested one cannot.
+    ``skip_cuda``: "auto" passes over cuda (its kernel does not take these arguments)."""
     if requested not in BACKENDS:
         raise ValueError(f"backend: expected one of {', '.join(map(repr, BACKENDS))}, got {requested!r}")
     if requested == "torch":
@@ -81,6 +91,9 @@ def resolve_backend(requested: str, op: str, device: torch.device) -> str:
         return "torch"
     reasons = []
     for candidate in ("cuda", "triton"):
+        if candidate == "cuda" and skip_cuda:
+            reasons.append("cuda: does not take these arguments")
+            continue
         ok, reason = _usable(candidate, op)
         if ok:
             return candidate

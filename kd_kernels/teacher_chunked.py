@@ -1,9 +1,13 @@
-"""Teacher top-k on the Triton backend: chunks of rows, float32 logits by cuBLAS (never the
-whole ``[N, V]``), the row logsumexp kernel, then a top-k of each chunk.
+"""Teacher top-k on the GPU backends: chunks of rows, float32 logits by cuBLAS (never the
+whole ``[N, V]``), then per chunk a selection of each row's top-k and its logsumexp:
 
-This is the first GPU path, not the final one: it still writes each chunk's float32 logits
-(``chunk_rows · V · 4`` bytes) and selects with ``torch.topk``. A top-k fused into the lm_head
-matmul epilogue, and a radix-select kernel over given logits, are the next steps.
+- ``select="cuda"``: one CUDA kernel (csrc/topk_candidates.cu) reads each row twice and
+  returns the top-k and the logsumexp together;
+- ``select="triton"``: the Triton row-logsumexp kernel, then ``torch.topk`` (the path that
+  needs no compiled extension; ``torch.topk`` is the slow part).
+
+Both still write each chunk's float32 logits (``chunk_rows · V · 4`` bytes); a top-k fused
+into the lm_head matmul epilogue is not built.
 """
 from __future__ import annotations
 
@@ -11,6 +15,7 @@ from typing import Optional
 
 import torch
 
+from .lm_head import lm_head_logits_fp32
 from .topk import TopK
 
 DEFAULT_CHUNK_BYTES = 5 << 28  # 1.25 GiB of float32 logits per chunk
@@ -33,10 +38,24 @@ def _sorted_topk(scores: torch.Tensor, k: int):
     return values.gather(-1, by_value), indices.gather(-1, by_value)
 
 
+SELECTORS = ("cuda", "triton")
+
+
+def _cuda_candidates(logits: torch.Tensor, k: int, temperature: float, width: int, column_start: int):
+    from .ops.topk_candidates import topk_candidates
+
+    values, columns, lse_tempered = topk_candidates(logits, k, temperature, width)
+    return values, columns.long() + column_start, lse_tempered
+
+
 def _chunk_candidates(logits: torch.Tensor, bias: Optional[torch.Tensor], k: int, temperature: float, width: int,
-                      column_start: int = 0):
+                      column_start: int = 0, select: str = "triton"):
     """Top-k candidates of the first ``width`` columns of a logits chunk: tempered values
     ``[R, k]`` float32 (-inf / id 0 past ``width``), int64 global ids, and lse ``[R]``."""
+    if select == "cuda":
+        if bias is not None:  # the chunk is our own float32 buffer: add in place
+            logits[:, :width] += bias[:width].float()
+        return _cuda_candidates(logits, k, temperature, width, column_start)
     existing = logits[:, :width]
     if bias is not None:
         existing = existing.float() + bias[:width].float()
@@ -59,27 +78,18 @@ def _finish(values, indices, lse_tempered, k, temperature, shard) -> TopK:
     return merge_teacher_candidates(values, indices, lse_tempered, k, temperature, shard)
 
 
-def teacher_topk_from_logits(logits: torch.Tensor, k: int, temperature: float, vocab_size: int, shard=None) -> TopK:
-    """logits ``[N, V]`` (bf16 / fp16 / fp32, read once in place; this rank's shard under
+def teacher_topk_from_logits(logits: torch.Tensor, k: int, temperature: float, vocab_size: int, shard=None,
+                             select: str = "triton") -> TopK:
+    """logits ``[N, V]`` (bf16 / fp16 / fp32, read in place; this rank's shard under
     ``shard``) -> `TopK` float32."""
-    if logits.stride(-1) != 1:
-        logits = logits.contiguous()
     width, column_start = (vocab_size, 0) if shard is None else (shard.existing, shard.vocab_start)
-    return _finish(*_chunk_candidates(logits, None, k, temperature, width, column_start), k, temperature, shard)
-
-
-def lm_head_logits_fp32(hidden: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """``hidden @ weight.T`` into the float32 ``out``, accumulated in float32 (bf16-rounded
-    logits would move probabilities by several percent)."""
-    if hidden.is_cuda and hidden.dtype != torch.float32:
-        return torch.mm(hidden, weight.T, out_dtype=torch.float32, out=out)
-    if hidden.dtype == torch.float32:
-        return torch.mm(hidden, weight.T, out=out)
-    return torch.mm(hidden.float(), weight.float().T, out=out)  # CPU interpreter tests only
+    candidates = _chunk_candidates(logits, None, k, temperature, width, column_start, select)
+    return _finish(*candidates, k, temperature, shard)
 
 
 def teacher_topk(hidden: torch.Tensor, weight: torch.Tensor, k: int, temperature: float, vocab_size: int,
-                 bias: Optional[torch.Tensor] = None, chunk_rows: Optional[int] = None, shard=None) -> TopK:
+                 bias: Optional[torch.Tensor] = None, chunk_rows: Optional[int] = None, shard=None,
+                 select: str = "triton") -> TopK:
     """hidden ``[N, H]``, weight ``[V, H]`` (this rank's shard under ``shard``) -> `TopK`
     float32, chunk by chunk of rows."""
     num_rows = hidden.shape[0]
@@ -93,5 +103,5 @@ def teacher_topk(hidden: torch.Tensor, weight: torch.Tensor, k: int, temperature
         stop = min(start + chunk_rows, num_rows)
         chunk = lm_head_logits_fp32(hidden[start:stop], weight, logits[:stop - start])
         values[start:stop], indices[start:stop], lse[start:stop] = _chunk_candidates(chunk, bias, k, temperature,
-                                                                                     width, column_start)
+                                                                                     width, column_start, select)
     return _finish(values, indices, lse, k, temperature, shard)

@@ -27,7 +27,7 @@ from typing import Optional
 import torch
 
 from ..options import DivergenceOptions
-from ..teacher_chunked import lm_head_logits_fp32 as _lm_head_logits_fp32
+from ..lm_head import lm_head_logits_fp32 as _lm_head_logits_fp32
 from ..support import (SupportGradients, StudentRowStats, counted_rows, loss_and_gradients_from_logit_stats,
                        row_metrics)
 from ..topk import TopK

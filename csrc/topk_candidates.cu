@@ -1,0 +1,321 @@
+// One thread block per row, two reads of the row:
+//   pass 1  online max / sum-exp at the temperature, and each thread's 8 largest values;
+//           the k-th largest of those 4096 samples is a threshold T with at least k row
+//           elements >= T (the samples are distinct elements);
+//   pass 2  append every element >= T to a shared-memory buffer (warp-aggregated atomics);
+//           on LLM logits that is ~k + a few elements; the buffer is sorted by
+//           (value desc, column asc) and the first k written.
+// Rows where more than 4096 elements reach T (massive ties, adversarial orders) take an
+// exact slow path: bisection on the value to the k-th largest, then an in-order collection
+// that keeps the lowest columns among ties.
+#include <cooperative_groups.h>
+#include <cub/block/block_reduce.cuh>
+#include <cub/block/block_scan.cuh>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cfloat>
+
+#include "topk_candidates.h"
+
+namespace cg = cooperative_groups;
+
+namespace kd_kernels {
+namespace {
+
+constexpr int kThreads = 512;
+constexpr int kSamplesPerThread = 8;
+constexpr int kCapacity = kThreads * kSamplesPerThread;  // 4096 candidates, a power of two
+static_assert(kCapacity >= 4 * kMaxTopK, "the candidate buffer must hold several times k");
+constexpr int kUnroll = 4;  // 16-byte loads in flight per thread
+
+// Unsigned keys that order like the floats (for non-NaN values).
+__device__ __forceinline__ uint32_t order_key(float value) {
+  const uint32_t bits = __float_as_uint(value);
+  return (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
+}
+
+__device__ __forceinline__ float key_value(uint32_t key) {
+  return __uint_as_float((key & 0x80000000u) ? (key & 0x7fffffffu) : ~key);
+}
+
+// Candidate = (key << 32) | ~column: sorting descending puts larger values first and, among
+// equal values, lower columns first.
+__device__ __forceinline__ uint64_t candidate(uint32_t key, int column) {
+  return (static_cast<uint64_t>(key) << 32) | static_cast<uint32_t>(~static_cast<uint32_t>(column));
+}
+
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+template <typename T>
+struct alignas(16) Pack {
+  static constexpr int kSize = 16 / sizeof(T);
+  T v[kSize];
+};
+
+// Calls visit(value, column) for every column < width of the row, each once, spread over the
+// block: 16-byte loads for the aligned body, scalar loads for the unaligned head and the tail.
+template <typename T, typename Visit>
+__device__ __forceinline__ void visit_row(const T* row, int width, Visit& visit) {
+  constexpr int kVec = Pack<T>::kSize;
+  int head = static_cast<int>(((16 - (reinterpret_cast<uintptr_t>(row) & 15)) & 15) / sizeof(T));
+  head = min(head, width);
+  for (int i = threadIdx.x; i < head; i += blockDim.x) visit(to_float(row[i]), i);
+  const int packs = (width - head) / kVec;
+  const Pack<T>* body = reinterpret_cast<const Pack<T>*>(row + head);
+  for (int first = threadIdx.x; first < packs; first += kUnroll * blockDim.x) {
+    Pack<T> loaded[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int p = first + u * blockDim.x;
+      if (p < packs) loaded[u] = body[p];
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int p = first + u * blockDim.x;
+      if (p < packs) {
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) visit(to_float(loaded[u].v[j]), head + p * kVec + j);
+      }
+    }
+  }
+  for (int i = head + packs * kVec + threadIdx.x; i < width; i += blockDim.x) visit(to_float(row[i]), i);
+}
+
+// Descending bitonic sort of buffer[0, size), size a power of two; every thread calls it.
+__device__ void sort_descending(uint64_t* buffer, int size) {
+  for (int block = 2; block <= size; block <<= 1) {
+    for (int stride = block >> 1; stride > 0; stride >>= 1) {
+      for (int t = threadIdx.x; t < size / 2; t += blockDim.x) {
+        const int i = 2 * t - (t & (stride - 1));
+        const int j = i + stride;
+        const bool descending = (i & block) == 0;
+        const uint64_t a = buffer[i], b = buffer[j];
+        if ((a < b) == descending) {
+          buffer[i] = b;
+          buffer[j] = a;
+        }
+      }
+      __syncthreads();
+    }
+  }
+}
+
+__device__ __forceinline__ int next_power_of_two(int n) {
+  int p = 2;
+  while (p < n) p <<= 1;
+  return p;
+}
+
+// Pass 1 state of one thread: max and sum of exp2 in the log2 domain, and its 8 largest values.
+struct RowScan {
+  float log2e_over_t;
+  float max2 = -FLT_MAX;  // finite, so that -inf logits add exp2(-inf) = 0, never NaN
+  float sum2 = 0.f;
+  float top[kSamplesPerThread];
+
+  __device__ explicit RowScan(float scale) : log2e_over_t(scale) {
+#pragma unroll
+    for (int j = 0; j < kSamplesPerThread; ++j) top[j] = -INFINITY;
+  }
+
+  __device__ __forceinline__ void operator()(float x, int) {
+    const float y = x * log2e_over_t;
+    if (y > max2) {
+      sum2 = sum2 * exp2f(max2 - y) + 1.f;
+      max2 = y;
+    } else {
+      sum2 += exp2f(y - max2);
+    }
+    if (x > top[kSamplesPerThread - 1]) {
+      top[kSamplesPerThread - 1] = x;
+#pragma unroll
+      for (int j = kSamplesPerThread - 1; j > 0; --j) {
+        if (top[j] > top[j - 1]) {
+          const float swap = top[j];
+          top[j] = top[j - 1];
+          top[j - 1] = swap;
+        }
+      }
+    }
+  }
+};
+
+struct MaxSum {
+  float max2, sum2;
+};
+
+struct CombineMaxSum {
+  __device__ __forceinline__ MaxSum operator()(const MaxSum& a, const MaxSum& b) const {
+    const float m = fmaxf(a.max2, b.max2);
+    return {m, a.sum2 * exp2f(a.max2 - m) + b.sum2 * exp2f(b.max2 - m)};
+  }
+};
+
+// Appends (key, column) to buffer[count++] when `take`, one shared atomic per warp.
+__device__ __forceinline__ void append_if(bool take, uint32_t key, int column, uint64_t* buffer,
+                                          unsigned int* count, int capacity) {
+  if (!take) return;
+  cg::coalesced_group taking = cg::coalesced_threads();
+  unsigned int base = 0;
+  if (taking.thread_rank() == 0) base = atomicAdd(count, taking.size());
+  base = taking.shfl(base, 0);
+  const unsigned int slot = base + taking.thread_rank();
+  if (slot < static_cast<unsigned int>(capacity)) buffer[slot] = candidate(key, column);
+}
+
+struct CollectAtLeast {
+  uint32_t threshold;
+  uint64_t* buffer;
+  unsigned int* count;
+  __device__ __forceinline__ void operator()(float x, int column) {
+    const uint32_t key = order_key(x);
+    append_if(key >= threshold, key, column, buffer, count, kCapacity);
+  }
+};
+
+struct CountAtLeast {
+  uint32_t threshold;
+  unsigned int n = 0;
+  __device__ __forceinline__ void operator()(float x, int) { n += order_key(x) >= threshold; }
+};
+
+using BlockReduceMaxSum = cub::BlockReduce<MaxSum, kThreads>;
+using BlockReduceCount = cub::BlockReduce<unsigned int, kThreads>;
+using BlockScanCount = cub::BlockScan<int, kThreads>;
+
+template <typename T>
+__device__ unsigned int count_at_least(const T* row, int width, uint32_t threshold,
+                                       typename BlockReduceCount::TempStorage& storage, unsigned int* shared) {
+  CountAtLeast counter{threshold};
+  visit_row(row, width, counter);
+  const unsigned int total = BlockReduceCount(storage).Sum(counter.n);
+  if (threadIdx.x == 0) *shared = total;
+  __syncthreads();
+  const unsigned int result = *shared;
+  __syncthreads();
+  return result;
+}
+
+// The exact k largest (lower columns first among ties) into buffer[0, k), when more than
+// kCapacity elements reach the sampled threshold. Returns k.
+template <typename T>
+__device__ int collect_exact(const T* row, int width, int k, uint32_t low, uint32_t high, uint64_t* buffer,
+                             unsigned int* count, typename BlockReduceCount::TempStorage& reduce_storage,
+                             typename BlockScanCount::TempStorage& scan_storage) {
+  // count(key >= low) >= k holds; find the largest such key: the k-th largest value
+  while (low < high) {
+    const uint32_t mid = low + (high - low + 1) / 2;
+    if (count_at_least(row, width, mid, reduce_storage, count) >= static_cast<unsigned int>(k)) {
+      low = mid;
+    } else {
+      high = mid - 1;
+    }
+  }
+  const uint32_t kth = low;
+  const int above = (kth == 0xffffffffu) ? 0 : static_cast<int>(count_at_least(row, width, kth + 1, reduce_storage,
+                                                                               count));
+  const int ties_wanted = k - above;
+  if (threadIdx.x == 0) *count = 0;
+  __syncthreads();
+  int ties_seen = 0;  // the same in every thread
+  for (int start = 0; start < width; start += blockDim.x) {
+    const int column = start + threadIdx.x;
+    const uint32_t key = column < width ? order_key(to_float(row[column])) : 0u;
+    const bool tie = column < width && key == kth;
+    int tie_rank = 0, ties_here = 0;
+    BlockScanCount(scan_storage).ExclusiveSum(tie ? 1 : 0, tie_rank, ties_here);
+    const bool take = (column < width && key > kth) || (tie && ties_seen + tie_rank < ties_wanted);
+    append_if(take, key, column, buffer, count, kCapacity);
+    ties_seen += ties_here;
+    __syncthreads();
+  }
+  return k;
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads, 2)
+topk_candidates_kernel(const T* __restrict__ logits, int64_t row_stride, int width, int k, float temperature,
+                       float* __restrict__ values, int32_t* __restrict__ indices, float* __restrict__ lse) {
+  __shared__ uint64_t buffer[kCapacity];
+  __shared__ unsigned int count;
+  __shared__ union {
+    typename BlockReduceMaxSum::TempStorage max_sum;
+    typename BlockReduceCount::TempStorage count;
+    typename BlockScanCount::TempStorage scan;
+  } storage;
+
+  const int64_t r = blockIdx.x;
+  const T* row = logits + r * row_stride;
+
+  RowScan scan(1.4426950408889634f / temperature);
+  visit_row(row, width, scan);
+  const MaxSum total = BlockReduceMaxSum(storage.max_sum).Reduce(MaxSum{scan.max2, scan.sum2}, CombineMaxSum());
+  if (threadIdx.x == 0) lse[r] = (total.max2 + log2f(total.sum2)) * 0.6931471805599453f;
+#pragma unroll
+  for (int j = 0; j < kSamplesPerThread; ++j) {
+    buffer[threadIdx.x * kSamplesPerThread + j] = candidate(order_key(scan.top[j]), 0);
+  }
+  if (threadIdx.x == 0) count = 0;
+  __syncthreads();
+  sort_descending(buffer, kCapacity);
+  const uint32_t threshold = static_cast<uint32_t>(buffer[k - 1] >> 32);
+  const uint32_t max_key = static_cast<uint32_t>(buffer[0] >> 32);
+  __syncthreads();
+
+  CollectAtLeast collect{threshold, buffer, &count};
+  visit_row(row, width, collect);
+  __syncthreads();
+  int found = static_cast<int>(count);
+  if (found > kCapacity) {
+    __syncthreads();
+    found = collect_exact(row, width, k, threshold, max_key, buffer, &count, storage.count, storage.scan);
+    __syncthreads();
+  }
+  const int size = next_power_of_two(found);
+  for (int i = found + threadIdx.x; i < size; i += blockDim.x) buffer[i] = 0;
+  __syncthreads();
+  sort_descending(buffer, size);
+
+  const int valid = min(k, found);
+  for (int j = threadIdx.x; j < k; j += blockDim.x) {
+    float value = -INFINITY;
+    int32_t column = 0;
+    if (j < valid) {
+      const uint64_t entry = buffer[j];
+      value = __fdiv_rn(key_value(static_cast<uint32_t>(entry >> 32)), temperature);
+      column = static_cast<int32_t>(~static_cast<uint32_t>(entry));
+    }
+    values[r * k + j] = value;
+    indices[r * k + j] = column;
+  }
+}
+
+template <typename T>
+cudaError_t launch(const void* logits, int64_t rows, int64_t row_stride, int64_t width, int64_t k, float temperature,
+                   float* values, int32_t* indices, float* lse, cudaStream_t stream) {
+  if (rows == 0) return cudaSuccess;
+  topk_candidates_kernel<T><<<static_cast<unsigned int>(rows), kThreads, 0, stream>>>(
+      static_cast<const T*>(logits), row_stride, static_cast<int>(width), static_cast<int>(k), temperature, values,
+      indices, lse);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+cudaError_t launch_topk_candidates(LogitsDtype dtype, const void* logits, int64_t rows, int64_t row_stride,
+                                   int64_t width, int64_t k, float temperature, float* values, int32_t* indices,
+                                   float* lse, cudaStream_t stream) {
+  switch (dtype) {
+    case LogitsDtype::kFloat32:
+      return launch<float>(logits, rows, row_stride, width, k, temperature, values, indices, lse, stream);
+    case LogitsDtype::kFloat16:
+      return launch<__half>(logits, rows, row_stride, width, k, temperature, values, indices, lse, stream);
+    case LogitsDtype::kBFloat16:
+      return launch<__nv_bfloat16>(logits, rows, row_stride, width, k, temperature, values, indices, lse, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace kd_kernels
