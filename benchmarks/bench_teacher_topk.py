@@ -35,7 +35,7 @@ def eager_teacher(hidden, weight, k):
 _compiled_teacher = torch.compile(eager_teacher)
 
 
-def bench_shape(name, n, h, v, ks):
+def bench_shape(name, n, h, v, ks, only=None):
     weight = (torch.randn(v, h, device="cuda") * 0.02).to(torch.bfloat16)
     hidden, entropy, scale = llm_like_hidden(n, h, weight)
     logits_bf16 = hidden @ weight.T
@@ -65,6 +65,8 @@ def bench_shape(name, n, h, v, ks):
                 logits_fp32, k=k, temperature=TEMPERATURE, backend="cuda"),
         }
         for label, fn in providers.items():
+            if only and not label.startswith("floor") and not any(part in label for part in only):
+                continue
             try:
                 median, low, high = time_ms(fn, warmup=2, repeats=7)
                 memory = peak_extra_gib(fn)
@@ -95,11 +97,13 @@ def main():
     parser.add_argument("--out", default=None)
     parser.add_argument("--k", default="8,64,1024")
     parser.add_argument("--shapes", default="all", help="comma-separated shape name prefixes, or all")
+    parser.add_argument("--providers", default="", help="comma-separated parts of provider names (default: all)")
     args = parser.parse_args()
     env = environment()
     print(f"environment: {env}")
     ks = [int(k) for k in args.k.split(",")]
-    results = [bench_shape(name, n, h, v, ks) for name, n, h, v in TEACHER_SHAPES
+    only = [part for part in args.providers.split(",") if part]
+    results = [bench_shape(name, n, h, v, ks, only) for name, n, h, v in TEACHER_SHAPES
                if args.shapes == "all" or any(name.startswith(prefix) for prefix in args.shapes.split(","))]
     if args.out:
         write_json(args.out, dict(environment=env, results=results))

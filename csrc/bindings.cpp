@@ -32,7 +32,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> topk_candidates(const at::Tensor&
   TORCH_CHECK(logits.dim() == 2, "logits: expected 2 dimensions [rows, columns], got ", logits.dim());
   const auto dtype = logits_dtype(logits);
   TORCH_CHECK(logits.size(1) == 0 || logits.stride(1) == 1,
-              "logits: expected contiguous rows (stride(1) == 1), got strides ", logits.strides());
+              "logits: expected contiguous rows (stride(1) == 1), got stride(1) = ", logits.stride(1));
   TORCH_CHECK(k >= 1 && k <= kd_kernels::kMaxTopK, "k: expected 1 <= k <= ", kd_kernels::kMaxTopK, ", got ", k);
   TORCH_CHECK(width >= 1 && width <= logits.size(1), "width: expected 1 <= width <= logits.size(1) = ",
               logits.size(1), ", got ", width);

@@ -1,10 +1,13 @@
-// One thread block per row, two reads of the row:
-//   pass 1  online max / sum-exp at the temperature, and each thread's 8 largest values;
-//           the k-th largest of those 4096 samples is a threshold T with at least k row
-//           elements >= T (the samples are distinct elements);
+// One thread block per row (two blocks per SM, so one's sorts overlap the other's reads),
+// two reads of the row:
+//   pass 1  per 16-byte pack: the running max / sum-exp at the temperature (one rescale per
+//           pack, one exp per element), and per thread 8 interleaved bucket maxima; each warp
+//           then takes the ceil(k / warps)-th largest of its maxima, and the smallest of those
+//           is a threshold T with at least k row elements >= T (the maxima are distinct
+//           elements), found without a block-wide sort;
 //   pass 2  append every element >= T to a shared-memory buffer (warp-aggregated atomics);
-//           on LLM logits that is ~k + a few elements; the buffer is sorted by
-//           (value desc, column asc) and the first k written.
+//           on LLM logits that is ~1-3 k elements; the buffer is sorted by (value desc,
+//           column asc) and the first k written.
 // Rows where more than 4096 elements reach T (massive ties, adversarial orders) take an
 // exact slow path: bisection on the value to the k-th largest, then an in-order collection
 // that keeps the lowest columns among ties.
@@ -23,9 +26,10 @@ namespace kd_kernels {
 namespace {
 
 constexpr int kThreads = 512;
+constexpr int kWarps = kThreads / 32;
 constexpr int kSamplesPerThread = 8;
-constexpr int kCapacity = kThreads * kSamplesPerThread;  // 4096 candidates, a power of two
-static_assert(kCapacity >= 4 * kMaxTopK, "the candidate buffer must hold several times k");
+constexpr int kCapacity = 8192;  // candidates in dynamic shared memory (64 KiB), a power of two
+static_assert(kCapacity >= 8 * kMaxTopK, "the candidate buffer must hold several times k");
 constexpr int kUnroll = 4;  // 16-byte loads in flight per thread
 
 // Unsigned keys that order like the floats (for non-NaN values).
@@ -54,14 +58,15 @@ struct alignas(16) Pack {
   T v[kSize];
 };
 
-// Calls visit(value, column) for every column < width of the row, each once, spread over the
-// block: 16-byte loads for the aligned body, scalar loads for the unaligned head and the tail.
+// Visits every column < width of the row once, spread over the block: visit.pack(values,
+// first_column, slot) for 16-byte-aligned packs (slot: a compile-time position after unrolling), visit.one(value, column) for the unaligned head
+// and the tail.
 template <typename T, typename Visit>
 __device__ __forceinline__ void visit_row(const T* row, int width, Visit& visit) {
   constexpr int kVec = Pack<T>::kSize;
   int head = static_cast<int>(((16 - (reinterpret_cast<uintptr_t>(row) & 15)) & 15) / sizeof(T));
   head = min(head, width);
-  for (int i = threadIdx.x; i < head; i += blockDim.x) visit(to_float(row[i]), i);
+  for (int i = threadIdx.x; i < head; i += blockDim.x) visit.one(to_float(row[i]), i);
   const int packs = (width - head) / kVec;
   const Pack<T>* body = reinterpret_cast<const Pack<T>*>(row + head);
   for (int first = threadIdx.x; first < packs; first += kUnroll * blockDim.x) {
@@ -75,12 +80,14 @@ __device__ __forceinline__ void visit_row(const T* row, int width, Visit& visit)
     for (int u = 0; u < kUnroll; ++u) {
       const int p = first + u * blockDim.x;
       if (p < packs) {
+        float values[kVec];
 #pragma unroll
-        for (int j = 0; j < kVec; ++j) visit(to_float(loaded[u].v[j]), head + p * kVec + j);
+        for (int j = 0; j < kVec; ++j) values[j] = to_float(loaded[u].v[j]);
+        visit.template pack<kVec>(values, head + p * kVec, u * kVec);
       }
     }
   }
-  for (int i = head + packs * kVec + threadIdx.x; i < width; i += blockDim.x) visit(to_float(row[i]), i);
+  for (int i = head + packs * kVec + threadIdx.x; i < width; i += blockDim.x) visit.one(to_float(row[i]), i);
 }
 
 // Descending bitonic sort of buffer[0, size), size a power of two; every thread calls it.
@@ -108,37 +115,43 @@ __device__ __forceinline__ int next_power_of_two(int n) {
   return p;
 }
 
-// Pass 1 state of one thread: max and sum of exp2 in the log2 domain, and its 8 largest values.
+// Pass 1 state of one thread: max and sum of exp2 in the log2 domain, and the maxima of its
+// kSamplesPerThread interleaved buckets of elements.
 struct RowScan {
   float log2e_over_t;
   float max2 = -FLT_MAX;  // finite, so that -inf logits add exp2(-inf) = 0, never NaN
   float sum2 = 0.f;
-  float top[kSamplesPerThread];
+  float bucket_max[kSamplesPerThread];
 
   __device__ explicit RowScan(float scale) : log2e_over_t(scale) {
 #pragma unroll
-    for (int j = 0; j < kSamplesPerThread; ++j) top[j] = -INFINITY;
+    for (int j = 0; j < kSamplesPerThread; ++j) bucket_max[j] = -INFINITY;
   }
 
-  __device__ __forceinline__ void operator()(float x, int) {
-    const float y = x * log2e_over_t;
-    if (y > max2) {
-      sum2 = sum2 * exp2f(max2 - y) + 1.f;
-      max2 = y;
-    } else {
-      sum2 += exp2f(y - max2);
+  __device__ __forceinline__ void rescale_to(float candidate_max2) {
+    if (candidate_max2 > max2) {
+      sum2 *= exp2f(max2 - candidate_max2);
+      max2 = candidate_max2;
     }
-    if (x > top[kSamplesPerThread - 1]) {
-      top[kSamplesPerThread - 1] = x;
+  }
+
+  template <int N>
+  __device__ __forceinline__ void pack(const float (&x)[N], int, int slot) {
+    float pack_max = x[0];
 #pragma unroll
-      for (int j = kSamplesPerThread - 1; j > 0; --j) {
-        if (top[j] > top[j - 1]) {
-          const float swap = top[j];
-          top[j] = top[j - 1];
-          top[j - 1] = swap;
-        }
-      }
+    for (int j = 0; j < N; ++j) {
+      pack_max = fmaxf(pack_max, x[j]);
+      bucket_max[(slot + j) % kSamplesPerThread] = fmaxf(bucket_max[(slot + j) % kSamplesPerThread], x[j]);
     }
+    rescale_to(pack_max * log2e_over_t);
+#pragma unroll
+    for (int j = 0; j < N; ++j) sum2 += exp2f(fmaf(x[j], log2e_over_t, -max2));
+  }
+
+  __device__ __forceinline__ void one(float x, int) {
+    bucket_max[0] = fmaxf(bucket_max[0], x);
+    rescale_to(x * log2e_over_t);
+    sum2 += exp2f(fmaf(x, log2e_over_t, -max2));
   }
 };
 
@@ -166,20 +179,57 @@ __device__ __forceinline__ void append_if(bool take, uint32_t key, int column, u
 }
 
 struct CollectAtLeast {
-  uint32_t threshold;
+  float threshold;
   uint64_t* buffer;
   unsigned int* count;
-  __device__ __forceinline__ void operator()(float x, int column) {
-    const uint32_t key = order_key(x);
-    append_if(key >= threshold, key, column, buffer, count, kCapacity);
+  __device__ __forceinline__ void one(float x, int column) {
+    append_if(x >= threshold, order_key(x), column, buffer, count, kCapacity);
+  }
+  template <int N>
+  __device__ __forceinline__ void pack(const float (&x)[N], int first_column, int) {
+#pragma unroll
+    for (int j = 0; j < N; ++j) one(x[j], first_column + j);
   }
 };
 
 struct CountAtLeast {
   uint32_t threshold;
   unsigned int n = 0;
-  __device__ __forceinline__ void operator()(float x, int) { n += order_key(x) >= threshold; }
+  __device__ __forceinline__ void one(float x, int) { n += order_key(x) >= threshold; }
+  template <int N>
+  __device__ __forceinline__ void pack(const float (&x)[N], int, int) {
+#pragma unroll
+    for (int j = 0; j < N; ++j) one(x[j], 0);
+  }
 };
+
+// The `rank`-th largest (1-based) of the warp's 32 · kSamplesPerThread values, by repeated
+// removal of the warp maximum (rank <= 64 here).
+__device__ __forceinline__ float warp_rank_value(float (&values)[kSamplesPerThread], int rank) {
+  const int lane = threadIdx.x & 31;
+  float result = -INFINITY;
+  for (int r = 0; r < rank; ++r) {
+    float local = values[0];
+#pragma unroll
+    for (int j = 1; j < kSamplesPerThread; ++j) local = fmaxf(local, values[j]);
+    float warp_max = local;
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) warp_max = fmaxf(warp_max, __shfl_xor_sync(0xffffffffu, warp_max, offset));
+    result = warp_max;
+    const unsigned holders = __ballot_sync(0xffffffffu, local == warp_max);
+    if (lane == __ffs(holders) - 1) {
+      bool removed = false;
+#pragma unroll
+      for (int j = 0; j < kSamplesPerThread; ++j) {
+        if (!removed && values[j] == warp_max) {
+          values[j] = -INFINITY;
+          removed = true;
+        }
+      }
+    }
+  }
+  return result;
+}
 
 using BlockReduceMaxSum = cub::BlockReduce<MaxSum, kThreads>;
 using BlockReduceCount = cub::BlockReduce<unsigned int, kThreads>;
@@ -238,8 +288,10 @@ template <typename T>
 __global__ void __launch_bounds__(kThreads, 2)
 topk_candidates_kernel(const T* __restrict__ logits, int64_t row_stride, int width, int k, float temperature,
                        float* __restrict__ values, int32_t* __restrict__ indices, float* __restrict__ lse) {
-  __shared__ uint64_t buffer[kCapacity];
+  extern __shared__ uint64_t buffer[];  // kCapacity entries
   __shared__ unsigned int count;
+  __shared__ unsigned int threshold_key;
+  __shared__ unsigned int max_key;
   __shared__ union {
     typename BlockReduceMaxSum::TempStorage max_sum;
     typename BlockReduceCount::TempStorage count;
@@ -253,18 +305,22 @@ topk_candidates_kernel(const T* __restrict__ logits, int64_t row_stride, int wid
   visit_row(row, width, scan);
   const MaxSum total = BlockReduceMaxSum(storage.max_sum).Reduce(MaxSum{scan.max2, scan.sum2}, CombineMaxSum());
   if (threadIdx.x == 0) lse[r] = (total.max2 + log2f(total.sum2)) * 0.6931471805599453f;
-#pragma unroll
-  for (int j = 0; j < kSamplesPerThread; ++j) {
-    buffer[threadIdx.x * kSamplesPerThread + j] = candidate(order_key(scan.top[j]), 0);
+  if (threadIdx.x == 0) {
+    count = 0;
+    threshold_key = 0xffffffffu;
+    max_key = 0;
   }
-  if (threadIdx.x == 0) count = 0;
   __syncthreads();
-  sort_descending(buffer, kCapacity);
-  const uint32_t threshold = static_cast<uint32_t>(buffer[k - 1] >> 32);
-  const uint32_t max_key = static_cast<uint32_t>(buffer[0] >> 32);
+  float thread_max = scan.bucket_max[0];
+#pragma unroll
+  for (int j = 1; j < kSamplesPerThread; ++j) thread_max = fmaxf(thread_max, scan.bucket_max[j]);
+  atomicMax(&max_key, order_key(thread_max));
+  const float warp_threshold = warp_rank_value(scan.bucket_max, (k + kWarps - 1) / kWarps);
+  if ((threadIdx.x & 31) == 0) atomicMin(&threshold_key, order_key(warp_threshold));
   __syncthreads();
+  const uint32_t threshold = threshold_key;
 
-  CollectAtLeast collect{threshold, buffer, &count};
+  CollectAtLeast collect{key_value(threshold), buffer, &count};
   visit_row(row, width, collect);
   __syncthreads();
   int found = static_cast<int>(count);
@@ -296,7 +352,11 @@ template <typename T>
 cudaError_t launch(const void* logits, int64_t rows, int64_t row_stride, int64_t width, int64_t k, float temperature,
                    float* values, int32_t* indices, float* lse, cudaStream_t stream) {
   if (rows == 0) return cudaSuccess;
-  topk_candidates_kernel<T><<<static_cast<unsigned int>(rows), kThreads, 0, stream>>>(
+  constexpr int kSharedBytes = kCapacity * sizeof(uint64_t);
+  const cudaError_t attribute = cudaFuncSetAttribute(topk_candidates_kernel<T>,
+                                                     cudaFuncAttributeMaxDynamicSharedMemorySize, kSharedBytes);
+  if (attribute != cudaSuccess) return attribute;
+  topk_candidates_kernel<T><<<static_cast<unsigned int>(rows), kThreads, kSharedBytes, stream>>>(
       static_cast<const T*>(logits), row_stride, static_cast<int>(width), static_cast<int>(k), temperature, values,
       indices, lse);
   return cudaGetLastError();
