@@ -16,6 +16,7 @@
 #include <cub/block/block_scan.cuh>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <algorithm>
 #include <cfloat>
 
 #include "topk_candidates.h"
@@ -115,15 +116,31 @@ __device__ __forceinline__ int next_power_of_two(int n) {
   return p;
 }
 
+// Appends (key, column) to buffer[count++] when `take`, one shared atomic per warp.
+__device__ __forceinline__ void append_if(bool take, uint32_t key, int column, uint64_t* buffer,
+                                          unsigned int* count, int capacity) {
+  if (!take) return;
+  cg::coalesced_group taking = cg::coalesced_threads();
+  unsigned int base = 0;
+  if (taking.thread_rank() == 0) base = atomicAdd(count, taking.size());
+  base = taking.shfl(base, 0);
+  const unsigned int slot = base + taking.thread_rank();
+  if (slot < static_cast<unsigned int>(capacity)) buffer[slot] = candidate(key, column);
+}
+
 // Pass 1 state of one thread: max and sum of exp2 in the log2 domain, and the maxima of its
 // kSamplesPerThread interleaved buckets of elements.
 struct RowScan {
   float log2e_over_t;
+  float floor;  // elements >= floor are appended to the buffer already in this pass
+  uint64_t* buffer;
+  unsigned int* count;
   float max2 = -FLT_MAX;  // finite, so that -inf logits add exp2(-inf) = 0, never NaN
   float sum2 = 0.f;
   float bucket_max[kSamplesPerThread];
 
-  __device__ explicit RowScan(float scale) : log2e_over_t(scale) {
+  __device__ RowScan(float scale, float floor_, uint64_t* buffer_, unsigned int* count_)
+      : log2e_over_t(scale), floor(floor_), buffer(buffer_), count(count_) {
 #pragma unroll
     for (int j = 0; j < kSamplesPerThread; ++j) bucket_max[j] = -INFINITY;
   }
@@ -136,7 +153,7 @@ struct RowScan {
   }
 
   template <int N>
-  __device__ __forceinline__ void pack(const float (&x)[N], int, int slot) {
+  __device__ __forceinline__ void pack(const float (&x)[N], int first_column, int slot) {
     float pack_max = x[0];
 #pragma unroll
     for (int j = 0; j < N; ++j) {
@@ -146,12 +163,17 @@ struct RowScan {
     rescale_to(pack_max * log2e_over_t);
 #pragma unroll
     for (int j = 0; j < N; ++j) sum2 += exp2f(fmaf(x[j], log2e_over_t, -max2));
+    if (pack_max >= floor) {
+#pragma unroll
+      for (int j = 0; j < N; ++j) append_if(x[j] >= floor, order_key(x[j]), first_column + j, buffer, count, kCapacity);
+    }
   }
 
-  __device__ __forceinline__ void one(float x, int) {
+  __device__ __forceinline__ void one(float x, int column) {
     bucket_max[0] = fmaxf(bucket_max[0], x);
     rescale_to(x * log2e_over_t);
     sum2 += exp2f(fmaf(x, log2e_over_t, -max2));
+    append_if(x >= floor, order_key(x), column, buffer, count, kCapacity);
   }
 };
 
@@ -165,18 +187,6 @@ struct CombineMaxSum {
     return {m, a.sum2 * exp2f(a.max2 - m) + b.sum2 * exp2f(b.max2 - m)};
   }
 };
-
-// Appends (key, column) to buffer[count++] when `take`, one shared atomic per warp.
-__device__ __forceinline__ void append_if(bool take, uint32_t key, int column, uint64_t* buffer,
-                                          unsigned int* count, int capacity) {
-  if (!take) return;
-  cg::coalesced_group taking = cg::coalesced_threads();
-  unsigned int base = 0;
-  if (taking.thread_rank() == 0) base = atomicAdd(count, taking.size());
-  base = taking.shfl(base, 0);
-  const unsigned int slot = base + taking.thread_rank();
-  if (slot < static_cast<unsigned int>(capacity)) buffer[slot] = candidate(key, column);
-}
 
 struct CollectAtLeast {
   float threshold;
@@ -286,7 +296,8 @@ __device__ int collect_exact(const T* row, int width, int k, uint32_t low, uint3
 
 template <typename T>
 __global__ void __launch_bounds__(kThreads, 2)
-topk_candidates_kernel(const T* __restrict__ logits, int64_t row_stride, int width, int k, float temperature,
+topk_candidates_kernel(const T* __restrict__ logits, int64_t rows, int64_t row_stride, int width, int k,
+                       float temperature,
                        float* __restrict__ values, int32_t* __restrict__ indices, float* __restrict__ lse) {
   extern __shared__ uint64_t buffer[];  // kCapacity entries
   __shared__ unsigned int count;
@@ -298,53 +309,74 @@ topk_candidates_kernel(const T* __restrict__ logits, int64_t row_stride, int wid
     typename BlockScanCount::TempStorage scan;
   } storage;
 
-  const int64_t r = blockIdx.x;
-  const T* row = logits + r * row_stride;
-
-  RowScan scan(1.4426950408889634f / temperature);
-  visit_row(row, width, scan);
-  const MaxSum total = BlockReduceMaxSum(storage.max_sum).Reduce(MaxSum{scan.max2, scan.sum2}, CombineMaxSum());
-  if (threadIdx.x == 0) lse[r] = (total.max2 + log2f(total.sum2)) * 0.6931471805599453f;
-  if (threadIdx.x == 0) {
-    count = 0;
-    threshold_key = 0xffffffffu;
-    max_key = 0;
-  }
-  __syncthreads();
-  float thread_max = scan.bucket_max[0];
-#pragma unroll
-  for (int j = 1; j < kSamplesPerThread; ++j) thread_max = fmaxf(thread_max, scan.bucket_max[j]);
-  atomicMax(&max_key, order_key(thread_max));
-  const float warp_threshold = warp_rank_value(scan.bucket_max, (k + kWarps - 1) / kWarps);
-  if ((threadIdx.x & 31) == 0) atomicMin(&threshold_key, order_key(warp_threshold));
-  __syncthreads();
-  const uint32_t threshold = threshold_key;
-
-  CollectAtLeast collect{key_value(threshold), buffer, &count};
-  visit_row(row, width, collect);
-  __syncthreads();
-  int found = static_cast<int>(count);
-  if (found > kCapacity) {
-    __syncthreads();
-    found = collect_exact(row, width, k, threshold, max_key, buffer, &count, storage.count, storage.scan);
-    __syncthreads();
-  }
-  const int size = next_power_of_two(found);
-  for (int i = found + threadIdx.x; i < size; i += blockDim.x) buffer[i] = 0;
-  __syncthreads();
-  sort_descending(buffer, size);
-
-  const int valid = min(k, found);
-  for (int j = threadIdx.x; j < k; j += blockDim.x) {
-    float value = -INFINITY;
-    int32_t column = 0;
-    if (j < valid) {
-      const uint64_t entry = buffer[j];
-      value = __fdiv_rn(key_value(static_cast<uint32_t>(entry >> 32)), temperature);
-      column = static_cast<int32_t>(~static_cast<uint32_t>(entry));
+  // Rows of one block share a scale: elements >= (the previous row's threshold - margin) are
+  // collected during pass 1, and pass 2 is skipped when this row's threshold lies above that
+  // floor (then every element >= it is in the buffer). The result never depends on it.
+  float previous_threshold = INFINITY, margin = 0.f;
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    const T* row = logits + r * row_stride;
+    if (threadIdx.x == 0) {
+      count = 0;
+      threshold_key = 0xffffffffu;
+      max_key = 0;
     }
-    values[r * k + j] = value;
-    indices[r * k + j] = column;
+    __syncthreads();
+    float floor = previous_threshold - margin;
+    if (!isfinite(floor)) floor = INFINITY;  // nothing to go by: collect in pass 2
+
+    RowScan scan(1.4426950408889634f / temperature, floor, buffer, &count);
+    visit_row(row, width, scan);
+    const MaxSum total = BlockReduceMaxSum(storage.max_sum).Reduce(MaxSum{scan.max2, scan.sum2}, CombineMaxSum());
+    if (threadIdx.x == 0) lse[r] = (total.max2 + log2f(total.sum2)) * 0.6931471805599453f;
+    float thread_max = scan.bucket_max[0];
+#pragma unroll
+    for (int j = 1; j < kSamplesPerThread; ++j) thread_max = fmaxf(thread_max, scan.bucket_max[j]);
+    atomicMax(&max_key, order_key(thread_max));
+    const float warp_threshold = warp_rank_value(scan.bucket_max, (k + kWarps - 1) / kWarps);
+    if ((threadIdx.x & 31) == 0) atomicMin(&threshold_key, order_key(warp_threshold));
+    __syncthreads();
+    const uint32_t threshold = threshold_key;
+    const float threshold_value = key_value(threshold);
+    int found = static_cast<int>(count);
+    const bool collected = found <= kCapacity && threshold_value >= floor;
+    // the next row's floor: this threshold, with a margin that widens after a miss
+    margin = collected ? fmaxf(0.9f * margin, 0.25f * (key_value(max_key) - threshold_value))
+                       : margin + 2.f * fmaxf(floor - threshold_value, 0.f);
+    if (!isfinite(margin)) margin = 0.f;
+    previous_threshold = threshold_value;
+    __syncthreads();
+
+    if (!collected) {
+      if (threadIdx.x == 0) count = 0;
+      __syncthreads();
+      CollectAtLeast collect{threshold_value, buffer, &count};
+      visit_row(row, width, collect);
+      __syncthreads();
+      found = static_cast<int>(count);
+      if (found > kCapacity) {
+        __syncthreads();
+        found = collect_exact(row, width, k, threshold, max_key, buffer, &count, storage.count, storage.scan);
+        __syncthreads();
+      }
+    }
+    const int size = next_power_of_two(found);
+    for (int i = found + threadIdx.x; i < size; i += blockDim.x) buffer[i] = 0;
+    __syncthreads();
+    sort_descending(buffer, size);
+
+    const int valid = min(k, found);
+    for (int j = threadIdx.x; j < k; j += blockDim.x) {
+      float value = -INFINITY;
+      int32_t column = 0;
+      if (j < valid) {
+        const uint64_t entry = buffer[j];
+        value = __fdiv_rn(key_value(static_cast<uint32_t>(entry >> 32)), temperature);
+        column = static_cast<int32_t>(~static_cast<uint32_t>(entry));
+      }
+      values[r * k + j] = value;
+      indices[r * k + j] = column;
+    }
+    __syncthreads();
   }
 }
 
@@ -356,9 +388,15 @@ cudaError_t launch(const void* logits, int64_t rows, int64_t row_stride, int64_t
   const cudaError_t attribute = cudaFuncSetAttribute(topk_candidates_kernel<T>,
                                                      cudaFuncAttributeMaxDynamicSharedMemorySize, kSharedBytes);
   if (attribute != cudaSuccess) return attribute;
-  topk_candidates_kernel<T><<<static_cast<unsigned int>(rows), kThreads, kSharedBytes, stream>>>(
-      static_cast<const T*>(logits), row_stride, static_cast<int>(width), static_cast<int>(k), temperature, values,
-      indices, lse);
+  int device = 0, processors = 0;
+  cudaError_t status = cudaGetDevice(&device);
+  if (status == cudaSuccess) status = cudaDeviceGetAttribute(&processors, cudaDevAttrMultiProcessorCount, device);
+  if (status != cudaSuccess) return status;
+  // persistent blocks, two per SM: a block carries the previous row's threshold to the next
+  const int64_t blocks = std::min<int64_t>(rows, 2 * static_cast<int64_t>(processors));
+  topk_candidates_kernel<T><<<static_cast<unsigned int>(blocks), kThreads, kSharedBytes, stream>>>(
+      static_cast<const T*>(logits), rows, row_stride, static_cast<int>(width), static_cast<int>(k), temperature,
+      values, indices, lse);
   return cudaGetLastError();
 }
 
