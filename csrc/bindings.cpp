@@ -1,17 +1,30 @@
 // pybind11 adapter of the CUDA kernels: checks every input itself (the Python layer checks
 // too, but this entry point is public as kd_kernels._C), allocates outputs, launches on the
-// current stream.
+// current stream of the input's device.
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/extension.h>
 
 #include <cmath>
 #include <limits>
+#include <string>
 #include <tuple>
 
 #include "topk_candidates.h"
 
 namespace {
+
+// Input errors are raised as Python ValueError / TypeError by pybind11 itself, with messages
+// built from std::to_string: on the GPU image, a TORCH_CHECK whose message streams an integer
+// crashed the interpreter (segfault) instead of raising.
+[[noreturn]] void fail_value(const std::string& message) { throw pybind11::value_error(message); }
+[[noreturn]] void fail_type(const std::string& message) { throw pybind11::type_error(message); }
+
+std::string shape_of(const at::Tensor& tensor) {
+  std::string text = "[";
+  for (int64_t d = 0; d < tensor.dim(); ++d) text += (d ? ", " : "") + std::to_string(tensor.size(d));
+  return text + "]";
+}
 
 kd_kernels::LogitsDtype logits_dtype(const at::Tensor& logits) {
   switch (logits.scalar_type()) {
@@ -22,25 +35,31 @@ kd_kernels::LogitsDtype logits_dtype(const at::Tensor& logits) {
     case at::kBFloat16:
       return kd_kernels::LogitsDtype::kBFloat16;
     default:
-      TORCH_CHECK(false, "logits: expected dtype float32, float16 or bfloat16, got ", logits.scalar_type());
+      fail_type(std::string("logits: expected dtype float32, float16 or bfloat16, got ") +
+                c10::toString(logits.scalar_type()));
   }
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> topk_candidates(const at::Tensor& logits, int64_t k,
                                                                double temperature, int64_t width) {
-  TORCH_CHECK(logits.is_cuda(), "logits: expected a CUDA tensor, got one on ", logits.device());
-  TORCH_CHECK(logits.dim() == 2, "logits: expected 2 dimensions [rows, columns], got ", logits.dim());
+  if (!logits.is_cuda()) fail_value("logits: expected a CUDA tensor, got one on " + logits.device().str());
+  if (logits.dim() != 2) fail_value("logits: expected 2 dimensions [rows, columns], got shape " + shape_of(logits));
   const auto dtype = logits_dtype(logits);
-  TORCH_CHECK(logits.size(1) == 0 || logits.stride(1) == 1,
-              "logits: expected contiguous rows (stride(1) == 1), got stride(1) = ", logits.stride(1));
-  TORCH_CHECK(k >= 1 && k <= kd_kernels::kMaxTopK, "k: expected 1 <= k <= ", kd_kernels::kMaxTopK, ", got ", k);
-  TORCH_CHECK(width >= 1 && width <= logits.size(1), "width: expected 1 <= width <= logits.size(1) = ",
-              logits.size(1), ", got ", width);
-  TORCH_CHECK(width <= std::numeric_limits<int32_t>::max(), "width: expected < 2^31, got ", width);
-  TORCH_CHECK(std::isfinite(temperature) && temperature > 0, "temperature: expected a finite value > 0, got ",
-              temperature);
-  TORCH_CHECK(logits.size(0) <= std::numeric_limits<int32_t>::max(), "logits: expected < 2^31 rows, got ",
-              logits.size(0));
+  if (logits.size(1) > 1 && logits.stride(1) != 1) {
+    fail_value("logits: expected contiguous rows (stride(1) == 1), got stride(1) = " +
+               std::to_string(logits.stride(1)));
+  }
+  if (k < 1 || k > kd_kernels::kMaxTopK) {
+    fail_value("k: expected 1 <= k <= " + std::to_string(kd_kernels::kMaxTopK) + ", got " + std::to_string(k));
+  }
+  if (width < 1 || width > logits.size(1)) {
+    fail_value("width: expected 1 <= width <= logits.size(1) = " + std::to_string(logits.size(1)) + ", got " +
+               std::to_string(width));
+  }
+  if (width > std::numeric_limits<int32_t>::max()) fail_value("width: expected < 2^31, got " + std::to_string(width));
+  if (!std::isfinite(temperature) || temperature <= 0) {
+    fail_value("temperature: expected a finite value > 0, got " + std::to_string(temperature));
+  }
   const c10::cuda::CUDAGuard guard(logits.device());
   const int64_t rows = logits.size(0);
   const auto float_options = logits.options().dtype(at::kFloat);
@@ -48,10 +67,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> topk_candidates(const at::Tensor&
   at::Tensor indices = at::empty({rows, k}, logits.options().dtype(at::kInt));
   at::Tensor lse = at::empty({rows}, float_options);
   const int64_t row_stride = rows > 1 ? logits.stride(0) : logits.size(1);
-  C10_CUDA_CHECK(kd_kernels::launch_topk_candidates(
+  const cudaError_t status = kd_kernels::launch_topk_candidates(
       dtype, logits.data_ptr(), rows, row_stride, width, k, static_cast<float>(temperature),
       values.data_ptr<float>(), indices.data_ptr<int32_t>(), lse.data_ptr<float>(),
-      c10::cuda::getCurrentCUDAStream().stream()));
+      c10::cuda::getCurrentCUDAStream().stream());
+  if (status != cudaSuccess) {
+    throw std::runtime_error(std::string("topk_candidates: CUDA launch failed: ") + cudaGetErrorString(status));
+  }
   return {values, indices, lse};
 }
 

@@ -31,7 +31,10 @@ constexpr int kWarps = kThreads / 32;
 constexpr int kSamplesPerThread = 8;
 constexpr int kCapacity = 8192;  // candidates in dynamic shared memory (64 KiB), a power of two
 static_assert(kCapacity >= 8 * kMaxTopK, "the candidate buffer must hold several times k");
-constexpr int kUnroll = 4;  // 16-byte loads in flight per thread
+// 16-byte loads in flight per thread: 16 elements per thread per step whatever the dtype
+// (4 for 16-bit types spilled registers under the 64-register bound of 2 blocks per SM)
+template <typename T>
+constexpr int kUnroll = sizeof(T) == 4 ? 4 : 2;
 
 // Unsigned keys that order like the floats (for non-NaN values).
 __device__ __forceinline__ uint32_t order_key(float value) {
@@ -70,15 +73,16 @@ __device__ __forceinline__ void visit_row(const T* row, int width, Visit& visit)
   for (int i = threadIdx.x; i < head; i += blockDim.x) visit.one(to_float(row[i]), i);
   const int packs = (width - head) / kVec;
   const Pack<T>* body = reinterpret_cast<const Pack<T>*>(row + head);
-  for (int first = threadIdx.x; first < packs; first += kUnroll * blockDim.x) {
-    Pack<T> loaded[kUnroll];
+  constexpr int kSteps = kUnroll<T>;
+  for (int first = threadIdx.x; first < packs; first += kSteps * blockDim.x) {
+    Pack<T> loaded[kSteps];
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
+    for (int u = 0; u < kSteps; ++u) {
       const int p = first + u * blockDim.x;
       if (p < packs) loaded[u] = body[p];
     }
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
+    for (int u = 0; u < kSteps; ++u) {
       const int p = first + u * blockDim.x;
       if (p < packs) {
         float values[kVec];
@@ -311,8 +315,10 @@ topk_candidates_kernel(const T* __restrict__ logits, int64_t rows, int64_t row_s
 
   // Rows of one block share a scale: elements >= (the previous row's threshold - margin) are
   // collected during pass 1, and pass 2 is skipped when this row's threshold lies above that
-  // floor (then every element >= it is in the buffer). The result never depends on it.
-  float previous_threshold = INFINITY, margin = 0.f;
+  // floor (then every element >= it is in the buffer). The margin is twice the running mean
+  // of how much the threshold moves from row to row, widened after a miss. The result never
+  // depends on any of it.
+  float previous_threshold = INFINITY, mean_move = 0.f, margin = 0.f;
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
     const T* row = logits + r * row_stride;
     if (threadIdx.x == 0) {
@@ -339,8 +345,9 @@ topk_candidates_kernel(const T* __restrict__ logits, int64_t rows, int64_t row_s
     const float threshold_value = key_value(threshold);
     int found = static_cast<int>(count);
     const bool collected = found <= kCapacity && threshold_value >= floor;
-    // the next row's floor: this threshold, with a margin that widens after a miss
-    margin = collected ? fmaxf(0.9f * margin, 0.25f * (key_value(max_key) - threshold_value))
+    const float move = fabsf(threshold_value - previous_threshold);
+    if (isfinite(move)) mean_move = 0.8f * mean_move + 0.2f * move;
+    margin = collected ? 2.f * mean_move + 1e-3f * fabsf(threshold_value)
                        : margin + 2.f * fmaxf(floor - threshold_value, 0.f);
     if (!isfinite(margin)) margin = 0.f;
     previous_threshold = threshold_value;

@@ -109,15 +109,17 @@ def test_bad_inputs_raise_clear_errors():
     with pytest.raises(ValueError, match="contiguous rows"):
         kd.teacher_topk_from_logits(logits.T.contiguous().T, k=4, backend="cuda")
     # the compiled adapter checks for itself
-    with pytest.raises(RuntimeError, match="logits: expected a CUDA tensor"):
+    with pytest.raises(ValueError, match="logits: expected a CUDA tensor"):
         _C.topk_candidates(logits.cpu(), 4, 1.0, 3000)
-    with pytest.raises(RuntimeError, match="logits: expected dtype"):
+    with pytest.raises(TypeError, match="logits: expected dtype"):
         _C.topk_candidates(logits.double(), 4, 1.0, 3000)
-    with pytest.raises(RuntimeError, match="contiguous rows"):
+    with pytest.raises(ValueError, match="logits: expected 2 dimensions"):
+        _C.topk_candidates(logits[0], 4, 1.0, 3000)
+    with pytest.raises(ValueError, match="contiguous rows"):
         _C.topk_candidates(logits.T, 4, 1.0, 4)
-    with pytest.raises(RuntimeError, match="k: expected 1 <= k <= 1024"):
+    with pytest.raises(ValueError, match="k: expected 1 <= k <= 1024, got 0"):
         _C.topk_candidates(logits, 0, 1.0, 3000)
-    with pytest.raises(RuntimeError, match="width: expected"):
+    with pytest.raises(ValueError, match="width: expected 1 <= width <= logits.size"):
         _C.topk_candidates(logits, 4, 1.0, 3001)
-    with pytest.raises(RuntimeError, match="temperature: expected"):
+    with pytest.raises(ValueError, match="temperature: expected"):
         _C.topk_candidates(logits, 4, 0.0, 3000)
