@@ -29,7 +29,7 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
     config = load_config(args.config, args.set)
     summary = run(config)
-    result = {key: value for key, value in summary.items() if key not in ("student", "teacher", "students")}
+    result = dict(summary)
     with open(os.path.join(config.output_dir, "summary.json"), "w") as handle:
         json.dump(dict(config=vars(config), **result), handle, indent=2)
     print(f"held-out CE (nats/token): teacher {result['teacher_held_out_ce']:.4f}, "

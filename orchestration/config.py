@@ -52,8 +52,14 @@ class Config:
                                       "student_workers, and both must divide micro_batches)")
     student_workers: int = _option(1, "student data-parallel workers (gradients summed with gloo / NCCL; the loss "
                                       "is normalized by the step's global token count)")
-    transfer: str = _option("auto", "auto | object_store | cuda_ipc: how teacher top-k reaches the student "
-                                    "(auto: CUDA IPC when both share a GPU, else the object store)")
+    placement: str = _option("auto", "auto | colocated | disaggregated: on GPUs, teacher and student workers "
+                                     "share each GPU (colocated) or get their own (disaggregated; auto picks it "
+                                     "when there are teacher_workers + student_workers GPUs)")
+    transfer: str = _option("auto", "auto | object_store | cuda_ipc | nccl: how teacher top-k reaches the student "
+                                    "(auto: CUDA IPC when colocated, NCCL when disaggregated, the object store on "
+                                    "CPU)")
+    teacher_offload: bool = _option(False, "keep the teacher's weights on the CPU between its scoring calls "
+                                           "(colocated runs short of GPU memory)")
     overlap: bool = _option(True, "score step i + 1 on the teacher while the student trains step i")
     checkpoint_every: int = _option(40, "save the student every N steps (0: only at the end)")
     resume: bool = _option(False, "continue from the latest checkpoint in output_dir")
@@ -64,15 +70,34 @@ class Config:
     def __post_init__(self):
         if self.micro_batches < 1 or self.rows_per_micro_batch < 1 or self.row_tokens < 2:
             raise ValueError("micro_batches, rows_per_micro_batch: expected >= 1; row_tokens: expected >= 2")
-        if self.transfer not in ("auto", "object_store", "cuda_ipc"):
-            raise ValueError(f"transfer: expected auto, object_store or cuda_ipc, got {self.transfer!r}")
+        if self.transfer not in ("auto", "object_store", "cuda_ipc", "nccl"):
+            raise ValueError(f"transfer: expected auto, object_store, cuda_ipc or nccl, got {self.transfer!r}")
+        if self.placement not in ("auto", "colocated", "disaggregated"):
+            raise ValueError(f"placement: expected auto, colocated or disaggregated, got {self.placement!r}")
+
+
+# The embedded default on a GPU: larger models, longer rows, more data (options not set
+# explicitly take these when the run's device is CUDA).
+GPU_DEFAULTS = dict(max_corpus_bytes=12_000_000, tokenizer_vocab=8192, row_tokens=512, rows_per_micro_batch=16,
+                    teacher_hidden=768, teacher_layers=8, teacher_pretrain_steps=400, student_hidden=384,
+                    student_layers=4, heads=8, steps=300, k=64, checkpoint_every=100)
 
 
 def help_text() -> str:
-    lines = ["options (YAML keys, or --set key=value):"]
+    lines = ["options (YAML keys, or --set key=value; on a CUDA device, options not set take the GPU default "
+             "in brackets):"]
     for option in dataclasses.fields(Config):
-        lines.append(f"  {option.name} (default {option.default!r}): {option.metadata['help']}")
+        gpu = f" [GPU {GPU_DEFAULTS[option.name]!r}]" if option.name in GPU_DEFAULTS else ""
+        lines.append(f"  {option.name} (default {option.default!r}{gpu}): {option.metadata['help']}")
     return "\n".join(lines)
+
+
+def _runs_on_cuda(device: str) -> bool:
+    if device == "cpu":
+        return False
+    import torch
+
+    return device == "cuda" or torch.cuda.is_available()
 
 
 def _parse_value(option: dataclasses.Field, text: str):
@@ -106,4 +131,6 @@ def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = Non
         if not separator or key not in fields:
             raise ValueError(f"--set {override!r}: expected key=value with a known key (see --help)")
         values[key] = _parse_value(fields[key], text)
+    if _runs_on_cuda(values.get("device", Config.device)):
+        values = {**{key: value for key, value in GPU_DEFAULTS.items() if key not in values}, **values}
     return Config(**values)

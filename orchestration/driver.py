@@ -1,6 +1,7 @@
-"""The driver loop: data, a teacher worker and a student worker as Ray actors, teacher top-k
-through the object store, overlap of teacher scoring with student training, metrics,
-checkpoints, resume, and a clear stop when a worker dies."""
+"""The driver loop: data, teacher and student workers as Ray actors placed on the GPUs
+(colocated or disaggregated), teacher top-k through CUDA IPC, NCCL or the object store,
+overlap of teacher scoring with student training, metrics, checkpoints, resume, and a clear
+stop when a worker dies."""
 from __future__ import annotations
 
 import glob
@@ -14,6 +15,7 @@ import torch
 from .comm_plan import CommPlan
 from .config import Config
 from .data import IGNORE_INDEX, encode, pack, read_documents, stdlib_corpus, train_tokenizer
+from .transfer import Layout, resolve_layout
 
 
 class WorkerDied(RuntimeError):
@@ -67,27 +69,42 @@ def latest_checkpoint(output_dir: str):
     return paths[-1] if paths else None
 
 
-def run(config: Config, progress: bool = True) -> dict:
+def run(config: Config, progress: bool = True, return_parameters: bool = False) -> dict:
+    """Runs the distillation; returns a summary (held-out CEs, paths, layout; with
+    ``return_parameters`` each student's flattened parameters). Its Ray actors are killed
+    before it returns, so runs can follow each other in one process."""
     import ray
 
-    from .workers import StudentWorker, TeacherWorker
+    from .workers import StudentWorker, TeacherWorker, pick_device
 
-    plan = CommPlan(config.teacher_workers, config.student_workers, config.micro_batches)  # refuse bad layouts first
+    num_teachers, num_students = config.teacher_workers, config.student_workers
+    plan = CommPlan(num_teachers, num_students, config.micro_batches)  # refuse bad layouts first
+    device_type = pick_device(config).type
+    gpus = torch.cuda.device_count() if device_type == "cuda" else 0
+    layout = resolve_layout(config.placement, config.transfer, device_type, gpus, num_teachers, num_students)
     os.makedirs(os.path.join(config.output_dir, "checkpoints"), exist_ok=True)
-    if config.transfer == "cuda_ipc":
-        raise NotImplementedError("transfer: cuda_ipc is not built yet; use object_store (or auto)")
     train_tokens, train_labels, held_tokens, held_labels, vocab = prepare_data(config)
     if not ray.is_initialized():
-        ray.init(num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False, log_to_driver=False,
+        ray.init(num_cpus=max(2, os.cpu_count() or 2), num_gpus=gpus, include_dashboard=False, log_to_driver=False,
                  configure_logging=False)
+    teacher_worlds, student_worlds = _worlds(layout, num_teachers, num_students, device_type)
     # actors take no CPU slot: the driver decides placement, and more actors than cores must start
-    teachers = [ray.remote(TeacherWorker).options(num_cpus=0, max_restarts=0).remote(config, vocab)
-                for _ in range(config.teacher_workers)]
-    port = _free_port()
-    students = [ray.remote(StudentWorker).options(num_cpus=0, max_restarts=0).remote(
-        config, vocab, rank, config.student_workers, port) for rank in range(config.student_workers)]
+    teachers = [ray.remote(TeacherWorker).options(num_cpus=0, num_gpus=layout.gpus_per_teacher, max_restarts=0)
+                .remote(config, vocab, layout.transfer, teacher_worlds[t]) for t in range(num_teachers)]
+    students = [ray.remote(StudentWorker).options(num_cpus=0, num_gpus=layout.gpus_per_student, max_restarts=0)
+                .remote(config, vocab, rank, num_students, student_worlds[rank]) for rank in range(num_students)]
     names = {id(w): f"teacher-{i}" for i, w in enumerate(teachers)}
     names.update({id(w): f"student-{i}" for i, w in enumerate(students)})
+    try:
+        return _drive(ray, config, plan, layout, device_type, vocab, teachers, students, names, train_tokens,
+                      train_labels, held_tokens, held_labels, progress, return_parameters)
+    finally:
+        for worker in teachers + students:
+            ray.kill(worker, no_restart=True)
+
+
+def _drive(ray, config, plan, layout, device_type, vocab, teachers, students, names, train_tokens, train_labels,
+           held_tokens, held_labels, progress, return_parameters) -> dict:
     teacher, student = teachers[0], students[0]
     checkpoint = latest_checkpoint(config.output_dir) if config.resume else None
 
@@ -100,6 +117,9 @@ def run(config: Config, progress: bool = True) -> dict:
             raise WorkerDied(f"worker {names[id(dead)]} died at step {step}; last good checkpoint: "
                              f"{latest_checkpoint(config.output_dir) or 'none'} ({error.__class__.__name__})") from None
 
+    if device_type == "cuda":
+        _check_placement(layout, call(teachers, [t.gpu.remote() for t in teachers], -1),
+                         call(students, [s.gpu.remote() for s in students], -1))
     teacher_pretrain_loss = call([teacher], [teacher.pretrain.remote(train_tokens, train_labels)], -1)[0]
     if len(teachers) > 1:  # pretrained once, then copied: every teacher worker scores with the same weights
         state = ray.put(call([teacher], [teacher.state_dict.remote()], -1)[0])
@@ -113,7 +133,8 @@ def run(config: Config, progress: bool = True) -> dict:
 
     def submit(step):
         """Each micro-batch scored by the teacher worker the plan gives it."""
-        return [teachers[plan.teacher_of(m)].score.remote(tokens) for m, (tokens, _) in enumerate(batches(step))]
+        return [teachers[plan.teacher_of(m)].score.remote(tokens, step, plan.student_of(m))
+                for m, (tokens, _) in enumerate(batches(step))]
 
     def train(step, refs):
         micro = batches(step)
@@ -122,11 +143,14 @@ def run(config: Config, progress: bool = True) -> dict:
                                      [refs[m] for m in plan.micro_batches_of_student(rank)], num_tokens)
                  for rank, s in enumerate(students)]
         parts = call(students, calls, step)
+        for worker in teachers:
+            worker.release.remote(step)  # actor calls run in order: after this step's scoring
         total = {key: sum(part[key] for part in parts) for key in parts[0] if key != "lr"}
         rows = max(total["rows"], 1)
         return dict(loss=total["loss"], kd=total["kd_sum"] / rows, ce=total["ce_sum"] / rows,
                     teacher_tail_mass=1.0 - total["teacher_mass_sum"] / rows, tokens=num_tokens,
-                    teacher_seconds=total["teacher_seconds"], transfer_seconds=max(p["transfer_seconds"] for p in parts),
+                    teacher_seconds=total["teacher_seconds"], wait_seconds=max(p["wait_seconds"] for p in parts),
+                    transfer_seconds=max(p["transfer_seconds"] for p in parts),
                     student_seconds=max(p["student_seconds"] for p in parts), lr=parts[0]["lr"])
 
     metrics_path = os.path.join(config.output_dir, "metrics.jsonl")
@@ -166,5 +190,34 @@ def run(config: Config, progress: bool = True) -> dict:
         last_step=last_step, vocab=vocab, teacher_pretrain_loss=teacher_pretrain_loss,
         teacher_held_out_ce=call([teacher], [teacher.held_out_ce.remote(held_tokens, held_labels)], last_step)[0],
         student_held_out_ce=call([student], [student.held_out_ce.remote(held_tokens, held_labels)], last_step)[0],
-        metrics=metrics_path, checkpoint=final, student=student, teacher=teacher, students=students)
+        metrics=metrics_path, checkpoint=final, placement=layout.placement, transfer=layout.transfer)
+    if return_parameters:
+        summary["student_parameters"] = call(students, [s.parameters_vector.remote() for s in students], last_step)
     return summary
+
+
+def _worlds(layout: Layout, num_teachers: int, num_students: int, device_type: str):
+    """Each worker's `World` (or None): with NCCL transfer, teachers and students share one
+    process group; otherwise students form their own when there are several."""
+    from .workers import World
+
+    port = _free_port()
+    backend = "nccl" if device_type == "cuda" else "gloo"
+    if layout.transfer == "nccl":
+        size = num_students + num_teachers
+        return ([World(num_students + t, size, port, num_students, backend) for t in range(num_teachers)],
+                [World(r, size, port, num_students, backend) for r in range(num_students)])
+    students = [World(r, num_students, port, num_students, backend) if num_students > 1 else None
+                for r in range(num_students)]
+    return [None] * num_teachers, students
+
+
+def _check_placement(layout: Layout, teacher_gpus: list, student_gpus: list) -> None:
+    """Colocated pairs must share a GPU (CUDA IPC maps its memory); disaggregated workers must not."""
+    if layout.placement == "colocated":
+        if teacher_gpus != student_gpus:
+            raise RuntimeError(f"placement colocated: Ray put teacher and student workers on different GPUs "
+                               f"(teachers {teacher_gpus}, students {student_gpus})")
+    elif len(set(teacher_gpus + student_gpus)) != len(teacher_gpus) + len(student_gpus):
+        raise RuntimeError(f"placement disaggregated: workers share GPUs (teachers {teacher_gpus}, students "
+                           f"{student_gpus})")

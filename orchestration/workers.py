@@ -5,10 +5,9 @@ from __future__ import annotations
 import math
 import random
 import time
-import warnings
+from dataclasses import dataclass
 from typing import Optional
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -16,6 +15,7 @@ import kd_kernels as kd
 
 from .config import Config
 from .data import IGNORE_INDEX
+from .transfer import TopKSender, gpu_identity, receive_topk
 
 LM_HEAD_ROW_MULTIPLE = 64  # lm_head rows padded like real models'; kd vocab_size keeps the real count
 
@@ -52,13 +52,28 @@ def lm_head_weight(model, dtype: torch.dtype) -> torch.Tensor:
     return weight if weight.dtype == dtype else weight.to(dtype)  # differentiable cast under autocast
 
 
-def unpack_buffer(buffer) -> kd.TopK:
-    """A packed top-k buffer from the object store (a read-only numpy array, read in place)."""
-    if isinstance(buffer, np.ndarray):
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)  # read-only memory: we never write it
-            buffer = torch.from_numpy(buffer)
-    return kd.TopK.unpack(buffer)
+@dataclass(frozen=True)
+class World:
+    """This worker's place in the torch.distributed process group, if it joins one: students
+    are ranks 0..S-1; with NCCL transfer the teachers join as ranks S..S+T-1."""
+    rank: int
+    size: int
+    port: int
+    students: int
+    backend: str
+
+
+def join_world(world: Optional[World]):
+    """Joins the process group; returns the students' group for gradient sums (or None)."""
+    if world is None:
+        return None
+    import torch.distributed as dist
+
+    dist.init_process_group(world.backend, init_method=f"tcp://127.0.0.1:{world.port}", rank=world.rank,
+                            world_size=world.size)
+    if world.size == world.students:
+        return dist.group.WORLD
+    return dist.new_group(list(range(world.students)))  # every rank calls it, teachers too
 
 
 def _autocast(device: torch.device):
@@ -69,11 +84,16 @@ def _autocast(device: torch.device):
 class TeacherWorker:
     """Frozen teacher (eval, no grad). Builds and pretrains itself when no path is given."""
 
-    def __init__(self, config: Config, vocab: int):
+    def __init__(self, config: Config, vocab: int, transfer: str = "object_store", world: Optional[World] = None):
         self.config, self.vocab = config, vocab
         self.device = pick_device(config)
+        join_world(world)
+        self.sender = TopKSender(transfer)
         self.model = build_model(config.teacher_path, config.teacher_hidden, config.teacher_layers, config, vocab,
                                  config.seed).to(self.device)
+
+    def gpu(self):
+        return gpu_identity()
 
     def pretrain(self, rows: torch.Tensor, labels: torch.Tensor) -> float:
         """CE steps on the training rows when the teacher was built, not loaded; last loss."""
@@ -95,6 +115,8 @@ class TeacherWorker:
             loss.backward()
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
             optimizer.step()
+        if self.config.teacher_offload:
+            self.model.to("cpu")
         return loss.item()
 
     def state_dict(self) -> dict:
@@ -104,20 +126,31 @@ class TeacherWorker:
         self.model.load_state_dict(state)
 
     @torch.no_grad()
-    def score(self, tokens: torch.Tensor):
-        """tokens ``[B, T]`` → (packed bf16 top-k buffer as a numpy array, seconds spent)."""
+    def score(self, tokens: torch.Tensor, step: int = 0, student_rank: int = 0):
+        """tokens ``[B, T]`` → (the transfer message of the packed bf16 top-k for the student
+        of rank ``student_rank``, seconds spent). With ``teacher_offload`` the weights come
+        from the CPU for the call and go back after it."""
         start = time.perf_counter()
+        if self.config.teacher_offload:
+            self.model.to(self.device)
         self.model.eval()
         tokens = tokens.to(self.device)
         with _autocast(self.device):
             hidden = final_hidden_states(self.model, tokens)
         topk = kd.teacher_topk(hidden, lm_head_weight(self.model, hidden.dtype), k=self.config.k,
                                temperature=self.config.temperature, vocab_size=self.vocab)
-        buffer = topk.pack(torch.bfloat16).cpu().numpy()
-        return buffer, time.perf_counter() - start
+        message = self.sender.send(topk, step, student_rank)
+        if self.config.teacher_offload:
+            self.model.to("cpu")
+        return message, time.perf_counter() - start
+
+    def release(self, step: int) -> None:
+        """The students are done with the buffers of ``step``: free them."""
+        self.sender.release(step)
 
     @torch.no_grad()
     def held_out_ce(self, rows: torch.Tensor, labels: torch.Tensor) -> float:
+        self.model.to(self.device)  # offloaded teachers come back for it
         return _held_out_ce(self.model, rows, labels, self.vocab, self.device)
 
 
@@ -148,14 +181,10 @@ class StudentWorker:
     """Trains the student with kd.topk_divergence on its final hidden states (AdamW, clip,
     warm-up + cosine LR, bf16 autocast on GPU); saves and restores exact checkpoints."""
 
-    def __init__(self, config: Config, vocab: int, rank: int = 0, world_size: int = 1, master_port: int = 0):
+    def __init__(self, config: Config, vocab: int, rank: int = 0, world_size: int = 1, world: Optional[World] = None):
         self.config, self.vocab, self.rank, self.world_size = config, vocab, rank, world_size
         self.device = pick_device(config)
-        if world_size > 1:
-            import torch.distributed as dist
-
-            dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo",
-                                    init_method=f"tcp://127.0.0.1:{master_port}", rank=rank, world_size=world_size)
+        self.gradient_group = join_world(world)
         self.model = build_model(config.student_path, config.student_hidden, config.student_layers, config, vocab,
                                  config.seed + 1).to(self.device)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.lr)
@@ -176,13 +205,15 @@ class StudentWorker:
             os._exit(1)  # fault injection (tests): the process dies as a crashed worker would
 
         start = time.perf_counter()
-        buffers = ray.get(topk_refs)
-        transfer_seconds = time.perf_counter() - start
+        received = ray.get(topk_refs)  # waits for the teacher when it has not finished yet
+        wait_seconds = time.perf_counter() - start
+        teachers = [receive_topk(message, self.device) for message, _ in received]
+        teacher_seconds = [seconds for _, seconds in received]
+        transfer_seconds = time.perf_counter() - start - wait_seconds
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         totals = dict(loss=0.0, kd_sum=0.0, ce_sum=0.0, teacher_mass_sum=0.0, rows=0, teacher_seconds=0.0)
-        for (tokens, labels), (buffer, teacher_seconds) in zip(micro_batches, buffers):
-            teacher = unpack_buffer(buffer).to(self.device)
+        for (tokens, labels), teacher, seconds in zip(micro_batches, teachers, teacher_seconds):
             tokens, labels = tokens.to(self.device), labels.to(self.device).reshape(-1)
             with _autocast(self.device):
                 hidden = final_hidden_states(self.model, tokens)
@@ -193,15 +224,16 @@ class StudentWorker:
                 return_metrics=True)
             loss.backward()
             totals["loss"] += loss.item()
-            totals["teacher_seconds"] += teacher_seconds
+            totals["teacher_seconds"] += seconds
             for name in ("kd_sum", "ce_sum", "teacher_mass_sum", "rows"):
                 totals[name] += metrics[name].item()
         self._sum_gradients_over_ranks()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
         self.optimizer.step()
         self.scheduler.step()
-        return dict(totals, transfer_seconds=transfer_seconds,
-                    student_seconds=time.perf_counter() - start - transfer_seconds, lr=self.scheduler.get_last_lr()[0])
+        return dict(totals, wait_seconds=wait_seconds, transfer_seconds=transfer_seconds,
+                    student_seconds=time.perf_counter() - start - wait_seconds - transfer_seconds,
+                    lr=self.scheduler.get_last_lr()[0])
 
     def _sum_gradients_over_ranks(self) -> None:
         if self.world_size == 1:
@@ -210,7 +242,7 @@ class StudentWorker:
 
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.model.parameters()]
         flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat)  # one collective for all parameters
+        dist.all_reduce(flat, group=self.gradient_group)  # one collective for all parameters
         offset = 0
         for parameter, grad in zip(self.model.parameters(), grads):
             parameter.grad = flat[offset:offset + grad.numel()].view_as(grad).clone()
@@ -230,6 +262,9 @@ class StudentWorker:
         torch.set_rng_state(state["torch_rng"])
         random.setstate(state["python_rng"])
         return state["step"]
+
+    def gpu(self):
+        return gpu_identity()
 
     def parameters_vector(self) -> torch.Tensor:
         return torch.cat([p.detach().float().cpu().reshape(-1) for p in self.model.parameters()])

@@ -21,7 +21,7 @@ def test_config_defaults_yaml_and_overrides(tmp_path):
     path.write_text("steps: 7\nk: 16\n")
     config = load_config(str(path), ["output_dir=runs/x", "lr=0.01", "overlap=false", "k=8"])
     assert (config.steps, config.k, config.output_dir, config.lr, config.overlap) == (7, 8, "runs/x", 0.01, False)
-    assert Config().steps == load_config().steps
+    assert Config().steps == load_config(None, ["device=cpu"]).steps
     with pytest.raises(ValueError, match="unknown"):
         path.write_text("stepz: 1\n")
         load_config(str(path))
@@ -103,15 +103,15 @@ def ray_cluster():
 
 
 def test_object_store_transfer_round_trip(ray_cluster):
-    from orchestration.workers import unpack_buffer
+    from orchestration.transfer import TopKSender, receive_topk
 
     logprobs = torch.log_softmax(torch.randn(6, 40), -1).topk(5).values
     logprobs[0, -1] = -math.inf
     top = kd.TopK(logprobs, torch.randint(0, 40, (6, 5), dtype=torch.int32), torch.randn(6), 2.0)
-    ref = ray.put(top.pack(torch.bfloat16).numpy())
+    ref = ray.put(TopKSender("object_store").send(top, step=0, student_rank=0))
     fetched = ray.get(ref)
-    assert isinstance(fetched, np.ndarray) and not fetched.flags.writeable  # shared memory, read in place
-    back = unpack_buffer(fetched)
+    assert isinstance(fetched[1], np.ndarray) and not fetched[1].flags.writeable  # shared memory, read in place
+    back = receive_topk(fetched, torch.device("cpu"))
     assert torch.equal(back.indices, top.indices) and torch.equal(back.logprobs, top.logprobs.to(torch.bfloat16))
     assert back.temperature == 2.0
 
@@ -119,7 +119,7 @@ def test_object_store_transfer_round_trip(ray_cluster):
 # ---- runs ---------------------------------------------------------------------------------
 
 def _tiny(tmp_path, name, **overrides):
-    values = dict(output_dir=str(tmp_path / name), max_corpus_bytes=60_000, tokenizer_vocab=300, row_tokens=32,
+    values = dict(output_dir=str(tmp_path / name), device="cpu", max_corpus_bytes=60_000, tokenizer_vocab=300, row_tokens=32,
                   rows_per_micro_batch=4, micro_batches=2, teacher_hidden=32, teacher_layers=1,
                   teacher_pretrain_steps=3, student_hidden=16, student_layers=1, heads=2, steps=6, k=8,
                   warmup_steps=2, checkpoint_every=3)
@@ -130,14 +130,14 @@ def _tiny(tmp_path, name, **overrides):
 def test_resume_equals_an_uninterrupted_run(ray_cluster, tmp_path):
     from orchestration.driver import run
 
-    whole = run(_tiny(tmp_path, "whole"), progress=False)
-    expected = ray.get(whole["student"].parameters_vector.remote())
+    whole = run(_tiny(tmp_path, "whole"), progress=False, return_parameters=True)
+    expected = whole["student_parameters"][0]
     # kill after step 2 (of 0..5): the checkpoint at step 2 is the last good one, then resume
     first = run(_tiny(tmp_path, "resumed", stop_after=2), progress=False)
     assert first["last_step"] == 2
-    resumed = run(_tiny(tmp_path, "resumed", resume=True), progress=False)
+    resumed = run(_tiny(tmp_path, "resumed", resume=True), progress=False, return_parameters=True)
     assert resumed["last_step"] == 5
-    assert torch.equal(ray.get(resumed["student"].parameters_vector.remote()), expected)
+    assert torch.equal(resumed["student_parameters"][0], expected)
     lines = open(resumed["metrics"]).read().splitlines()
     assert len(lines) == 6  # steps 0..2, then 3..5 appended
 
@@ -153,12 +153,12 @@ def test_two_teacher_and_two_student_workers_resume_exactly(ray_cluster, tmp_pat
     from orchestration.driver import run
 
     layout = dict(teacher_workers=2, student_workers=2, micro_batches=2, steps=4, checkpoint_every=2)
-    whole = run(_tiny(tmp_path, "dp_whole", **layout), progress=False)
-    vectors = ray.get([s.parameters_vector.remote() for s in whole["students"]])
+    whole = run(_tiny(tmp_path, "dp_whole", **layout), progress=False, return_parameters=True)
+    vectors = whole["student_parameters"]
     assert torch.equal(vectors[0], vectors[1])  # data-parallel replicas stay identical
     run(_tiny(tmp_path, "dp_resumed", stop_after=1, **layout), progress=False)
-    resumed = run(_tiny(tmp_path, "dp_resumed", resume=True, **layout), progress=False)
-    for vector in ray.get([s.parameters_vector.remote() for s in resumed["students"]]):
+    resumed = run(_tiny(tmp_path, "dp_resumed", resume=True, **layout), progress=False, return_parameters=True)
+    for vector in resumed["student_parameters"]:
         assert torch.equal(vector, vectors[0])
 
 
@@ -167,3 +167,16 @@ def test_uneven_worker_layouts_are_refused(ray_cluster, tmp_path):
 
     with pytest.raises(ValueError, match="divide"):
         run(_tiny(tmp_path, "uneven", teacher_workers=2, student_workers=3, micro_batches=6), progress=False)
+
+
+def test_gpu_layouts_the_machine_cannot_honour_are_refused():
+    from orchestration.transfer import resolve_layout
+
+    with pytest.raises(ValueError, match="one GPU per worker"):
+        resolve_layout("disaggregated", "auto", "cuda", 1, 1, 1)
+    with pytest.raises(ValueError, match="nccl cannot connect two workers on one GPU"):
+        resolve_layout("colocated", "nccl", "cuda", 1, 1, 1)
+    with pytest.raises(ValueError, match="needs CUDA devices"):
+        resolve_layout("auto", "cuda_ipc", "cpu", 0, 1, 1)
+    assert resolve_layout("auto", "auto", "cuda", 2, 1, 1).transfer == "nccl"
+    assert resolve_layout("auto", "auto", "cuda", 1, 1, 1).transfer == "cuda_ipc"
