@@ -347,7 +347,7 @@ topk_candidates_kernel(const T* __restrict__ logits, int64_t rows, int64_t row_s
     const bool collected = found <= kCapacity && threshold_value >= floor;
     const float move = fabsf(threshold_value - previous_threshold);
     if (isfinite(move)) mean_move = 0.8f * mean_move + 0.2f * move;
-    margin = collected ? 3.f * mean_move + 1e-3f * fabsf(threshold_value)
+    margin = collected ? 2.f * mean_move + 1e-3f * fabsf(threshold_value)
                        : margin + 2.f * fmaxf(floor - threshold_value, 0.f);
     if (!isfinite(margin)) margin = 0.f;
     previous_threshold = threshold_value;
