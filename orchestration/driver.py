@@ -120,6 +120,12 @@ def _drive(ray, config, plan, layout, device_type, vocab, teachers, students, na
     if device_type == "cuda":
         _check_placement(layout, call(teachers, [t.gpu.remote() for t in teachers], -1),
                          call(students, [s.gpu.remote() for s in students], -1))
+    if layout.transfer == "nccl":  # both sides of every pair at once: see orchestration/transfer.py
+        pairs = sorted({(plan.teacher_of(m), plan.student_of(m)) for m in range(config.micro_batches)})
+        world_rank = len(students)  # teachers follow the students in the process group
+        calls = [t.connect.remote([s for tt, s in pairs if tt == index]) for index, t in enumerate(teachers)]
+        calls += [s.connect.remote([world_rank + t for t, ss in pairs if ss == index]) for index, s in enumerate(students)]
+        call(teachers + students, calls, -1)
     teacher_pretrain_loss = call([teacher], [teacher.pretrain.remote(train_tokens, train_labels)], -1)[0]
     if len(teachers) > 1:  # pretrained once, then copied: every teacher worker scores with the same weights
         state = ray.put(call([teacher], [teacher.state_dict.remote()], -1)[0])

@@ -11,6 +11,10 @@ the student that trains on it.
   students together; students also get a subgroup for their gradient sum). The teacher
   sends the buffer with ``isend``, the student receives it into a buffer of the size the
   teacher announced through Ray. Sends and receives of a pair happen in micro-batch order.
+  NCCL creates a pair's communicator on its first send / receive and blocks both sides
+  until both arrive, so the driver connects every pair (`connect_*`) before any scoring:
+  otherwise the teacher's first send waits for a receive the student only posts after
+  Ray hands it the teacher's reply.
 
 The message that travels through Ray is small in the last two cases (a handle or a size).
 """
@@ -42,9 +46,10 @@ def resolve_layout(placement: str, transfer: str, device_type: str, gpus: int, t
                    students: int) -> Layout:
     """The layout for the requested placement / transfer ("auto" or a name) on this machine.
 
-    GPU: disaggregated (one GPU per worker, NCCL transfer) when there are teachers + students
-    GPUs, else colocated (each teacher shares its GPU with students, CUDA IPC). CPU: the
-    object store. Raises for requests the machine cannot honour."""
+    GPU: colocated (a teacher and a student worker on each GPU, CUDA IPC) when teacher_workers
+    == student_workers fit the GPUs, else disaggregated (one GPU per worker, NCCL). Colocated is
+    the default because it is the layout verified on the GPU machine so far (see
+    docs/DECISIONS.md). CPU: the object store. Raises for requests the machine cannot honour."""
     if device_type != "cuda":
         if transfer not in ("auto", "object_store"):
             raise ValueError(f"transfer: {transfer!r} needs CUDA devices; on CPU use object_store (or auto)")
@@ -52,7 +57,7 @@ def resolve_layout(placement: str, transfer: str, device_type: str, gpus: int, t
             raise ValueError("placement: disaggregated needs CUDA devices; on CPU use colocated (or auto)")
         return Layout("colocated", "object_store", 0.0, 0.0)
     if placement == "auto":
-        placement = "disaggregated" if gpus >= teachers + students else "colocated"
+        placement = "colocated" if teachers == students <= gpus else "disaggregated"
     if placement == "disaggregated":
         if gpus < teachers + students:
             raise ValueError(f"placement: disaggregated needs one GPU per worker ({teachers} teacher + {students} "
@@ -103,6 +108,24 @@ class TopKSender:
             for entry in self._alive.pop(done):
                 if isinstance(entry, tuple):
                     entry[1].wait()
+
+
+def connect_students(student_ranks: list[int], device: torch.device) -> None:
+    """Teacher side of the pair handshake: one byte to each of its students, in rank order."""
+    import torch.distributed as dist
+
+    for rank in student_ranks:
+        dist.send(torch.zeros(1, dtype=torch.uint8, device=device), dst=rank)
+    torch.cuda.synchronize(device)
+
+
+def connect_teachers(teacher_ranks: list[int], device: torch.device) -> None:
+    """Student side of the pair handshake: one byte from each of its teachers, in rank order."""
+    import torch.distributed as dist
+
+    for rank in teacher_ranks:
+        dist.recv(torch.empty(1, dtype=torch.uint8, device=device), src=rank)
+    torch.cuda.synchronize(device)
 
 
 def receive_topk(message, device: torch.device) -> kd.TopK:

@@ -15,7 +15,7 @@ import kd_kernels as kd
 
 from .config import Config
 from .data import IGNORE_INDEX
-from .transfer import TopKSender, gpu_identity, receive_topk
+from .transfer import TopKSender, connect_students, connect_teachers, gpu_identity, receive_topk
 
 LM_HEAD_ROW_MULTIPLE = 64  # lm_head rows padded like real models'; kd vocab_size keeps the real count
 
@@ -144,6 +144,10 @@ class TeacherWorker:
             self.model.to("cpu")
         return message, time.perf_counter() - start
 
+    def connect(self, student_ranks: list) -> None:
+        """Creates the NCCL pair communicators with these students (before any scoring)."""
+        connect_students(student_ranks, self.device)
+
     def release(self, step: int) -> None:
         """The students are done with the buffers of ``step``: free them."""
         self.sender.release(step)
@@ -265,6 +269,10 @@ class StudentWorker:
 
     def gpu(self):
         return gpu_identity()
+
+    def connect(self, teacher_ranks: list) -> None:
+        """Creates the NCCL pair communicators with these teachers (before any training)."""
+        connect_teachers(teacher_ranks, self.device)
 
     def parameters_vector(self) -> torch.Tensor:
         return torch.cat([p.detach().float().cpu().reshape(-1) for p in self.model.parameters()])

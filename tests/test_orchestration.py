@@ -178,5 +178,7 @@ def test_gpu_layouts_the_machine_cannot_honour_are_refused():
         resolve_layout("colocated", "nccl", "cuda", 1, 1, 1)
     with pytest.raises(ValueError, match="needs CUDA devices"):
         resolve_layout("auto", "cuda_ipc", "cpu", 0, 1, 1)
-    assert resolve_layout("auto", "auto", "cuda", 2, 1, 1).transfer == "nccl"
+    assert resolve_layout("auto", "auto", "cuda", 2, 1, 1).transfer == "cuda_ipc"  # colocated first
+    assert resolve_layout("auto", "auto", "cuda", 3, 1, 2).transfer == "nccl"  # 1 teacher, 2 students: a GPU each
+    assert resolve_layout("disaggregated", "auto", "cuda", 2, 1, 1).transfer == "nccl"
     assert resolve_layout("auto", "auto", "cuda", 1, 1, 1).transfer == "cuda_ipc"
