@@ -116,7 +116,8 @@ def connect_students(student_ranks: list[int], device: torch.device) -> None:
 
     for rank in student_ranks:
         dist.send(torch.zeros(1, dtype=torch.uint8, device=device), dst=rank)
-    torch.cuda.synchronize(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def connect_teachers(teacher_ranks: list[int], device: torch.device) -> None:
@@ -125,7 +126,8 @@ def connect_teachers(teacher_ranks: list[int], device: torch.device) -> None:
 
     for rank in teacher_ranks:
         dist.recv(torch.empty(1, dtype=torch.uint8, device=device), src=rank)
-    torch.cuda.synchronize(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def receive_topk(message, device: torch.device) -> kd.TopK:

@@ -182,3 +182,23 @@ def test_gpu_layouts_the_machine_cannot_honour_are_refused():
     assert resolve_layout("auto", "auto", "cuda", 3, 1, 2).transfer == "nccl"  # 1 teacher, 2 students: a GPU each
     assert resolve_layout("disaggregated", "auto", "cuda", 2, 1, 1).transfer == "nccl"
     assert resolve_layout("auto", "auto", "cuda", 1, 1, 1).transfer == "cuda_ipc"
+
+
+@pytest.mark.parametrize("teachers, students", [(1, 2), (2, 1)])
+def test_process_group_transfer_trains_like_the_object_store(ray_cluster, tmp_path, monkeypatch, teachers,
+                                                             students):
+    """The NCCL transfer's protocol (one process group of teachers and students, a pair
+    handshake, isend / recv in micro-batch order, a gradient subgroup of the students), run
+    with gloo on CPU: the same training as the object store."""
+    from orchestration import driver
+    from orchestration.transfer import Layout
+
+    layout = dict(teacher_workers=teachers, student_workers=students, micro_batches=2, steps=4, checkpoint_every=0)
+    by_store = driver.run(_tiny(tmp_path, f"store_{teachers}{students}", **layout), progress=False,
+                          return_parameters=True)
+    monkeypatch.setattr(driver, "resolve_layout", lambda *args: Layout("disaggregated", "nccl", 0.0, 0.0))
+    by_group = driver.run(_tiny(tmp_path, f"group_{teachers}{students}", **layout), progress=False,
+                          return_parameters=True)
+    assert by_group["transfer"] == "nccl"
+    for got, expected in zip(by_group["student_parameters"], by_store["student_parameters"]):
+        assert torch.equal(got, expected)
