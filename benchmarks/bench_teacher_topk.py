@@ -53,6 +53,8 @@ def bench_shape(name, n, h, v, ks, only=None):
                                                                backend="cuda"),
             "ours from hidden (triton)": lambda: kd.teacher_topk(hidden, weight, k=k, temperature=TEMPERATURE,
                                                                  backend="triton"),
+            "ours from hidden, lean (cuda)": lambda: kd.teacher_topk(hidden, weight, k=k, temperature=TEMPERATURE,
+                                                                     backend="cuda", lean=True),
             "eager torch": lambda: eager_teacher(hidden, weight, k),
             "torch.compile": lambda: _compiled_teacher(hidden, weight, k),
             "torch.topk alone (fp32 logits in memory)": lambda: logits_fp32.topk(k, dim=-1),

@@ -63,7 +63,7 @@ def _teacher_backend(backend: str, op: str, device: torch.device, k: int) -> str
 def teacher_topk(hidden: torch.Tensor, weight: torch.Tensor, k: int = 64, *, temperature: float = 1.0,
                  vocab_size: Optional[int] = None, bias: Optional[torch.Tensor] = None, group=None,
                  logprobs_dtype: torch.dtype = torch.float32, backend: str = "auto",
-                 chunk_rows: Optional[int] = None) -> TopK:
+                 chunk_rows: Optional[int] = None, lean: bool = False) -> TopK:
     """Top-k of the teacher's tempered distribution straight from hidden states and lm_head.
 
     Equals ``torch.log_softmax((hidden @ weight.T + bias)[:, :V*].float() / temperature, -1).topk(k)``
@@ -80,6 +80,8 @@ def teacher_topk(hidden: torch.Tensor, weight: torch.Tensor, k: int = 64, *, tem
         backend: "auto" | "cuda" | "triton" | "torch" (see `available_backends`); "auto" takes
             cuda (a CUDA top-k kernel, k <= 1024) when built, else triton (``torch.topk``).
         chunk_rows: rows per chunk on the triton backend (``chunk_rows · V · 4`` bytes); None: ~1.25 GiB.
+        lean: vocab slices of all rows instead of row chunks: ~48 MiB of float32 logits plus
+            ~40·N·k bytes for merging slices, whatever V; one matmul and one merge per slice.
     Returns:
         `TopK` with ``logprobs [N, k]``, ``indices [N, k]`` int32, ``lse [N]`` float32.
     """
@@ -92,7 +94,15 @@ def teacher_topk(hidden: torch.Tensor, weight: torch.Tensor, k: int = 64, *, tem
     if chosen in ("cuda", "triton"):
         from . import teacher_chunked as chunked
 
-        topk = chunked.teacher_topk(hidden, weight, k, temperature, vocab_size, bias, chunk_rows, shard, select=chosen)
+        if lean:
+            if chunk_rows is not None:
+                raise ValueError("chunk_rows: applies to the default schedule only; pass lean=True or chunk_rows, "
+                                 "not both")
+            topk = chunked.teacher_topk_vocab_sliced(hidden, weight, k, temperature, vocab_size, bias, shard,
+                                                     select=chosen)
+        else:
+            topk = chunked.teacher_topk(hidden, weight, k, temperature, vocab_size, bias, chunk_rows, shard,
+                                        select=chosen)
     elif shard is not None:
         topk = vocab_parallel.teacher_topk_from_logits(reference.lm_head_logits(hidden, weight, bias), k, temperature,
                                                        shard)

@@ -6,8 +6,10 @@ whole ``[N, V]``), then per chunk a selection of each row's top-k and its logsum
 - ``select="triton"``: the Triton row-logsumexp kernel, then ``torch.topk`` (the path that
   needs no compiled extension; ``torch.topk`` is the slow part).
 
-Both still write each chunk's float32 logits (``chunk_rows · V · 4`` bytes); a top-k fused
-into the lm_head matmul epilogue is not built.
+Both write each chunk's float32 logits (``chunk_rows · V · 4`` bytes, ~1.25 GiB by
+default). The lean schedule (`teacher_topk_vocab_sliced`) instead takes vocab slices of all
+rows (``N · W · 4`` bytes, 48 MiB by default whatever V) and merges each slice's top-k into a
+running one. A top-k fused into the lm_head matmul epilogue is not built.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from .lm_head import lm_head_logits_fp32
 from .topk import TopK
 
 DEFAULT_CHUNK_BYTES = 5 << 28  # 1.25 GiB of float32 logits per chunk
+LEAN_SLICE_BYTES = 48 << 20  # float32 logits of one vocab slice of all rows
 
 
 def _lse_tempered(logits: torch.Tensor, vocab_size: int, temperature: float) -> torch.Tensor:
@@ -105,3 +108,34 @@ def teacher_topk(hidden: torch.Tensor, weight: torch.Tensor, k: int, temperature
         values[start:stop], indices[start:stop], lse[start:stop] = _chunk_candidates(chunk, bias, k, temperature,
                                                                                      width, column_start, select)
     return _finish(values, indices, lse, k, temperature, shard)
+
+
+def _merge_running(running, candidates):
+    """Top-k of two candidate sets of a row, the running one holding only lower ids: a stable
+    descending sort of the concatenation keeps lower ids first among equal values."""
+    values = torch.cat([running[0], candidates[0]], dim=-1)
+    ids = torch.cat([running[1], candidates[1]], dim=-1)
+    k = running[0].shape[-1]
+    merged, order = torch.sort(values, dim=-1, descending=True, stable=True)
+    return merged[:, :k].contiguous(), ids.gather(-1, order[:, :k]), torch.logaddexp(running[2], candidates[2])
+
+
+def teacher_topk_vocab_sliced(hidden: torch.Tensor, weight: torch.Tensor, k: int, temperature: float,
+                              vocab_size: int, bias: Optional[torch.Tensor] = None, shard=None, select: str = "triton",
+                              slice_columns: Optional[int] = None) -> TopK:
+    """The lean schedule: hidden ``[N, H]``, weight ``[V, H]`` -> `TopK` float32, one vocab
+    slice of ``slice_columns`` columns for all rows at a time (None: 48 MiB of float32 logits).
+    Memory beyond the outputs: the slice plus the merge's ``[N, 2k]`` values, ids and order
+    (~20 · N · 2k bytes), independent of V."""
+    num_rows = hidden.shape[0]
+    width, column_start = (vocab_size, 0) if shard is None else (shard.existing, shard.vocab_start)
+    slice_columns = slice_columns or max(128, LEAN_SLICE_BYTES // (4 * max(num_rows, 1)) // 128 * 128)
+    buffer = torch.empty(num_rows, min(slice_columns, width), dtype=torch.float32, device=hidden.device)
+    running = None
+    for start in range(0, width, slice_columns):
+        stop = min(start + slice_columns, width)
+        logits = lm_head_logits_fp32(hidden, weight[start:stop], buffer[:, :stop - start])
+        part_bias = None if bias is None else bias[start:stop]
+        candidates = _chunk_candidates(logits, part_bias, k, temperature, stop - start, column_start + start, select)
+        running = candidates if running is None else _merge_running(running, candidates)
+    return _finish(*running, k, temperature, shard)

@@ -25,6 +25,40 @@ def test_teacher_topk_from_hidden(k, temperature, chunk_rows, dtype, atol):
     assert top.temperature == temperature and (top.indices < 200).all()
 
 
+@pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-4), (torch.float16, 1e-4)])
+@pytest.mark.parametrize("k, temperature, slice_columns", [(1, 1.0, 64), (7, 0.7, 50), (64, 2.0, 32)])
+def test_teacher_topk_lean_merges_vocab_slices(k, temperature, slice_columns, dtype, atol):
+    from kd_kernels.teacher_chunked import teacher_topk_vocab_sliced
+
+    generator = torch.Generator().manual_seed(k + 100)
+    hidden = torch.randn(37, 16, generator=generator).to(DEVICE, dtype)
+    weight = torch.randn(203, 16, generator=generator).to(DEVICE, dtype)
+    bias = torch.randn(203, generator=generator).to(DEVICE, dtype)
+    top = teacher_topk_vocab_sliced(hidden, weight, k, temperature, 200, bias, slice_columns=slice_columns)
+    logits = reference.lm_head_logits(hidden, weight, bias)
+    _check(top, reference.teacher_topk(hidden, weight, k, temperature, 200, bias), atol, logits, temperature, 200)
+
+
+def test_teacher_topk_lean_ties_across_slices_go_to_the_lower_id():
+    generator = torch.Generator().manual_seed(3)
+    hidden = torch.randn(9, 16, generator=generator).to(DEVICE)
+    weight = torch.randn(300, 16, generator=generator)
+    weight[[5, 150, 290]] = 3 * weight[7]  # equal logits in three slices
+    weight = weight.to(DEVICE)
+    from kd_kernels.teacher_chunked import teacher_topk_vocab_sliced
+
+    top = teacher_topk_vocab_sliced(hidden, weight, 4, 1.0, 300, slice_columns=100)  # 3 slices
+    expected = reference.teacher_topk(hidden, weight, 4, 1.0, 300)
+    assert torch.equal(top.indices.cpu(), expected.indices.cpu())
+    public = kd.teacher_topk(hidden, weight, k=4, temperature=1.0, backend="triton", lean=True)
+    assert torch.equal(public.indices.cpu(), expected.indices.cpu())
+    rows = (top.indices == 5).any(-1).nonzero().flatten().tolist()
+    assert rows, "the tied columns should lead some row"
+    for row in rows:
+        order = [i for i in top.indices[row].tolist() if i in (5, 150, 290)]
+        assert order == sorted(order)
+
+
 def test_teacher_topk_from_logits_ties_go_to_the_lower_id():
     logits = torch.randn(9, 130, generator=torch.Generator().manual_seed(1)).to(DEVICE)
     logits[0, [5, 90, 17]] = 9.0

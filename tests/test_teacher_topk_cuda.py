@@ -88,6 +88,9 @@ def test_from_hidden_matches_reference(dtype, k):
     exact_logits = reference.lm_head_logits(hidden, weight, bias)
     expected = reference.teacher_topk(hidden, weight, k, 2.0, 151_900, bias)
     check_teacher_topk(top, expected, 1e-4, exact_logits, 2.0, 151_900)
+    lean = kd.teacher_topk(hidden, weight, k=k, temperature=2.0, vocab_size=151_900, bias=bias, backend="cuda",
+                           lean=True)
+    check_teacher_topk(lean, expected, 1e-4, exact_logits, 2.0, 151_900)
 
 
 def test_auto_takes_cuda_and_reports_it():
