@@ -12,7 +12,7 @@ the student that trains on it.
   sends the buffer with ``isend``, the student receives it into a buffer of the size the
   teacher announced through Ray. Sends and receives of a pair happen in micro-batch order.
   NCCL creates a pair's communicator on its first send / receive and blocks both sides
-  until both arrive, so the driver connects every pair (`connect_*`) before any scoring:
+  until both arrive, so the driver connects every pair (`handshake`) before any scoring:
   otherwise the teacher's first send waits for a receive the student only posts after
   Ray hands it the teacher's reply.
 
@@ -110,22 +110,14 @@ class TopKSender:
                     entry[1].wait()
 
 
-def connect_students(student_ranks: list[int], device: torch.device) -> None:
-    """Teacher side of the pair handshake: one byte to each of its students, in rank order."""
+def handshake(peer_ranks: list[int], device: torch.device, sending: bool) -> None:
+    """One byte to (teacher side, ``sending``) or from (student side) each peer, in rank
+    order: creates the NCCL pair communicators before any real transfer."""
     import torch.distributed as dist
 
-    for rank in student_ranks:
-        dist.send(torch.zeros(1, dtype=torch.uint8, device=device), dst=rank)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def connect_teachers(teacher_ranks: list[int], device: torch.device) -> None:
-    """Student side of the pair handshake: one byte from each of its teachers, in rank order."""
-    import torch.distributed as dist
-
-    for rank in teacher_ranks:
-        dist.recv(torch.empty(1, dtype=torch.uint8, device=device), src=rank)
+    for rank in peer_ranks:
+        byte = torch.zeros(1, dtype=torch.uint8, device=device)
+        dist.send(byte, dst=rank) if sending else dist.recv(byte, src=rank)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 

@@ -15,7 +15,7 @@ import kd_kernels as kd
 
 from .config import Config
 from .data import IGNORE_INDEX
-from .transfer import TopKSender, connect_students, connect_teachers, gpu_identity, receive_topk
+from .transfer import TopKSender, gpu_identity, handshake, receive_topk
 
 LM_HEAD_ROW_MULTIPLE = 64  # lm_head rows padded like real models'; kd vocab_size keeps the real count
 
@@ -146,7 +146,7 @@ class TeacherWorker:
 
     def connect(self, student_ranks: list) -> None:
         """Creates the NCCL pair communicators with these students (before any scoring)."""
-        connect_students(student_ranks, self.device)
+        handshake(student_ranks, self.device, sending=True)
 
     def release(self, step: int) -> None:
         """The students are done with the buffers of ``step``: free them."""
@@ -272,7 +272,7 @@ class StudentWorker:
 
     def connect(self, teacher_ranks: list) -> None:
         """Creates the NCCL pair communicators with these teachers (before any training)."""
-        connect_teachers(teacher_ranks, self.device)
+        handshake(teacher_ranks, self.device, sending=False)
 
     def parameters_vector(self) -> torch.Tensor:
         return torch.cat([p.detach().float().cpu().reshape(-1) for p in self.model.parameters()])
