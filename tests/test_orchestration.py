@@ -32,6 +32,17 @@ def test_config_defaults_yaml_and_overrides(tmp_path):
     assert all(f"  {name} (" in help_text() for name in ("steps", "output_dir", "transfer", "k"))
 
 
+def test_gpu_defaults_apply_on_cuda_only_where_not_set(monkeypatch):
+    from orchestration.config import GPU_DEFAULTS
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    on_gpu = load_config(None, ["steps=5"])
+    assert on_gpu.steps == 5  # set explicitly: kept
+    assert (on_gpu.teacher_hidden, on_gpu.row_tokens) == (GPU_DEFAULTS["teacher_hidden"], GPU_DEFAULTS["row_tokens"])
+    on_cpu = load_config(None, ["device=cpu"])
+    assert (on_cpu.teacher_hidden, on_cpu.row_tokens) == (Config().teacher_hidden, Config().row_tokens)
+
+
 # ---- comm plan ---------------------------------------------------------------------------
 
 @pytest.mark.parametrize("teachers, students", [(1, 1), (1, 4), (4, 1), (2, 4), (4, 2)])
