@@ -11,7 +11,7 @@ from kd_kernels.support import StudentRowStats, row_losses
 
 pytestmark = pytest.mark.interpret
 DEVICE = "cuda" if HAS_CUDA else "cpu"
-FUSED = ["forward_kl", "reverse_kl", "jsd", "skewed_forward_kl", "skewed_reverse_kl", "tvd"]
+FUSED = ["forward_kl", "reverse_kl", "jsd", "skewed_forward_kl", "skewed_reverse_kl", "tvd", "adaptive_kl"]
 
 
 def _rows(n=12, k=8, vocab=40, seed=0):
@@ -87,3 +87,42 @@ def test_tail_without_a_tail_bin_and_at_the_floor():
         got_kd, got_ids, _ = _fused(peaked, student_peaked, lse_peaked, one, torch.ones(1), options, 1000)
         assert torch.isfinite(got_kd).all() and torch.isfinite(got_ids).all()
         assert abs(got_kd.item() - kd.item()) <= 1e-5 * max(1.0, abs(kd.item())), name
+
+
+@pytest.mark.parametrize("support", ["renormalized", "tail"])
+@pytest.mark.parametrize("alpha", [0.05, 0.3, 0.5, 0.9])
+def test_adaptive_kl_head_tail_split_with_tied_and_unsorted_bins(support, alpha):
+    """The kernel's sort-free split equals the reference's stable sort: bf16-rounded teacher
+    log-probs (exact ties), bins in no particular order, α moving the split, both gaps > 0."""
+    teacher, at_ids, lse_tempered = _rows(n=16, k=12, seed=11)
+    teacher = teacher.to(torch.bfloat16).double()  # exact ties among the small probabilities
+    teacher[2:8] = teacher[2:8, torch.randperm(12, generator=torch.Generator().manual_seed(1))]  # unsorted rows
+    teacher[9, 3:9] = teacher[9, 3]  # six equal bins
+    counted = torch.ones(len(teacher), dtype=torch.bool)
+    scale = torch.rand(len(teacher), dtype=torch.float64) + 0.5
+    options = DivergenceOptions(divergence="adaptive_kl", support=support, temperature=2.0, adaptive_alpha=alpha)
+    kd, (grad_ids, grad_lse) = _reference(teacher, at_ids, lse_tempered, counted, scale, options, 40)
+    got_kd, got_ids, got_lse = _fused(teacher, at_ids, lse_tempered, counted, scale, options, 40)
+    assert relative_error(got_kd, kd) <= 1e-5
+    assert relative_error(got_ids, grad_ids) <= 1e-5
+    if support == "tail":
+        assert relative_error(got_lse, grad_lse) <= 1e-5
+
+
+@pytest.mark.parametrize("support, head_mass", [("renormalized", 0.4), ("tail", 0.25)])
+def test_adaptive_kl_ties_across_the_alpha_boundary_go_by_position(support, head_mass):
+    """Six equal bins of 0.1 with α = 0.25: the reference's stable sort puts the first two
+    (by position) in the tail; the kernel must pick the same two."""
+    probabilities = torch.tensor([head_mass] + [0.1] * 6, dtype=torch.float64)
+    teacher = torch.log(probabilities).repeat(3, 1)
+    generator = torch.Generator().manual_seed(5)
+    at_ids = 3 * torch.randn(3, 7, generator=generator, dtype=torch.float64)
+    lse_tempered = torch.logsumexp(torch.cat([at_ids, 3 * torch.randn(3, 30, generator=generator,
+                                                                        dtype=torch.float64)], -1) / 2.0, -1)
+    counted = torch.ones(3, dtype=torch.bool)
+    scale = torch.ones(3, dtype=torch.float64)
+    options = DivergenceOptions(divergence="adaptive_kl", support=support, temperature=2.0, adaptive_alpha=0.25)
+    kd, (grad_ids, _) = _reference(teacher, at_ids, lse_tempered, counted, scale, options, 40)
+    got_kd, got_ids, _ = _fused(teacher, at_ids, lse_tempered, counted, scale, options, 40)
+    assert relative_error(got_kd, kd) <= 1e-5
+    assert relative_error(got_ids, grad_ids) <= 1e-5

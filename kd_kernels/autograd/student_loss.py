@@ -5,8 +5,7 @@ Design (measured reasons in benchmarks/NOTES.md):
   matmul writes float32 logits ``[C, V]`` (bf16 inputs, fp32 accumulator and output:
   bf16-rounded logits would move probabilities by several percent), one Triton pass takes
   each row's two logsumexps, argmax and the values at the teacher ids and label, and the
-  O(C·k) loss math with its closed-form gradient runs in one Triton program per row
-  (adaptive_kl, which sorts its bins, runs it with torch autograd instead).
+  O(C·k) loss math with its closed-form gradient runs in one Triton program per row.
 - For reduction "mean"/"sum" the gradient is produced in the same chunk pass (3 matmuls in
   all): a Triton pass writes ``dlogits = a·softmax(z) + b·softmax(z/τ)`` in the input
   dtype over the float32 logits it reads (same buffer), the k + 1 sparse columns are
@@ -26,8 +25,8 @@ from typing import Optional
 
 import torch
 
-from ..options import DivergenceOptions
 from ..lm_head import lm_head_logits_fp32 as _lm_head_logits_fp32
+from ..options import DIVERGENCES, DivergenceOptions
 from ..support import (SupportGradients, StudentRowStats, counted_rows, loss_and_gradients_from_logit_stats,
                        row_metrics)
 from ..topk import TopK
@@ -83,8 +82,9 @@ def lean_slice_columns(num_rows: int, num_columns: int) -> int:
 
 
 def fused_divergence_available(divergence: str) -> bool:
-    """adaptive_kl sorts its bins by p; it keeps the torch autograd path for the O(N·k) math."""
-    return divergence != "adaptive_kl"
+    """Every divergence has the closed-form support kernel (adaptive_kl since its sort-free
+    head / tail split); kept as the one switch should one ever need the torch path again."""
+    return divergence in DIVERGENCES
 
 
 def _statistics_kernel():

@@ -11,7 +11,11 @@ w.r.t. the raw logits at the ids and w.r.t. ``logsumexp(z / τ)``. With ``u_i = 
 Per bin (p teacher, q student): forward_kl ``u = −p``; reverse_kl ``u = q (log q − log p + 1)``;
 jsd ``u = (1−β) q (log q − log m)``; skewed_forward_kl ``u = −(1−λ) p q / mix``;
 skewed_reverse_kl ``u = q (log q − log mix + 1 − λ q / mix)``; tvd ``u = −½ q sign(p − q)``.
-adaptive_kl needs a sort by p and stays on the torch path.
+adaptive_kl ``(g_h · forward_kl + g_t · reverse_kl) / (g_h + g_t + ε)`` with the detached gaps
+``g = Σ |p − q|`` over the head and tail bins; a bin is in the tail when the mass of the bins
+at or before it in ascending (p, position) order is ≤ α. That order is the reference's stable
+sort; here each bin's cumulative mass is a sum over comparisons with every other bin, in
+blocks of bins (O(k²) per row, no sort), so the teacher's bins need no particular order.
 """
 import math
 
@@ -19,12 +23,13 @@ import torch
 import triton
 import triton.language as tl
 
-from ..options import TAIL_FLOOR
+from ..options import ADAPTIVE_EPS, TAIL_FLOOR
 from .utils import logaddexp
 
-FORWARD_KL, REVERSE_KL, JSD, SKEWED_FORWARD_KL, SKEWED_REVERSE_KL, TVD = range(6)
+FORWARD_KL, REVERSE_KL, JSD, SKEWED_FORWARD_KL, SKEWED_REVERSE_KL, TVD, ADAPTIVE_KL = range(7)
 _SELECTOR = {"forward_kl": FORWARD_KL, "reverse_kl": REVERSE_KL, "jsd": JSD, "skewed_forward_kl": SKEWED_FORWARD_KL,
-             "skewed_reverse_kl": SKEWED_REVERSE_KL, "tvd": TVD}
+             "skewed_reverse_kl": SKEWED_REVERSE_KL, "tvd": TVD, "adaptive_kl": ADAPTIVE_KL}
+_COMPARE_BLOCK = 16  # bins compared with a whole row at a time (adaptive_kl)
 
 
 @triton.jit
@@ -69,11 +74,30 @@ def _bin_terms(lp, lq, DIVERGENCE: tl.constexpr, log_beta, log_one_minus_beta, b
 
 
 @triton.jit
+def _mass_at_or_before(p, p_after, teacher_row_ptr, k, shift, BLOCK_K: tl.constexpr, COMPARE_BLOCK: tl.constexpr):
+    """``[BLOCK_K]`` mass of the bins at or before each bin in ascending (p, position) order;
+    ``p_after``: one more bin placed after every other (the tail bin), counted where smaller.
+    Each block of other bins is reloaded and its p recomputed exactly as the row's own."""
+    positions = tl.arange(0, BLOCK_K)
+    mass = tl.where(p_after < p, p_after, 0.0)
+    for start in tl.static_range(0, BLOCK_K, COMPARE_BLOCK):
+        others = start + tl.arange(0, COMPARE_BLOCK)
+        t_other = tl.load(teacher_row_ptr + others, mask=others < k, other=float("-inf")).to(tl.float32)
+        valid_other = t_other > float("-inf")
+        p_other = tl.where(valid_other, tl.exp(tl.where(valid_other, t_other - shift, 0.0)), 0.0)
+        before = (p_other[None, :] < p[:, None]) | ((p_other[None, :] == p[:, None])
+                                                    & (others[None, :] <= positions[:, None]))
+        mass += tl.sum(tl.where(before, p_other[None, :], 0.0), axis=1)
+    return mass
+
+
+@triton.jit
 def _support_loss_kernel(teacher_ptr, at_ids_ptr, lse_tempered_ptr, counted_ptr, scale_ptr,
                          kd_ptr, grad_ids_ptr, grad_lse_tempered_ptr,
                          k, stride_teacher, stride_ids, stride_grad, vocab_size, inv_temperature,
                          log_beta, log_one_minus_beta, beta, lam, log_lam, log_one_minus_lam, tail_floor,
-                         DIVERGENCE: tl.constexpr, TAIL: tl.constexpr, GRADS: tl.constexpr, BLOCK_K: tl.constexpr):
+                         alpha, adaptive_eps, DIVERGENCE: tl.constexpr, TAIL: tl.constexpr, GRADS: tl.constexpr,
+                         BLOCK_K: tl.constexpr, COMPARE_BLOCK: tl.constexpr):
     row = tl.program_id(0)
     offsets = tl.arange(0, BLOCK_K)
     in_k = offsets < k
@@ -95,7 +119,14 @@ def _support_loss_kernel(teacher_ptr, at_ids_ptr, lse_tempered_ptr, counted_ptr,
         s_lse = s_max + tl.log(tl.sum(tl.where(valid, tl.exp(s - s_max), 0.0), axis=0))
         lp = tl.where(valid, t - t_lse, 0.0)
         lq = tl.where(valid, s - s_lse, 0.0)
-    term, u = _bin_terms(lp, lq, DIVERGENCE, log_beta, log_one_minus_beta, beta, lam, log_lam, log_one_minus_lam)
+    if DIVERGENCE == 6:  # adaptive_kl: forward and reverse KL terms, weighted once the gaps are known
+        term, u = _bin_terms(lp, lq, 0, log_beta, log_one_minus_beta, beta, lam, log_lam, log_one_minus_lam)
+        term_r, u_r = _bin_terms(lp, lq, 1, log_beta, log_one_minus_beta, beta, lam, log_lam, log_one_minus_lam)
+        term_r = tl.where(valid, term_r, 0.0)
+        u_r = tl.where(valid, u_r, 0.0)
+    else:
+        term, u = _bin_terms(lp, lq, DIVERGENCE, log_beta, log_one_minus_beta, beta, lam, log_lam,
+                             log_one_minus_lam)
     term = tl.where(valid, term, 0.0)
     u = tl.where(valid, u, 0.0)
     divergence = tl.sum(term, axis=0)
@@ -113,9 +144,48 @@ def _support_loss_kernel(teacher_ptr, at_ids_ptr, lse_tempered_ptr, counted_ptr,
         uncovered_q = tl.where(log_covered_q >= 0.0, 0.0, uncovered_q)
         unfloored = uncovered_q > tail_floor
         tail_q = tl.maximum(uncovered_q, tail_floor)
-        term_tail, u_tail = _bin_terms(tl.log(tail_p), tl.log(tail_q), DIVERGENCE, log_beta, log_one_minus_beta,
-                                       beta, lam, log_lam, log_one_minus_lam)
-        divergence += tl.where(has_tail, term_tail, 0.0)
+        if DIVERGENCE == 6:
+            term_tail, u_tail = _bin_terms(tl.log(tail_p), tl.log(tail_q), 0, log_beta, log_one_minus_beta,
+                                           beta, lam, log_lam, log_one_minus_lam)
+        else:
+            term_tail, u_tail = _bin_terms(tl.log(tail_p), tl.log(tail_q), DIVERGENCE, log_beta, log_one_minus_beta,
+                                           beta, lam, log_lam, log_one_minus_lam)
+        term_tail = tl.where(has_tail, term_tail, 0.0)
+        u_tail = tl.where(has_tail, u_tail, 0.0)
+        divergence += term_tail
+        if DIVERGENCE == 6:
+            term_tail_r, u_tail_r = _bin_terms(tl.log(tail_p), tl.log(tail_q), 1, log_beta, log_one_minus_beta,
+                                               beta, lam, log_lam, log_one_minus_lam)
+            term_tail_r = tl.where(has_tail, term_tail_r, 0.0)
+            u_tail_r = tl.where(has_tail, u_tail_r, 0.0)
+            p_tail = tl.where(has_tail, tail_p, 0.0)
+            q_tail = tl.where(has_tail, tail_q, 0.0)
+    else:
+        u_tail = 0.0
+    if DIVERGENCE == 6:
+        p = tl.where(valid, tl.exp(lp), 0.0)
+        gap = tl.abs(p - q)
+        if TAIL:
+            shift = 0.0
+        else:
+            shift = t_lse
+            p_tail = 0.0
+            q_tail = 0.0
+            term_tail_r = 0.0
+            u_tail_r = 0.0
+        mass = _mass_at_or_before(p, p_tail, teacher_ptr + row.to(tl.int64) * stride_teacher, k, shift,
+                                  BLOCK_K, COMPARE_BLOCK)
+        in_tail = mass <= alpha
+        tail_bin_in_tail = (tl.sum(tl.where(p <= p_tail, p, 0.0), axis=0) + p_tail) <= alpha
+        gap_tail_bin = tl.abs(p_tail - q_tail)
+        gap_tail = tl.sum(tl.where(valid & in_tail, gap, 0.0), axis=0) + tl.where(tail_bin_in_tail, gap_tail_bin, 0.0)
+        gap_head = tl.sum(tl.where(valid & (mass > alpha), gap, 0.0), axis=0) + tl.where(tail_bin_in_tail, 0.0,
+                                                                                         gap_tail_bin)
+        gap_total = gap_head + gap_tail + adaptive_eps
+        divergence = (gap_head * divergence + gap_tail * (tl.sum(term_r, axis=0) + term_tail_r)) / gap_total
+        u = (gap_head * u + gap_tail * u_r) / gap_total
+        u_tail = (gap_head * u_tail + gap_tail * u_tail_r) / gap_total
+    if TAIL:
         # ∂ log q_T / ∂ log q_i = −q_i / (1 − Σ q); a floored tail is a constant
         tail_weight = tl.where(has_tail & unfloored, u_tail / tl.where(unfloored, uncovered_q, 1.0), 0.0)
         w = u - tail_weight * q
@@ -153,11 +223,13 @@ def support_loss(teacher_logprobs: torch.Tensor, logits_at_ids: torch.Tensor, ls
     logits_at_ids = logits_at_ids.float()
     if rows:
         beta, lam = float(options.beta), float(options.skew_lambda)
+        block_k = triton.next_power_of_2(k)
         _support_loss_kernel[(rows,)](
             teacher_logprobs, logits_at_ids, lse_tempered, counted, grad_scale if grads else kd,
             kd, grad_ids, grad_lse if grad_lse is not None else kd,
             k, teacher_logprobs.stride(0), logits_at_ids.stride(0), grad_ids.stride(0) if grads else 0, vocab_size,
             1.0 / options.temperature, _log(beta), _log(1.0 - beta), beta, lam, _log(lam), _log(1.0 - lam),
-            TAIL_FLOOR, DIVERGENCE=_SELECTOR[divergence], TAIL=tail, GRADS=grads,
-            BLOCK_K=triton.next_power_of_2(k), num_warps=4 if k <= 256 else 8)
+            TAIL_FLOOR, float(options.adaptive_alpha), ADAPTIVE_EPS, DIVERGENCE=_SELECTOR[divergence], TAIL=tail,
+            GRADS=grads, BLOCK_K=block_k, COMPARE_BLOCK=min(_COMPARE_BLOCK, block_k),
+            num_warps=4 if k <= 256 else 8)
     return kd, (grad_ids if grads else None), grad_lse
