@@ -282,7 +282,9 @@ def _linear_pass(hidden, weight, bias, student_pass: _ChunkedStudentPass, row_we
     per_row = torch.empty(num_rows, dtype=torch.float32, device=device)
     metrics = [torch.zeros((), device=device) for _ in _METRIC_NAMES] if with_metrics else None
     grad_hidden = torch.empty_like(hidden) if want_grads and needs[0] else None
-    grad_weight = torch.zeros_like(weight) if want_grads and needs[1] else None
+    grad_weight = None
+    if want_grads and needs[1]:  # the first chunk writes it (no rows: nothing will)
+        grad_weight = torch.empty_like(weight) if num_rows else torch.zeros_like(weight)
     grad_bias = torch.zeros(num_columns, dtype=torch.float32, device=device) if want_grads and needs[2] else None
     for start in range(0, num_rows, chunk_rows):
         stop = min(start + chunk_rows, num_rows)
@@ -299,7 +301,9 @@ def _linear_pass(hidden, weight, bias, student_pass: _ChunkedStudentPass, row_we
                               student_pass.column_start)
         if grad_hidden is not None:
             torch.mm(chunk_grad, weight, out=grad_hidden[start:stop])
-        if grad_weight is not None:
+        if grad_weight is not None and start == 0:
+            torch.mm(chunk_grad.T, hidden_chunk, out=grad_weight)  # no zero fill and re-read of V·H
+        elif grad_weight is not None:
             grad_weight.addmm_(chunk_grad.T, hidden_chunk)
         if grad_bias is not None:
             grad_bias += chunk_grad.float().sum(0)
