@@ -64,9 +64,11 @@ def llm_like_hidden(n, h, weight, target_entropy=3.0, dtype=torch.bfloat16, seed
 
 
 def environment():
-    """GPU, versions, date and the commit (KD_KERNELS_GIT_SHA where the tree has no .git)."""
-    sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    sha = sha or os.environ.get("KD_KERNELS_GIT_SHA", "")
+    """GPU, versions, date and the commit: KD_KERNELS_GIT_SHA when set (the GPU machine's copy
+    of the tree can carry a stale .git), else ``git rev-parse``."""
+    sha = os.environ.get("KD_KERNELS_GIT_SHA", "")
+    if not sha:
+        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     import triton
 
     return dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
