@@ -9,6 +9,7 @@ import json
 import os
 import socket
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -93,63 +94,93 @@ def run(config: Config, progress: bool = True, return_parameters: bool = False) 
                 .remote(config, vocab, layout.transfer, teacher_worlds[t]) for t in range(num_teachers)]
     students = [ray.remote(StudentWorker).options(num_cpus=0, num_gpus=layout.gpus_per_student, max_restarts=0)
                 .remote(config, vocab, rank, num_students, student_worlds[rank]) for rank in range(num_students)]
-    names = {id(w): f"teacher-{i}" for i, w in enumerate(teachers)}
-    names.update({id(w): f"student-{i}" for i, w in enumerate(students)})
+    session = _Session(ray, config, plan, layout, vocab, teachers, students,
+                       _Data(train_tokens, train_labels, held_tokens, held_labels))
     try:
-        return _drive(ray, config, plan, layout, device_type, vocab, teachers, students, names, train_tokens,
-                      train_labels, held_tokens, held_labels, progress, return_parameters)
+        session.prepare_workers(device_type)
+        return session.train_loop(progress, return_parameters)
     finally:
         for worker in teachers + students:
             ray.kill(worker, no_restart=True)
 
 
-def _drive(ray, config, plan, layout, device_type, vocab, teachers, students, names, train_tokens, train_labels,
-           held_tokens, held_labels, progress, return_parameters) -> dict:
-    teacher, student = teachers[0], students[0]
-    checkpoint = latest_checkpoint(config.output_dir) if config.resume else None
+@dataclass
+class _Data:
+    train_tokens: torch.Tensor  # [R, T] int64
+    train_labels: torch.Tensor
+    held_tokens: torch.Tensor
+    held_labels: torch.Tensor
 
-    def call(workers, refs, step):
+
+@dataclass
+class _Session:
+    """One run's workers and what they work on; its methods are the driver loop's parts."""
+    ray: object
+    config: Config
+    plan: CommPlan
+    layout: Layout
+    vocab: int
+    teachers: list
+    students: list
+    data: _Data
+    teacher_pretrain_loss: float = float("nan")
+
+    def call(self, workers: list, refs: list, step: int) -> list:
         """ray.get of one ref per worker, stopping with the name of the first that died."""
         try:
-            return ray.get(refs)
-        except ray.exceptions.RayActorError as error:
-            dead = next((w for w, r in zip(workers, refs) if _died(ray, r)), workers[0])
-            raise WorkerDied(f"worker {names[id(dead)]} died at step {step}; last good checkpoint: "
-                             f"{latest_checkpoint(config.output_dir) or 'none'} ({error.__class__.__name__})") from None
+            return self.ray.get(refs)
+        except self.ray.exceptions.RayActorError as error:
+            dead = next((index for index, ref in enumerate(refs) if _died(self.ray, ref)), 0)
+            raise WorkerDied(f"worker {self._name(workers[dead])} died at step {step}; last good checkpoint: "
+                             f"{latest_checkpoint(self.config.output_dir) or 'none'} "
+                             f"({error.__class__.__name__})") from None
 
-    if device_type == "cuda":
-        _check_placement(layout, call(teachers, [t.gpu.remote() for t in teachers], -1),
-                         call(students, [s.gpu.remote() for s in students], -1))
-    if layout.transfer == "nccl":  # both sides of every pair at once: see orchestration/transfer.py
-        pairs = sorted({(plan.teacher_of(m), plan.student_of(m)) for m in range(config.micro_batches)})
-        world_rank = len(students)  # teachers follow the students in the process group
-        calls = [t.connect.remote([s for tt, s in pairs if tt == index]) for index, t in enumerate(teachers)]
-        calls += [s.connect.remote([world_rank + t for t, ss in pairs if ss == index]) for index, s in enumerate(students)]
-        call(teachers + students, calls, -1)
-    teacher_pretrain_loss = call([teacher], [teacher.pretrain.remote(train_tokens, train_labels)], -1)[0]
-    if len(teachers) > 1:  # pretrained once, then copied: every teacher worker scores with the same weights
-        state = ray.put(call([teacher], [teacher.state_dict.remote()], -1)[0])
-        call(teachers[1:], [t.load_state_dict.remote(state) for t in teachers[1:]], -1)
-    start_step = 0
-    if checkpoint:
-        start_step = call(students, [s.load.remote(checkpoint) for s in students], -1)[0] + 1
+    def _name(self, worker) -> str:
+        for kind, workers in (("teacher", self.teachers), ("student", self.students)):
+            for index, candidate in enumerate(workers):
+                if candidate is worker:
+                    return f"{kind}-{index}"
+        return "unknown"
 
-    def batches(step):
-        return [(train_tokens[pick], train_labels[pick]) for pick in step_batches(config, step, len(train_tokens))]
+    def prepare_workers(self, device_type: str) -> None:
+        """Placement check, NCCL pair handshake, teacher pretraining (and copies)."""
+        teachers, students = self.teachers, self.students
+        if device_type == "cuda":
+            _check_placement(self.layout, self.call(teachers, [t.gpu.remote() for t in teachers], -1),
+                             self.call(students, [s.gpu.remote() for s in students], -1))
+        if self.layout.transfer == "nccl":  # both sides of every pair at once: see orchestration/transfer.py
+            pairs = sorted({(self.plan.teacher_of(m), self.plan.student_of(m))
+                            for m in range(self.config.micro_batches)})
+            first_teacher_rank = len(students)  # teachers follow the students in the process group
+            calls = [t.connect.remote([s for tt, s in pairs if tt == index]) for index, t in enumerate(teachers)]
+            calls += [s.connect.remote([first_teacher_rank + t for t, ss in pairs if ss == index])
+                      for index, s in enumerate(students)]
+            self.call(teachers + students, calls, -1)
+        teacher = teachers[0]
+        self.teacher_pretrain_loss = self.call(
+            [teacher], [teacher.pretrain.remote(self.data.train_tokens, self.data.train_labels)], -1)[0]
+        if len(teachers) > 1:  # pretrained once, then copied: every teacher worker scores with the same weights
+            state = self.ray.put(self.call([teacher], [teacher.state_dict.remote()], -1)[0])
+            self.call(teachers[1:], [t.load_state_dict.remote(state) for t in teachers[1:]], -1)
 
-    def submit(step):
+    def batches(self, step: int) -> list:
+        tokens, labels = self.data.train_tokens, self.data.train_labels
+        return [(tokens[pick], labels[pick]) for pick in step_batches(self.config, step, len(tokens))]
+
+    def submit(self, step: int) -> list:
         """Each micro-batch scored by the teacher worker the plan gives it."""
-        return [teachers[plan.teacher_of(m)].score.remote(tokens, step, plan.student_of(m))
-                for m, (tokens, _) in enumerate(batches(step))]
+        return [self.teachers[self.plan.teacher_of(m)].score.remote(tokens, step, self.plan.student_of(m))
+                for m, (tokens, _) in enumerate(self.batches(step))]
 
-    def train(step, refs):
-        micro = batches(step)
+    def train(self, step: int, refs: list) -> dict:
+        """One student step over the teacher's replies ``refs``; the step's metrics."""
+        micro, plan = self.batches(step), self.plan
         num_tokens = max(1, sum(int((labels != IGNORE_INDEX).sum()) for _, labels in micro))
         calls = [s.train_step.remote(step, [micro[m] for m in plan.micro_batches_of_student(rank)],
                                      [refs[m] for m in plan.micro_batches_of_student(rank)], num_tokens)
-                 for rank, s in enumerate(students)]
-        parts = call(students, calls, step)
-        for worker in teachers:
+                 for rank, s in enumerate(self.students)]
+        parts = self.call(self.students, calls, step)
+        for worker in self.teachers:
             worker.release.remote(step)  # actor calls run in order: after this step's scoring
         total = {key: sum(part[key] for part in parts) for key in parts[0] if key != "lr"}
         rows = max(total["rows"], 1)
@@ -159,47 +190,65 @@ def _drive(ray, config, plan, layout, device_type, vocab, teachers, students, na
                     transfer_seconds=max(p["transfer_seconds"] for p in parts),
                     student_seconds=max(p["student_seconds"] for p in parts), lr=parts[0]["lr"])
 
-    metrics_path = os.path.join(config.output_dir, "metrics.jsonl")
-    bar = None
-    if progress:
-        from tqdm import tqdm
+    def save(self, step: int) -> str:
+        path = os.path.join(self.config.output_dir, "checkpoints", f"step_{step:07d}.pt")
+        student = self.students[0]
+        self.call([student], [student.save.remote(path, step)], step)  # ranks hold identical state
+        return path
 
-        bar = tqdm(total=config.steps, initial=start_step, desc="distill", unit="step")
-    last_step = start_step - 1
-    with open(metrics_path, "a" if config.resume else "w") as metrics_file:
-        pending = submit(start_step) if start_step < config.steps else None
-        for step in range(start_step, config.steps):
-            started = time.perf_counter()
-            refs, pending = pending, None
-            if config.overlap and step + 1 < config.steps:
-                pending = submit(step + 1)  # the teacher scores the next step while the student trains
-            result = train(step, refs)
-            if pending is None and step + 1 < config.steps:
-                pending = submit(step + 1)
-            result.update(step=step, tokens_per_s=result["tokens"] / (time.perf_counter() - started))
-            metrics_file.write(json.dumps(result) + "\n")
-            metrics_file.flush()
-            last_step = step
-            if bar:
-                bar.update(1)
-                bar.set_postfix(loss=f"{result['loss']:.3f}", kd=f"{result['kd']:.3f}", ce=f"{result['ce']:.3f}")
-            if config.checkpoint_every and (step + 1) % config.checkpoint_every == 0:
-                path = os.path.join(config.output_dir, "checkpoints", f"step_{step:07d}.pt")
-                call([student], [student.save.remote(path, step)], step)  # ranks hold identical state
-            if config.stop_after is not None and step >= config.stop_after:
-                break
-    if bar:
-        bar.close()
-    final = os.path.join(config.output_dir, "checkpoints", f"step_{last_step:07d}.pt")
-    call([student], [student.save.remote(final, last_step)], last_step)
-    summary = dict(
-        last_step=last_step, vocab=vocab, teacher_pretrain_loss=teacher_pretrain_loss,
-        teacher_held_out_ce=call([teacher], [teacher.held_out_ce.remote(held_tokens, held_labels)], last_step)[0],
-        student_held_out_ce=call([student], [student.held_out_ce.remote(held_tokens, held_labels)], last_step)[0],
-        metrics=metrics_path, checkpoint=final, placement=layout.placement, transfer=layout.transfer)
-    if return_parameters:
-        summary["student_parameters"] = call(students, [s.parameters_vector.remote() for s in students], last_step)
-    return summary
+    def train_loop(self, progress: bool, return_parameters: bool) -> dict:
+        """Steps with the teacher one step ahead (``overlap``), metrics, checkpoints; the summary."""
+        config = self.config
+        start_step = 0
+        checkpoint = latest_checkpoint(config.output_dir) if config.resume else None
+        if checkpoint:
+            start_step = self.call(self.students, [s.load.remote(checkpoint) for s in self.students], -1)[0] + 1
+        metrics_path = os.path.join(config.output_dir, "metrics.jsonl")
+        bar = None
+        if progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=config.steps, initial=start_step, desc="distill", unit="step")
+        last_step = start_step - 1
+        with open(metrics_path, "a" if config.resume else "w") as metrics_file:
+            pending = self.submit(start_step) if start_step < config.steps else None
+            for step in range(start_step, config.steps):
+                started = time.perf_counter()
+                refs, pending = pending, None
+                if config.overlap and step + 1 < config.steps:
+                    pending = self.submit(step + 1)  # the teacher scores the next step while the student trains
+                result = self.train(step, refs)
+                if pending is None and step + 1 < config.steps:
+                    pending = self.submit(step + 1)
+                result.update(step=step, tokens_per_s=result["tokens"] / (time.perf_counter() - started))
+                metrics_file.write(json.dumps(result) + "\n")
+                metrics_file.flush()
+                last_step = step
+                if bar:
+                    bar.update(1)
+                    bar.set_postfix(loss=f"{result['loss']:.3f}", kd=f"{result['kd']:.3f}", ce=f"{result['ce']:.3f}")
+                if config.checkpoint_every and (step + 1) % config.checkpoint_every == 0:
+                    self.save(step)
+                if config.stop_after is not None and step >= config.stop_after:
+                    break
+        if bar:
+            bar.close()
+        return self.summary(last_step, metrics_path, return_parameters)
+
+    def summary(self, last_step: int, metrics_path: str, return_parameters: bool) -> dict:
+        teacher, student, data = self.teachers[0], self.students[0], self.data
+        checkpoint = self.save(last_step)
+        held_out = (data.held_tokens, data.held_labels)
+        summary = dict(
+            last_step=last_step, vocab=self.vocab, teacher_pretrain_loss=self.teacher_pretrain_loss,
+            teacher_held_out_ce=self.call([teacher], [teacher.held_out_ce.remote(*held_out)], last_step)[0],
+            student_held_out_ce=self.call([student], [student.held_out_ce.remote(*held_out)], last_step)[0],
+            metrics=metrics_path, checkpoint=checkpoint, placement=self.layout.placement,
+            transfer=self.layout.transfer)
+        if return_parameters:
+            summary["student_parameters"] = self.call(self.students,
+                                                      [s.parameters_vector.remote() for s in self.students], last_step)
+        return summary
 
 
 def _worlds(layout: Layout, num_teachers: int, num_students: int, device_type: str):
