@@ -42,6 +42,17 @@ def _fused(teacher, at_ids, lse_tempered, counted, scale, options, vocab):
                         scale.to(**to), options, vocab)
 
 
+def _assert_kernel_matches_autograd(teacher, at_ids, lse_tempered, counted, scale, options, vocab=40):
+    kd, (grad_ids, grad_lse) = _reference(teacher, at_ids, lse_tempered, counted, scale, options, vocab)
+    got_kd, got_ids, got_lse = _fused(teacher, at_ids, lse_tempered, counted, scale, options, vocab)
+    assert relative_error(got_kd, kd) <= 1e-5
+    assert relative_error(got_ids, grad_ids) <= 1e-5
+    if options.support == "tail":
+        assert relative_error(got_lse, grad_lse) <= 1e-5
+    else:
+        assert got_lse is None
+
+
 @pytest.mark.parametrize("support", ["renormalized", "tail"])
 @pytest.mark.parametrize("divergence, beta, lam", [(d, 0.3, 0.2) for d in FUSED] + [
     ("jsd", 0.0, 0.1), ("jsd", 1.0, 0.1), ("skewed_forward_kl", 0.5, 0.0), ("skewed_forward_kl", 0.5, 1.0),
@@ -52,14 +63,7 @@ def test_support_kernel_matches_autograd(divergence, beta, lam, support):
     counted[3] = False
     scale = torch.rand(len(teacher), dtype=torch.float64) + 0.5
     options = DivergenceOptions(divergence=divergence, support=support, temperature=2.0, beta=beta, skew_lambda=lam)
-    kd, (grad_ids, grad_lse) = _reference(teacher, at_ids, lse_tempered, counted, scale, options, 40)
-    got_kd, got_ids, got_lse = _fused(teacher, at_ids, lse_tempered, counted, scale, options, 40)
-    assert relative_error(got_kd, kd) <= 1e-5
-    assert relative_error(got_ids, grad_ids) <= 1e-5
-    if support == "tail":
-        assert relative_error(got_lse, grad_lse) <= 1e-5
-    else:
-        assert got_lse is None
+    _assert_kernel_matches_autograd(teacher, at_ids, lse_tempered, counted, scale, options)
 
 
 def test_tail_without_a_tail_bin_and_at_the_floor():
@@ -101,12 +105,7 @@ def test_adaptive_kl_head_tail_split_with_tied_and_unsorted_bins(support, alpha)
     counted = torch.ones(len(teacher), dtype=torch.bool)
     scale = torch.rand(len(teacher), dtype=torch.float64) + 0.5
     options = DivergenceOptions(divergence="adaptive_kl", support=support, temperature=2.0, adaptive_alpha=alpha)
-    kd, (grad_ids, grad_lse) = _reference(teacher, at_ids, lse_tempered, counted, scale, options, 40)
-    got_kd, got_ids, got_lse = _fused(teacher, at_ids, lse_tempered, counted, scale, options, 40)
-    assert relative_error(got_kd, kd) <= 1e-5
-    assert relative_error(got_ids, grad_ids) <= 1e-5
-    if support == "tail":
-        assert relative_error(got_lse, grad_lse) <= 1e-5
+    _assert_kernel_matches_autograd(teacher, at_ids, lse_tempered, counted, scale, options)
 
 
 @pytest.mark.parametrize("support, head_mass", [("renormalized", 0.4), ("tail", 0.25)])
@@ -122,7 +121,4 @@ def test_adaptive_kl_ties_across_the_alpha_boundary_go_by_position(support, head
     counted = torch.ones(3, dtype=torch.bool)
     scale = torch.ones(3, dtype=torch.float64)
     options = DivergenceOptions(divergence="adaptive_kl", support=support, temperature=2.0, adaptive_alpha=0.25)
-    kd, (grad_ids, _) = _reference(teacher, at_ids, lse_tempered, counted, scale, options, 40)
-    got_kd, got_ids, _ = _fused(teacher, at_ids, lse_tempered, counted, scale, options, 40)
-    assert relative_error(got_kd, kd) <= 1e-5
-    assert relative_error(got_ids, grad_ids) <= 1e-5
+    _assert_kernel_matches_autograd(teacher, at_ids, lse_tempered, counted, scale, options)
