@@ -1,10 +1,11 @@
 """Teacher top-k on the GPU backends: chunks of rows, float32 logits by cuBLAS (never the
 whole ``[N, V]``), then per chunk a selection of each row's top-k and its logsumexp:
 
-- ``select="cuda"``: one CUDA kernel (csrc/topk_candidates.cu) reads each row twice and
+- ``select="cuda"``: one CUDA kernel (csrc/topk_candidates.cu) reads each row (once, mostly) and
   returns the top-k and the logsumexp together;
-- ``select="triton"``: the Triton row-logsumexp kernel, then ``torch.topk`` (the path that
-  needs no compiled extension; ``torch.topk`` is the slow part).
+- ``select="triton"``: two Triton passes (the logsumexp with a threshold from the lanes'
+  maxima, then the elements above it) and a sort of the few candidates
+  (ops/topk_threshold.py): the path that needs no compiled extension.
 
 Both write each chunk's float32 logits (``chunk_rows · V · 4`` bytes, ~1.25 GiB by
 default). The lean schedule (`teacher_topk_vocab_sliced`) instead takes vocab slices of all
@@ -22,23 +23,6 @@ from .topk import TopK
 
 DEFAULT_CHUNK_BYTES = 5 << 28  # 1.25 GiB of float32 logits per chunk
 LEAN_SLICE_BYTES = 48 << 20  # float32 logits of one vocab slice of all rows
-
-
-def _lse_tempered(logits: torch.Tensor, vocab_size: int, temperature: float) -> torch.Tensor:
-    """``[R]`` float32 logsumexp(logits[:, :V*] / τ), one Triton pass."""
-    from .ops.row_statistics import RunningRowStats, row_statistics
-
-    running = RunningRowStats.empty(logits.shape[0], 0, temperature != 1.0, False, logits.device)
-    return row_statistics(logits, None, vocab_size, temperature, running).lse_tempered
-
-
-def _sorted_topk(scores: torch.Tensor, k: int):
-    """Top-k of each row, descending, lower column first among equal values."""
-    values, indices = torch.topk(scores, k, dim=-1, sorted=False)
-    by_index = torch.argsort(indices, dim=-1)
-    values, indices = values.gather(-1, by_index), indices.gather(-1, by_index)
-    by_value = torch.argsort(values, dim=-1, descending=True, stable=True)
-    return values.gather(-1, by_value), indices.gather(-1, by_value)
 
 
 SELECTORS = ("cuda", "triton")
@@ -59,18 +43,13 @@ def _chunk_candidates(logits: torch.Tensor, bias: Optional[torch.Tensor], k: int
         if bias is not None:  # the chunk is our own float32 buffer: add in place
             logits[:, :width] += bias[:width].float()
         return _cuda_candidates(logits, k, temperature, width, column_start)
+    from .ops.topk_threshold import threshold_topk
+
     existing = logits[:, :width]
     if bias is not None:
         existing = existing.float() + bias[:width].float()
-    lse_tempered = _lse_tempered(existing, width, temperature)
-    kept = min(k, width)
-    values, indices = _sorted_topk(existing, kept) if kept else (existing[:, :0], existing[:, :0].long())
-    values = values.float() / temperature
-    indices = indices.long() + column_start
-    if kept < k:
-        values = torch.cat([values, values.new_full((values.shape[0], k - kept), -float("inf"))], -1)
-        indices = torch.cat([indices, indices.new_zeros((indices.shape[0], k - kept))], -1)
-    return values, indices, lse_tempered
+    values, columns, lse_tempered = threshold_topk(existing, k, temperature, width)
+    return values, columns + column_start, lse_tempered
 
 
 def _finish(values, indices, lse_tempered, k, temperature, shard) -> TopK:

@@ -82,3 +82,22 @@ def test_gpu_real_shape(k, dtype):
     logits = hidden @ weight.T
     from_logits = kd.teacher_topk_from_logits(logits, k=k, temperature=2.0, vocab_size=151_900, backend="triton")
     _check(from_logits, reference.teacher_topk_from_logits(logits, k, 2.0, 151_900), 1e-4, logits, 2.0, 151_900)
+
+
+def test_triton_threshold_topk_heavy_ties_narrow_rows_and_minus_inf():
+    from kd_kernels.ops.topk_threshold import threshold_topk
+
+    logits = torch.randn(6, 300, generator=torch.Generator().manual_seed(2))
+    logits[0] = 1.5  # 300 equal values: more than the 256 candidate slots (the exact full-row path)
+    logits[1, ::3] = -float("inf")
+    logits[2, 40:140] = 4.0  # 100 ties at the top
+    logits = logits.to(DEVICE)
+    for k, width in ((64, 300), (8, 5)):
+        values, columns, lse = threshold_topk(logits, k, 0.5, width)
+        expected, expected_columns = torch.sort(logits[:, :width].float(), dim=-1, descending=True, stable=True)
+        kept = min(k, width)
+        assert torch.equal(columns[:, :kept].cpu(), expected_columns[:, :kept].cpu())
+        assert torch.equal(values[:, :kept].cpu(), (expected[:, :kept] / 0.5).cpu())
+        assert torch.isneginf(values[:, kept:]).all() and (columns[:, kept:] == 0).all()
+        expected_lse = torch.logsumexp(logits[:, :width].double() / 0.5, -1)
+        assert torch.allclose(lse.double().cpu(), expected_lse.cpu(), atol=1e-5)

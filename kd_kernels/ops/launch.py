@@ -10,3 +10,8 @@ ROW_BLOCK_V = 64 if os.environ.get("TRITON_INTERPRET") == "1" else 2048
 
 def num_warps_for(block: int) -> int:
     return max(1, min(16, block // 128))
+
+
+# Bisection steps of the top-k threshold (ops/topk_threshold.py): any lower bound is exact,
+# fewer steps only admit more candidates; the interpreter pays per step, the GPU does not.
+THRESHOLD_BISECTIONS = 8 if os.environ.get("TRITON_INTERPRET") == "1" else 24
