@@ -1,7 +1,8 @@
 """Teacher side: hidden → top-k log-probs and ids at temperature 2, providers side by side.
 
 Providers: the bare lm_head matmul (the floor), ours from hidden (cuda backend: cuBLAS fp32
-chunks + the CUDA top-k kernel; triton backend: + Triton logsumexp and torch.topk), eager
+chunks + the CUDA top-k kernel; triton backend: + the Triton threshold select; lean: vocab
+slices), eager
 PyTorch (matmul, log_softmax, topk), torch.compile of it, torch.topk alone on logits in
 memory, and ours from bf16 logits in memory (GB/s against a measured device copy, which
 counts its read and its write).
