@@ -50,7 +50,6 @@ def _finish_topk(topk: TopK, logprobs_dtype: torch.dtype) -> TopK:
     return TopK(topk.logprobs.to(logprobs_dtype), topk.indices.to(torch.int32), topk.lse.float(), topk.temperature)
 
 
-@torch.no_grad()
 def _teacher_backend(backend: str, op: str, device: torch.device, k: int) -> str:
     """The backend of a teacher op; "auto" passes over cuda for k above its kernel's limit."""
     chosen = resolve_backend(backend, op, device, skip_cuda=k > CUDA_MAX_TOPK)
@@ -60,6 +59,7 @@ def _teacher_backend(backend: str, op: str, device: torch.device, k: int) -> str
     return chosen
 
 
+@torch.no_grad()
 def teacher_topk(hidden: torch.Tensor, weight: torch.Tensor, k: int = 64, *, temperature: float = 1.0,
                  vocab_size: Optional[int] = None, bias: Optional[torch.Tensor] = None, group=None,
                  logprobs_dtype: torch.dtype = torch.float32, backend: str = "auto",
@@ -78,7 +78,8 @@ def teacher_topk(hidden: torch.Tensor, weight: torch.Tensor, k: int = 64, *, tem
         bias: optional ``[V]``.
         logprobs_dtype: dtype of ``TopK.logprobs``.
         backend: "auto" | "cuda" | "triton" | "torch" (see `available_backends`); "auto" takes
-            cuda (a CUDA top-k kernel, k <= 1024) when built, else triton (``torch.topk``).
+            cuda (the CUDA top-k kernel, k <= 1024) when built, else triton (a Triton threshold
+            select; no compiled extension needed).
         chunk_rows: rows per chunk on the triton backend (``chunk_rows · V · 4`` bytes); None: ~1.25 GiB.
         lean: vocab slices of all rows instead of row chunks: ~48 MiB of float32 logits plus
             ~40·N·k bytes for merging slices, whatever V; one matmul and one merge per slice.

@@ -52,3 +52,13 @@ def test_available_backends_reports_every_backend_with_a_reason():
     report = kd.available_backends()
     assert set(report) == {"torch", "triton", "cuda"}
     assert all(value.startswith(("available", "unavailable")) for value in report.values())
+
+
+def test_teacher_topk_builds_no_graph():
+    """The teacher is frozen: its top-k must not keep an autograd graph (or its memory)."""
+    hidden = torch.randn(6, 5, requires_grad=True)
+    weight = torch.randn(13, 5, requires_grad=True)
+    top = kd.teacher_topk(hidden, weight, k=3)
+    assert not top.logprobs.requires_grad and top.logprobs.grad_fn is None
+    top = kd.teacher_topk_from_logits(hidden @ weight.T, k=3)
+    assert not top.logprobs.requires_grad and top.logprobs.grad_fn is None
