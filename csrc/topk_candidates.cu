@@ -1,16 +1,18 @@
-// One thread block per row (two blocks per SM, so one's sorts overlap the other's reads),
-// two reads of the row:
+// Persistent thread blocks, two per SM (one's sorts overlap the other's reads), rows taken
+// in turn; each row read once in the common case:
 //   pass 1  per 16-byte pack: the running max / sum-exp at the temperature (one rescale per
 //           pack, one exp per element), and per thread 8 interleaved bucket maxima; each warp
 //           then takes the ceil(k / warps)-th largest of its maxima, and the smallest of those
 //           is a threshold T with at least k row elements >= T (the maxima are distinct
-//           elements), found without a block-wide sort;
-//   pass 2  append every element >= T to a shared-memory buffer (warp-aggregated atomics);
-//           on LLM logits that is ~1-3 k elements; the buffer is sorted by (value desc,
-//           column asc) and the first k written.
-// Rows where more than 4096 elements reach T (massive ties, adversarial orders) take an
-// exact slow path: bisection on the value to the k-th largest, then an in-order collection
-// that keeps the lowest columns among ties.
+//           elements), found without a block-wide sort. The same pass already appends the
+//           elements above a floor (the block's previous threshold minus a margin) to a
+//           shared-memory buffer (warp-aggregated atomics);
+//   pass 2  only when this row's T is below that floor (or the buffer overflowed): append
+//           every element >= T instead.
+// The buffer (~1-3 k elements on LLM logits) is sorted by (value desc, column asc) and the
+// first k written. Rows where more than 8192 elements reach T (massive ties, adversarial
+// orders) take an exact slow path: bisection on the value to the k-th largest, then an
+// in-order collection that keeps the lowest columns among ties.
 #include <cooperative_groups.h>
 #include <cub/block/block_reduce.cuh>
 #include <cub/block/block_scan.cuh>

@@ -8,7 +8,7 @@ namespace kd_kernels {
 
 enum class LogitsDtype : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
 
-// Largest k the kernel selects (its shared-memory candidate buffer holds 4 × this).
+// Largest k the kernel selects (its shared-memory candidate buffer holds 8 × this).
 constexpr int kMaxTopK = 1024;
 
 // For each of `rows` rows of `logits` (row r starts at logits + r * row_stride elements,

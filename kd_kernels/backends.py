@@ -48,11 +48,10 @@ def _cuda_status() -> tuple[bool, str]:
         from . import _C
     except ImportError as error:
         return False, (f"the CUDA extension kd_kernels._C is not built ({error}); on a machine with nvcc and a CUDA "
-                       "build of torch: KD_KERNELS_BUILD_CUDA=1 pip install --no-build-isolation .")
+                       "build of torch: KD_KERNELS_BUILD_CUDA=1 python -m pip install --no-build-isolation .")
     if not torch.cuda.is_available():
         return False, "the CUDA extension is built but there is no CUDA device"
     return True, f"kd_kernels._C built for torch {torch.__version__}, top-k up to k = {_C.MAX_TOPK}"
-
 
 
 def available_backends() -> dict[str, str]:

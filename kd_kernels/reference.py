@@ -137,15 +137,22 @@ def teacher_shard_candidates(shard: torch.Tensor, rank: int, k: int, temperature
     return values, ids, torch.logsumexp(tempered, dim=-1)
 
 
+def top_of_candidates(values: torch.Tensor, ids: torch.Tensor, k: int):
+    """The k largest of candidate sets concatenated in ascending id order (each set ordered by
+    value, lower id first on ties): a stable descending sort keeps lower ids first among
+    equal values. Returns (values ``[N, k]``, ids ``[N, k]``)."""
+    ranked, order = torch.sort(values, dim=-1, descending=True, stable=True)
+    return ranked[:, :k], ids.gather(-1, order[:, :k])
+
+
 def merge_teacher_candidates(values: torch.Tensor, ids: torch.Tensor, local_lses: torch.Tensor, k: int,
                              temperature: float) -> TopK:
     """Exact global top-k from ``[N, W·k]`` candidates concatenated in ascending shard order
     and ``[N, W]`` shard logsumexps. Each shard's ties are already lower-id first, so a
     stable sort keeps lower global ids first on ties."""
     lse = torch.logsumexp(local_lses, dim=-1)
-    merged_values, order = torch.sort(values, dim=-1, descending=True, stable=True)
-    merged_ids = ids.gather(-1, order)[:, :k]
-    logprobs = merged_values[:, :k] - lse.unsqueeze(-1)
+    merged_values, merged_ids = top_of_candidates(values, ids, k)
+    logprobs = merged_values - lse.unsqueeze(-1)
     merged_ids = torch.where(torch.isfinite(logprobs), merged_ids, 0)
     return TopK(logprobs, merged_ids.to(torch.int32), lse, temperature)
 

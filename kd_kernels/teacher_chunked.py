@@ -19,13 +19,11 @@ from typing import Optional
 import torch
 
 from .lm_head import lm_head_logits_fp32
+from .reference import top_of_candidates
 from .topk import TopK
 
 DEFAULT_CHUNK_BYTES = 5 << 28  # 1.25 GiB of float32 logits per chunk
 LEAN_SLICE_BYTES = 48 << 20  # float32 logits of one vocab slice of all rows
-
-
-SELECTORS = ("cuda", "triton")
 
 
 def _cuda_candidates(logits: torch.Tensor, k: int, temperature: float, width: int, column_start: int):
@@ -90,13 +88,10 @@ def teacher_topk(hidden: torch.Tensor, weight: torch.Tensor, k: int, temperature
 
 
 def _merge_running(running, candidates):
-    """Top-k of two candidate sets of a row, the running one holding only lower ids: a stable
-    descending sort of the concatenation keeps lower ids first among equal values."""
-    values = torch.cat([running[0], candidates[0]], dim=-1)
-    ids = torch.cat([running[1], candidates[1]], dim=-1)
-    k = running[0].shape[-1]
-    merged, order = torch.sort(values, dim=-1, descending=True, stable=True)
-    return merged[:, :k].contiguous(), ids.gather(-1, order[:, :k]), torch.logaddexp(running[2], candidates[2])
+    """(values, ids, lse) of the running top-k merged with a later slice's (higher ids)."""
+    values, ids = top_of_candidates(torch.cat([running[0], candidates[0]], dim=-1),
+                                    torch.cat([running[1], candidates[1]], dim=-1), running[0].shape[-1])
+    return values.contiguous(), ids, torch.logaddexp(running[2], candidates[2])
 
 
 def teacher_topk_vocab_sliced(hidden: torch.Tensor, weight: torch.Tensor, k: int, temperature: float,

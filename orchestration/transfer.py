@@ -29,10 +29,6 @@ import torch
 
 import kd_kernels as kd
 
-TRANSFERS = ("object_store", "cuda_ipc", "nccl")
-PLACEMENTS = ("colocated", "disaggregated")
-
-
 @dataclass(frozen=True)
 class Layout:
     """Where the workers run and how top-k travels: resolved once by the driver."""

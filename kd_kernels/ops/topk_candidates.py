@@ -15,11 +15,6 @@ def load_extension():
     return _C
 
 
-def max_topk() -> int:
-    """The largest k the CUDA kernel selects."""
-    return load_extension().MAX_TOPK
-
-
 def topk_candidates(logits: torch.Tensor, k: int, temperature: float, width: int):
     """logits ``[R, ≥ width]`` bf16 / fp16 / fp32 on CUDA, columns contiguous ->
     (values ``[R, k]`` float32 = top logits / τ, descending, lower column first on ties,

@@ -7,12 +7,13 @@ any T with at least k lane maxima ≥ T has at least k row elements ≥ T; a bis
 nearly the largest such T (T = -inf with fewer than k lanes). Pass 2 appends every element ≥ T, in column order, to a per-row
 buffer of ``capacity`` slots; a stable descending sort of the buffer then gives the top-k
 with lower columns first among equal values. Rows with more than ``capacity`` elements ≥ T
-(heavy ties) are redone exactly with a full-row sort.
+(heavy ties) are redone exactly with a full-row sort; finding them costs one host sync.
 """
 import torch
 import triton
 import triton.language as tl
 
+from ..reference import top_of_candidates
 from .launch import ROW_BLOCK_V, THRESHOLD_BISECTIONS, num_warps_for
 
 
@@ -95,8 +96,8 @@ def threshold_topk(logits: torch.Tensor, k: int, temperature: float, width: int)
         _collect_kernel[(rows,)](logits, threshold, found, columns, counts, logits.stride(0), width, capacity,
                                  BLOCK_V=ROW_BLOCK_V, num_warps=warps)
     # the buffer holds its entries in column order: a stable sort keeps lower columns first on ties
-    ranked, order = torch.sort(found, dim=-1, descending=True, stable=True)
-    values, top_columns = ranked[:, :k].contiguous(), columns.gather(-1, order[:, :k]).long()
+    values, top_columns = top_of_candidates(found, columns, k)
+    values, top_columns = values.contiguous(), top_columns.long()
     overflow = (counts > capacity).nonzero().flatten()
     if overflow.numel():  # heavy ties: the exact full-row sort for these rows only
         exact, exact_columns = torch.sort(logits[overflow, :width].float(), dim=-1, descending=True, stable=True)
