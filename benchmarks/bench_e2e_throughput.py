@@ -6,7 +6,8 @@ trains step i) when two GPUs are there. Baseline: one process, the same teacher 
 teacher forward + full-logits KD (KL over the whole vocab at τ) + CE in plain PyTorch.
 All at the GPU default sizes (orchestration.config.GPU_DEFAULTS). Reports median tokens/s
 over the steps after warm-up and the mean seconds a step spends in teacher / transfer /
-student and waiting for the teacher; "teacher hidden" = 1 − wait / teacher time: the share of
+student, waiting for the teacher and in Ray's dispatch of the student's call (arguments
+and reply); "teacher hidden" = 1 − wait / teacher time: the share of
 the teacher's time that the student did not wait for.
 
 usage: python benchmarks/bench_e2e_throughput.py [--steps 40] [--out results.json]
@@ -36,7 +37,8 @@ def driver_row(name, steps, output_dir, extra, *overrides):
     with open(summary["metrics"]) as handle:
         records = [json.loads(line) for line in handle][WARMUP:]
     mean = {key: statistics.mean(r[key] for r in records) for key in ("teacher_seconds", "wait_seconds",
-                                                                      "transfer_seconds", "student_seconds")}
+                                                                      "transfer_seconds", "student_seconds",
+                                                                      "dispatch_seconds")}
     step_seconds = statistics.median(r["tokens"] / r["tokens_per_s"] for r in records)
     hidden = 1.0 - mean["wait_seconds"] / max(mean["teacher_seconds"], 1e-9)
     return dict(layout=name, placement=summary["placement"], transfer=summary["transfer"],
@@ -78,14 +80,54 @@ def baseline_row(steps, extra):
                 tokens_per_s=rows * config.row_tokens / step_seconds, step_seconds=step_seconds)
 
 
+def profile_student_step(extra, steps=6):
+    """In this process (no Ray actor): a teacher's top-k and the student worker's train_step,
+    under torch.profiler; prints where a step's wall time goes (CPU launch vs GPU kernels)."""
+    import ray
+
+    from orchestration.workers import StudentWorker, TeacherWorker
+
+    config = load_config(None, ["device=cuda", "checkpoint_every=0", *extra])
+    vocab = config.tokenizer_vocab
+    teacher, student = TeacherWorker(config, vocab), StudentWorker(config, vocab)
+    rows = config.rows_per_micro_batch
+    micro = []
+    for _ in range(config.micro_batches):
+        tokens = torch.randint(0, vocab, (rows, config.row_tokens))
+        micro.append((tokens, torch.roll(tokens, -1, 1)))
+    refs = [ray.put(teacher.score(tokens)) for tokens, _ in micro]
+    for step in range(2):
+        student.train_step(step, micro, refs, rows * config.row_tokens * len(micro))
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as profiler:
+        start = time.perf_counter()
+        for step in range(2, 2 + steps):
+            student.train_step(step, micro, refs, rows * config.row_tokens * len(micro))
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - start) / steps
+    events = profiler.key_averages()
+    gpu_busy = sum(e.self_device_time_total for e in events) / 1e6 / steps
+    print(f"student step in-process: {wall * 1e3:.1f} ms wall, {gpu_busy * 1e3:.1f} ms of GPU kernels")
+    print(events.table(sort_by="self_device_time_total", row_limit=12, max_name_column_width=60))
+    print(events.table(sort_by="cpu_time_total", row_limit=12, max_name_column_width=60))
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--output-dir", default="runs/bench_e2e_throughput")
     parser.add_argument("--out", default=None)
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="driver option for all runs")
+    parser.add_argument("--profile", action="store_true", help="also profile one student step in-process")
     args = parser.parse_args()
     extra = args.set
+    if args.profile:
+        import ray
+
+        ray.init(num_cpus=4, num_gpus=torch.cuda.device_count(), include_dashboard=False, log_to_driver=False,
+                 configure_logging=False, ignore_reinit_error=True)
+        profile_student_step(extra)
     rows = [baseline_row(args.steps, extra),
             driver_row("colocated", args.steps, args.output_dir, extra, "placement=colocated"),
             driver_row("colocated, no overlap", args.steps, args.output_dir, extra, "placement=colocated",
@@ -93,13 +135,15 @@ def main():
     if torch.cuda.device_count() >= 2:
         rows.append(driver_row("disaggregated", args.steps, args.output_dir, extra, "placement=disaggregated"))
     print(f"GPU {torch.cuda.get_device_name()} × {torch.cuda.device_count()}; torch {torch.__version__}")
-    print("| layout | transfer | tokens/s | step s | teacher s | waited s | transfer s | student s | teacher hidden |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| layout | transfer | tokens/s | step s | teacher s | waited s | transfer s | student s | Ray dispatch s "
+          "| teacher hidden |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for row in rows:
         print(f"| {row['layout']} | {row['transfer']} | {row['tokens_per_s']:,.0f} | {row['step_seconds']:.3f} | "
               f"{row.get('teacher_seconds', float('nan')):.3f} | {row.get('wait_seconds', float('nan')):.3f} | "
               f"{row.get('transfer_seconds', float('nan')):.4f} | "
-              f"{row.get('student_seconds', float('nan')):.3f} | {100 * row.get('teacher_hidden', 0):.0f} % |")
+              f"{row.get('student_seconds', float('nan')):.3f} | {row.get('dispatch_seconds', float('nan')):.3f} | "
+              f"{100 * row.get('teacher_hidden', 0):.0f} % |")
     if args.out:
         with open(args.out, "w") as handle:
             json.dump(rows, handle, indent=2)

@@ -3,7 +3,8 @@
 # the flags below; logs and JSON under $OUT.
 # usage (device tool): source .devpkgs/device-env.sh && [FLAGS] bash benchmarks/gpu_run.sh
 #   BUILD_CUDA=1   build kd_kernels._C with the documented command and use it in place
-#   RUN_TESTS=1    pytest -m "$TEST_MARKERS" (default "gpu or interpret") $TEST_ARGS
+#   RUN_TESTS=1    pytest -m "$TEST_MARKERS" (default "gpu or interpret") $TEST_ARGS ($TEST_PATHS, default tests/)
+#   RUN_TUNE=0     benchmarks/tune_topk_prefetch.py (the CUDA top-k kernel's prefetch / radix settings)
 #   RUN_BENCH=1    benchmarks/bench_topk_divergence.py $BENCH_ARGS (the student)
 #   RUN_TEACHER=0  benchmarks/bench_teacher_topk.py $TEACHER_ARGS
 #   RUN_TP2=0      two GPUs: the TP = 2 Megatron example and bench_vocab_parallel.py
@@ -18,8 +19,13 @@ if [ "${BUILD_CUDA:-1}" = 1 ]; then
   [ -n "$so" ] && cp "$so" kd_kernels/ && echo "built $so"
 fi
 if [ "${RUN_TESTS:-1}" = 1 ]; then
-  python -m pytest -q -m "${TEST_MARKERS:-gpu or interpret}" tests/ ${TEST_ARGS:-} > "$OUT/tests.log" 2>&1
+  timeout "${TESTS_TIMEOUT:-400}" python -m pytest -q -m "${TEST_MARKERS:-gpu or interpret}" ${TEST_PATHS:-tests/} \
+    ${TEST_ARGS:-} > "$OUT/tests.log" 2>&1
   tail -25 "$OUT/tests.log"
+fi
+if [ "${RUN_TUNE:-0}" = 1 ]; then
+  timeout 240 python benchmarks/tune_topk_prefetch.py --out "$OUT/tune_topk.json" > "$OUT/tune_topk.log" 2>&1
+  tail -14 "$OUT/tune_topk.log"
 fi
 if [ "${RUN_BENCH:-1}" = 1 ]; then
   python benchmarks/bench_topk_divergence.py ${BENCH_ARGS:-} --out "$OUT/bench_topk_divergence.json" 2>&1 | tee "$OUT/bench.log"
@@ -33,7 +39,9 @@ if [ "${RUN_TP2:-0}" = 1 ]; then
     > "$OUT/bench_vp.log" 2>&1; tail -8 "$OUT/bench_vp.log"
 fi
 if [ "${RUN_E2E:-0}" = 1 ]; then
-  python benchmarks/bench_e2e_throughput.py --out "$OUT/e2e_throughput.json" > "$OUT/e2e_throughput.log" 2>&1
+  timeout "${E2E_TIMEOUT:-330}" python benchmarks/bench_e2e_throughput.py --profile ${E2E_ARGS:-} \
+    --out "$OUT/e2e_throughput.json" > "$OUT/e2e_throughput.log" 2>&1
   grep -v Warn "$OUT/e2e_throughput.log" | tail -8
-  python benchmarks/bench_e2e.py --set output_dir=/tmp/e2e > "$OUT/e2e_quality.log" 2>&1; tail -4 "$OUT/e2e_quality.log"
+  timeout "${QUALITY_TIMEOUT:-300}" python benchmarks/bench_e2e.py --set output_dir=/tmp/e2e \
+    > "$OUT/e2e_quality.log" 2>&1; grep -v "logging.cc" "$OUT/e2e_quality.log" | tail -4
 fi

@@ -179,16 +179,19 @@ class _Session:
         calls = [s.train_step.remote(step, [micro[m] for m in plan.micro_batches_of_student(rank)],
                                      [refs[m] for m in plan.micro_batches_of_student(rank)], num_tokens)
                  for rank, s in enumerate(self.students)]
+        called = time.perf_counter()
         parts = self.call(self.students, calls, step)
+        call_seconds = time.perf_counter() - called
         for worker in self.teachers:
             worker.release.remote(step)  # actor calls run in order: after this step's scoring
-        total = {key: sum(part[key] for part in parts) for key in parts[0] if key != "lr"}
+        total = {key: sum(part[key] for part in parts) for key in parts[0] if key not in ("lr", "worker_seconds")}
         rows = max(total["rows"], 1)
         return dict(loss=total["loss"], kd=total["kd_sum"] / rows, ce=total["ce_sum"] / rows,
                     teacher_tail_mass=1.0 - total["teacher_mass_sum"] / rows, tokens=num_tokens,
                     teacher_seconds=total["teacher_seconds"], wait_seconds=max(p["wait_seconds"] for p in parts),
                     transfer_seconds=max(p["transfer_seconds"] for p in parts),
-                    student_seconds=max(p["student_seconds"] for p in parts), lr=parts[0]["lr"])
+                    student_seconds=max(p["student_seconds"] for p in parts),
+                    dispatch_seconds=call_seconds - max(p["worker_seconds"] for p in parts), lr=parts[0]["lr"])
 
     def save(self, step: int) -> str:
         path = os.path.join(self.config.output_dir, "checkpoints", f"step_{step:07d}.pt")
@@ -220,7 +223,8 @@ class _Session:
                 result = self.train(step, refs)
                 if pending is None and step + 1 < config.steps:
                     pending = self.submit(step + 1)
-                result.update(step=step, tokens_per_s=result["tokens"] / (time.perf_counter() - started))
+                step_seconds = time.perf_counter() - started
+                result.update(step=step, step_seconds=step_seconds, tokens_per_s=result["tokens"] / step_seconds)
                 metrics_file.write(json.dumps(result) + "\n")
                 metrics_file.flush()
                 last_step = step

@@ -191,8 +191,10 @@ class StudentWorker:
         self.gradient_group = join_world(world)
         self.model = build_model(config.student_path, config.student_hidden, config.student_layers, config, vocab,
                                  config.seed + 1).to(self.device)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.lr)
+        # one fused kernel for the whole update on GPUs (the per-tensor loop is launch-bound there)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.lr, fused=self.device.type == "cuda")
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _schedule(config))
+        self._values_checked = False
         torch.manual_seed(config.seed + 2)
         random.seed(config.seed + 2)
 
@@ -216,8 +218,9 @@ class StudentWorker:
         transfer_seconds = time.perf_counter() - start - wait_seconds
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        totals = dict(loss=0.0, kd_sum=0.0, ce_sum=0.0, teacher_mass_sum=0.0, rows=0, teacher_seconds=0.0)
-        for (tokens, labels), teacher, seconds in zip(micro_batches, teachers, teacher_seconds):
+        names = ("loss", "kd_sum", "ce_sum", "teacher_mass_sum", "rows")
+        sums = torch.zeros(len(names), dtype=torch.float64, device=self.device)  # read once: one host sync a step
+        for (tokens, labels), teacher in zip(micro_batches, teachers):
             tokens, labels = tokens.to(self.device), labels.to(self.device).reshape(-1)
             with _autocast(self.device):
                 hidden = final_hidden_states(self.model, tokens)
@@ -225,18 +228,19 @@ class StudentWorker:
                 hidden, lm_head_weight(self.model, hidden.dtype), teacher, labels, divergence=self.config.divergence,
                 support=self.config.support, temperature=self.config.temperature, kd_weight=self.config.kd_weight,
                 ce_weight=self.config.ce_weight, num_tokens=max(num_tokens, 1), vocab_size=self.vocab,
-                return_metrics=True)
+                return_metrics=True, check_values=not self._values_checked)
             loss.backward()
-            totals["loss"] += loss.item()
-            totals["teacher_seconds"] += seconds
-            for name in ("kd_sum", "ce_sum", "teacher_mass_sum", "rows"):
-                totals[name] += metrics[name].item()
+            sums += torch.stack([loss.detach().double()] + [metrics[name].double() for name in names[1:]])
+        # our own teacher and data pipeline made them: their ids and labels are checked on the first step only
+        self._values_checked = True
         self._sum_gradients_over_ranks()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
         self.optimizer.step()
         self.scheduler.step()
+        totals = dict(zip(names, sums.tolist()), teacher_seconds=sum(teacher_seconds))
+        worker_seconds = time.perf_counter() - start
         return dict(totals, wait_seconds=wait_seconds, transfer_seconds=transfer_seconds,
-                    student_seconds=time.perf_counter() - start - wait_seconds - transfer_seconds,
+                    student_seconds=worker_seconds - wait_seconds - transfer_seconds, worker_seconds=worker_seconds,
                     lr=self.scheduler.get_last_lr()[0])
 
     def _sum_gradients_over_ranks(self) -> None:
