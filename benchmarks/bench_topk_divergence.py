@@ -187,6 +187,7 @@ def main():
     parser.add_argument("--shapes", default="all", help="comma-separated shape names prefixes, or all")
     parser.add_argument("--out", default=None, help="JSON file for the results")
     parser.add_argument("--ours-only", action="store_true", help="only ours and the floor (same run), no baselines")
+    parser.add_argument("--ks", default="64,1024", help="k values at S1 (other shapes: k = 64)")
     args = parser.parse_args()
     env = environment()
     print(f"environment: {env}")
@@ -199,8 +200,10 @@ def main():
             extra = [(f"{div} {sup}", dict(divergence=div, support=sup)) for div, sup in (
                 ("forward_kl", "tail"), ("reverse_kl", "renormalized"), ("jsd", "renormalized"), ("jsd", "tail"),
                 ("skewed_forward_kl", "renormalized"), ("adaptive_kl", "renormalized"), ("tvd", "tail"))]
-        results.append(bench_shape(name, n, h, v, 64, extra, only_ours=args.ours_only))
-        if name.startswith("S1"):
+        ks = [int(k) for k in args.ks.split(",")] if name.startswith("S1") else [64]
+        if 64 in ks:
+            results.append(bench_shape(name, n, h, v, 64, extra, only_ours=args.ours_only))
+        if 1024 in ks:
             results.append(bench_shape(name + " k=1024", n, h, v, 1024,
                                        [("adaptive_kl renormalized", dict(divergence="adaptive_kl"))], only_ours=True))
     if args.out:

@@ -4,7 +4,6 @@
 # usage (device tool): source .devpkgs/device-env.sh && [FLAGS] bash benchmarks/gpu_run.sh
 #   BUILD_CUDA=1   build kd_kernels._C with the documented command and use it in place
 #   RUN_TESTS=1    pytest -m "$TEST_MARKERS" (default "gpu or interpret") $TEST_ARGS ($TEST_PATHS, default tests/)
-#   RUN_TUNE=0     benchmarks/tune_topk_prefetch.py (the CUDA top-k kernel's prefetch / radix settings)
 #   RUN_BENCH=1    benchmarks/bench_topk_divergence.py $BENCH_ARGS (the student)
 #   RUN_TEACHER=0  benchmarks/bench_teacher_topk.py $TEACHER_ARGS
 #   RUN_TP2=0      two GPUs: the TP = 2 Megatron example and bench_vocab_parallel.py
@@ -22,10 +21,6 @@ if [ "${RUN_TESTS:-1}" = 1 ]; then
   timeout "${TESTS_TIMEOUT:-400}" python -m pytest -q -m "${TEST_MARKERS:-gpu or interpret}" ${TEST_PATHS:-tests/} \
     ${TEST_ARGS:-} > "$OUT/tests.log" 2>&1
   tail -25 "$OUT/tests.log"
-fi
-if [ "${RUN_TUNE:-0}" = 1 ]; then
-  timeout 240 python benchmarks/tune_topk_prefetch.py --out "$OUT/tune_topk.json" > "$OUT/tune_topk.log" 2>&1
-  tail -14 "$OUT/tune_topk.log"
 fi
 if [ "${RUN_BENCH:-1}" = 1 ]; then
   python benchmarks/bench_topk_divergence.py ${BENCH_ARGS:-} --out "$OUT/bench_topk_divergence.json" 2>&1 | tee "$OUT/bench.log"

@@ -20,8 +20,6 @@
 #include <cuda_fp16.h>
 #include <algorithm>
 #include <cfloat>
-#include <cstdio>
-#include <cstdlib>
 
 #include "topk_candidates.h"
 
@@ -33,9 +31,6 @@ namespace {
 constexpr int kThreads = 512;
 constexpr int kWarps = kThreads / 32;
 constexpr int kSamplesPerThread = 8;
-constexpr int kDefaultPrefetchSteps = 0;  // L2 prefetch (see prefetch_l2), chosen by measurement
-constexpr int kDefaultNextRowKiB = 0;
-constexpr bool kDefaultRadixSelect = false;  // keep_largest before the sort, chosen by measurement
 constexpr int kCapacity = 8192;  // candidates in dynamic shared memory (64 KiB), a power of two
 static_assert(kCapacity >= 8 * kMaxTopK, "the candidate buffer must hold several times k");
 // 16-byte loads in flight per thread: 16 elements per thread per step whatever the dtype
@@ -72,31 +67,8 @@ struct alignas(16) Pack {
 // Visits every column < width of the row once, spread over the block: visit.pack(values,
 // first_column, slot) for 16-byte-aligned packs (slot: a compile-time position after unrolling), visit.one(value, column) for the unaligned head
 // and the tail.
-// Asks L2 for [address, address + bytes) (16-byte aligned, bytes a multiple of 16) without
-// holding registers: keeps more bytes in flight than the 16 per load the registers allow.
-// A no-op before sm_90.
-__device__ __forceinline__ void prefetch_l2(const void* address, uint32_t bytes) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  if (bytes > 0) asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(address), "r"(bytes) : "memory");
-#endif
-}
-
-// L2 prefetch distances (see launch): steps ahead within a row, bytes of the block's next row.
-struct Prefetch {
-  int steps_ahead;
-  int next_row_bytes;
-};
-
-// The first `bytes` of a row's 16-byte-aligned body (whole packs only), for the block's next row.
-template <typename T>
-__device__ __forceinline__ void prefetch_row_start(const T* row, int width, int bytes) {
-  const uintptr_t begin = (reinterpret_cast<uintptr_t>(row) + 15) & ~static_cast<uintptr_t>(15);
-  const uintptr_t end = (reinterpret_cast<uintptr_t>(row + width)) & ~static_cast<uintptr_t>(15);
-  if (end > begin) prefetch_l2(reinterpret_cast<const void*>(begin), static_cast<uint32_t>(min(static_cast<unsigned long long>(end - begin), static_cast<unsigned long long>(bytes))));
-}
-
 template <typename T, typename Visit>
-__device__ __forceinline__ void visit_row(const T* row, int width, Visit& visit, int prefetch_steps = 0) {
+__device__ __forceinline__ void visit_row(const T* row, int width, Visit& visit) {
   constexpr int kVec = Pack<T>::kSize;
   int head = static_cast<int>(((16 - (reinterpret_cast<uintptr_t>(row) & 15)) & 15) / sizeof(T));
   head = min(head, width);
@@ -104,16 +76,7 @@ __device__ __forceinline__ void visit_row(const T* row, int width, Visit& visit,
   const int packs = (width - head) / kVec;
   const Pack<T>* body = reinterpret_cast<const Pack<T>*>(row + head);
   constexpr int kSteps = kUnroll<T>;
-  const int step_packs = kSteps * blockDim.x;
-  if (prefetch_steps > 0 && threadIdx.x == 0) {  // steps 1 .. prefetch_steps - 1; the loop asks for the rest
-    const int ahead = min(prefetch_steps * step_packs, packs) - step_packs;
-    if (ahead > 0) prefetch_l2(body + step_packs, static_cast<uint32_t>(ahead) * 16u);
-  }
-  for (int first = threadIdx.x; first < packs; first += step_packs) {
-    if (prefetch_steps > 0 && threadIdx.x == 0) {  // thread 0's `first` is the step's first pack
-      const int ahead = first + prefetch_steps * step_packs;
-      if (ahead < packs) prefetch_l2(body + ahead, static_cast<uint32_t>(min(step_packs, packs - ahead)) * 16u);
-    }
+  for (int first = threadIdx.x; first < packs; first += kSteps * blockDim.x) {
     Pack<T> loaded[kSteps];
 #pragma unroll
     for (int u = 0; u < kSteps; ++u) {
@@ -157,95 +120,6 @@ __device__ __forceinline__ int next_power_of_two(int n) {
   int p = 2;
   while (p < n) p <<= 1;
   return p;
-}
-
-// Appends `entry` to buffer[(*count)++] when `take`, one shared atomic per warp.
-__device__ __forceinline__ void append_entry(bool take, uint64_t entry, uint64_t* buffer, unsigned int* count) {
-  if (!take) return;
-  cg::coalesced_group taking = cg::coalesced_threads();
-  unsigned int base = 0;
-  if (taking.thread_rank() == 0) base = atomicAdd(count, taking.size());
-  base = taking.shfl(base, 0);
-  buffer[base + taking.thread_rank()] = entry;
-}
-
-// Radix-select state, in shared memory: the k-th largest entry is being narrowed to those
-// whose bits under `mask` equal `prefix`; `remaining` of them still to take.
-struct SelectState {
-  uint64_t prefix, mask;
-  int remaining, done;
-};
-
-// Moves the k largest of buffer[0, found) (found >= k; entries are distinct, as they carry
-// their column) to buffer[0, k), in no order: a radix select by 8-bit digits from the top
-// finds the k-th largest, then one compaction. Replaces a sort of all the candidates (often
-// 4-8 × k of them) by a sort of k. Every thread calls it.
-__device__ void keep_largest(uint64_t* buffer, int found, int k, unsigned int* histogram, SelectState* state) {
-  const int lane = threadIdx.x & 31;
-  if (threadIdx.x == 0) *state = SelectState{0, 0, k, 0};
-  for (int shift = 56; shift >= 0; shift -= 8) {
-    for (int b = threadIdx.x; b < 256; b += blockDim.x) histogram[b] = 0;
-    __syncthreads();
-    const uint64_t prefix = state->prefix, mask = state->mask;
-    const int remaining = state->remaining;
-    for (int base = 0; base < found; base += blockDim.x) {  // the same trip count in every lane
-      const int i = base + threadIdx.x;
-      const uint64_t entry = i < found ? buffer[i] : 0;
-      const bool counted = i < found && (entry & mask) == prefix;
-      const unsigned digit = counted ? static_cast<unsigned>(entry >> shift) & 255u : 256u;
-      const unsigned peers = __match_any_sync(0xffffffffu, digit);  // one shared atomic per digit and warp
-      if (counted && lane == __ffs(peers) - 1) atomicAdd(&histogram[digit], __popc(peers));
-    }
-    __syncthreads();
-    if (threadIdx.x < 32) {  // lane l holds digits 255 - 8l ... 248 - 8l (descending)
-      unsigned counts[8], lane_total = 0;
-#pragma unroll
-      for (int j = 0; j < 8; ++j) lane_total += counts[j] = histogram[255 - 8 * lane - j];
-      unsigned above = lane_total;  // inclusive scan from lane 0 (the highest digits)
-#pragma unroll
-      for (int offset = 1; offset < 32; offset <<= 1) {
-        const unsigned other = __shfl_up_sync(0xffffffffu, above, offset);
-        if (lane >= offset) above += other;
-      }
-      above -= lane_total;  // entries of this prefix with a digit above this lane's
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        if (above < static_cast<unsigned>(remaining) && above + counts[j] >= static_cast<unsigned>(remaining)) {
-          const uint64_t digit = 255 - 8 * lane - j;
-          state->prefix = prefix | (digit << shift);
-          state->mask = mask | (uint64_t{255} << shift);
-          state->remaining = remaining - static_cast<int>(above);
-          state->done = counts[j] == static_cast<unsigned>(remaining) - above;  // all of this digit are in
-        }
-        above += counts[j];
-      }
-    }
-    __syncthreads();
-    if (state->done) break;
-  }
-  // the k largest: entries whose masked bits are >= the prefix. Writes go to [0, k); the reads
-  // of [0, kCapacity / 2) finish before any write (k <= kCapacity / 8), later ones never meet them.
-  const uint64_t prefix = state->prefix, mask = state->mask;
-  constexpr int kFirst = kCapacity / 2 / kThreads;
-  uint64_t first[kFirst];
-#pragma unroll
-  for (int j = 0; j < kFirst; ++j) {
-    const int i = threadIdx.x + j * kThreads;
-    first[j] = i < found ? buffer[i] : 0;
-  }
-  __syncthreads();
-  if (threadIdx.x == 0) histogram[0] = 0;  // the write position
-  __syncthreads();
-#pragma unroll
-  for (int j = 0; j < kFirst; ++j) {
-    const int i = threadIdx.x + j * kThreads;
-    const bool take = i < found && (first[j] & mask) >= prefix;
-    append_entry(take, first[j], buffer, histogram);
-  }
-  for (int i = kCapacity / 2 + threadIdx.x; i < found; i += kThreads) {
-    append_entry((buffer[i] & mask) >= prefix, buffer[i], buffer, histogram);
-  }
-  __syncthreads();
 }
 
 // Appends (key, column) to buffer[count++] when `take`, one shared atomic per warp.
@@ -429,7 +303,7 @@ __device__ int collect_exact(const T* row, int width, int k, uint32_t low, uint3
 template <typename T>
 __global__ void __launch_bounds__(kThreads, 2)
 topk_candidates_kernel(const T* __restrict__ logits, int64_t rows, int64_t row_stride, int width, int k,
-                       float temperature, Prefetch prefetch, bool select_first,
+                       float temperature,
                        float* __restrict__ values, int32_t* __restrict__ indices, float* __restrict__ lse) {
   extern __shared__ uint64_t buffer[];  // kCapacity entries
   __shared__ unsigned int count;
@@ -439,9 +313,7 @@ topk_candidates_kernel(const T* __restrict__ logits, int64_t rows, int64_t row_s
     typename BlockReduceMaxSum::TempStorage max_sum;
     typename BlockReduceCount::TempStorage count;
     typename BlockScanCount::TempStorage scan;
-    unsigned int histogram[256];
   } storage;
-  __shared__ SelectState select_state;
 
   // Rows of one block share a scale: elements >= (the previous row's threshold - margin) are
   // collected during pass 1, and pass 2 is skipped when this row's threshold lies above that
@@ -461,10 +333,7 @@ topk_candidates_kernel(const T* __restrict__ logits, int64_t rows, int64_t row_s
     if (!isfinite(floor)) floor = INFINITY;  // nothing to go by: collect in pass 2
 
     RowScan scan(1.4426950408889634f / temperature, floor, buffer, &count);
-    visit_row(row, width, scan, prefetch.steps_ahead);
-    if (prefetch.next_row_bytes > 0 && threadIdx.x == 0 && r + gridDim.x < rows) {
-      prefetch_row_start(row + gridDim.x * row_stride, width, prefetch.next_row_bytes);  // arrives during this row's sort
-    }
+    visit_row(row, width, scan);
     const MaxSum total = BlockReduceMaxSum(storage.max_sum).Reduce(MaxSum{scan.max2, scan.sum2}, CombineMaxSum());
     if (threadIdx.x == 0) lse[r] = (total.max2 + log2f(total.sum2)) * 0.6931471805599453f;
     float thread_max = scan.bucket_max[0];
@@ -499,10 +368,6 @@ topk_candidates_kernel(const T* __restrict__ logits, int64_t rows, int64_t row_s
         __syncthreads();
       }
     }
-    if (select_first && next_power_of_two(found) > next_power_of_two(k)) {
-      keep_largest(buffer, found, k, storage.histogram, &select_state);
-      found = k;
-    }
     const int size = next_power_of_two(found);
     for (int i = found + threadIdx.x; i < size; i += blockDim.x) buffer[i] = 0;
     __syncthreads();
@@ -524,24 +389,6 @@ topk_candidates_kernel(const T* __restrict__ logits, int64_t rows, int64_t row_s
   }
 }
 
-// Tuning override "steps_ahead,next_row_kib" from KD_KERNELS_TOPK_PREFETCH (benchmarks/
-// tune_topk_prefetch.py); the defaults are that sweep's best on an H200.
-Prefetch prefetch_distances() {
-  Prefetch prefetch{kDefaultPrefetchSteps, kDefaultNextRowKiB * 1024};
-  if (const char* text = std::getenv("KD_KERNELS_TOPK_PREFETCH")) {
-    int steps = 0, kib = 0;
-    if (std::sscanf(text, "%d,%d", &steps, &kib) == 2 && steps >= 0 && kib >= 0) prefetch = {steps, kib * 1024};
-  }
-  return prefetch;
-}
-
-// Tuning override from KD_KERNELS_TOPK_RADIX ("0" or "1"): radix-select the k largest
-// candidates before sorting them (keep_largest) or sort all candidates.
-bool radix_select_first() {
-  const char* text = std::getenv("KD_KERNELS_TOPK_RADIX");
-  return text ? text[0] == '1' : kDefaultRadixSelect;
-}
-
 template <typename T>
 cudaError_t launch(const void* logits, int64_t rows, int64_t row_stride, int64_t width, int64_t k, float temperature,
                    float* values, int32_t* indices, float* lse, cudaStream_t stream) {
@@ -558,7 +405,7 @@ cudaError_t launch(const void* logits, int64_t rows, int64_t row_stride, int64_t
   const int64_t blocks = std::min<int64_t>(rows, 2 * static_cast<int64_t>(processors));
   topk_candidates_kernel<T><<<static_cast<unsigned int>(blocks), kThreads, kSharedBytes, stream>>>(
       static_cast<const T*>(logits), rows, row_stride, static_cast<int>(width), static_cast<int>(k), temperature,
-      prefetch_distances(), radix_select_first(), values, indices, lse);
+      values, indices, lse);
   return cudaGetLastError();
 }
 

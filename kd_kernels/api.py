@@ -81,8 +81,8 @@ def teacher_topk(hidden: torch.Tensor, weight: torch.Tensor, k: int = 64, *, tem
             cuda (the CUDA top-k kernel, k <= 1024) when built, else triton (a Triton threshold
             select; no compiled extension needed).
         chunk_rows: rows per chunk on the triton backend (``chunk_rows · V · 4`` bytes); None: ~1.25 GiB.
-        lean: vocab slices of all rows instead of row chunks: ~48 MiB of float32 logits plus
-            ~40·N·k bytes for merging slices, whatever V; one matmul and one merge per slice.
+        lean: tiles of rows × vocab columns instead of row chunks: 48 MiB of float32 logits
+            plus ~16 MiB for merging slices, whatever N and V; one matmul and one merge per tile.
     Returns:
         `TopK` with ``logprobs [N, k]``, ``indices [N, k]`` int32, ``lse [N]`` float32.
     """

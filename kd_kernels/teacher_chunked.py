@@ -8,9 +8,9 @@ whole ``[N, V]``), then per chunk a selection of each row's top-k and its logsum
   (ops/topk_threshold.py): the path that needs no compiled extension.
 
 Both write each chunk's float32 logits (``chunk_rows · V · 4`` bytes, ~1.25 GiB by
-default). The lean schedule (`teacher_topk_vocab_sliced`) instead takes vocab slices of all
-rows (``N · W · 4`` bytes, 48 MiB by default whatever V) and merges each slice's top-k into a
-running one. A top-k fused into the lm_head matmul epilogue is not built.
+default). The lean schedule (`teacher_topk_vocab_sliced`) instead takes tiles of rows ×
+vocab columns (48 MiB of float32 logits whatever N and V) and merges each slice's top-k into
+the row chunk's running one. A top-k fused into the lm_head matmul epilogue is not built.
 """
 from __future__ import annotations
 
@@ -23,7 +23,9 @@ from .reference import top_of_candidates
 from .topk import TopK
 
 DEFAULT_CHUNK_BYTES = 5 << 28  # 1.25 GiB of float32 logits per chunk
-LEAN_SLICE_BYTES = 48 << 20  # float32 logits of one vocab slice of all rows
+LEAN_SLICE_BYTES = 48 << 20  # float32 logits of one lean tile
+LEAN_MERGE_BYTES = 16 << 20  # the lean merge's buffers, about
+LEAN_MAX_ROWS = 1024
 
 
 def _cuda_candidates(logits: torch.Tensor, k: int, temperature: float, width: int, column_start: int):
@@ -94,22 +96,39 @@ def _merge_running(running, candidates):
     return values.contiguous(), ids, torch.logaddexp(running[2], candidates[2])
 
 
+def lean_tile(num_rows: int, k: int) -> tuple[int, int]:
+    """(rows, columns) of the lean schedule's tile: rows such that the merge's ``[rows, 2k]``
+    buffers stay near 16 MiB (at most 1024), columns such that the float32 tile is 48 MiB.
+    Wide tiles amortize the selection's fixed cost per row; short ones bound the merge."""
+    rows = max(1, min(num_rows, LEAN_MAX_ROWS, max(128, LEAN_MERGE_BYTES // (40 * k) // 128 * 128)))
+    return rows, max(128, LEAN_SLICE_BYTES // (4 * rows) // 128 * 128)
+
+
 def teacher_topk_vocab_sliced(hidden: torch.Tensor, weight: torch.Tensor, k: int, temperature: float,
                               vocab_size: int, bias: Optional[torch.Tensor] = None, shard=None, select: str = "triton",
-                              slice_columns: Optional[int] = None) -> TopK:
-    """The lean schedule: hidden ``[N, H]``, weight ``[V, H]`` -> `TopK` float32, one vocab
-    slice of ``slice_columns`` columns for all rows at a time (None: 48 MiB of float32 logits).
-    Memory beyond the outputs: the slice plus the merge's ``[N, 2k]`` values, ids and order
-    (~20 · N · 2k bytes), independent of V."""
+                              tile: Optional[tuple[int, int]] = None) -> TopK:
+    """The lean schedule: hidden ``[N, H]``, weight ``[V, H]`` -> `TopK` float32, one tile of
+    ``tile = (rows, columns)`` (None: `lean_tile`) at a time: for each chunk of rows, vocab
+    slice after vocab slice, each slice's top-k merged into the chunk's running one. Memory
+    beyond the outputs: the float32 tile plus the merge's ``[rows, 2k]`` values, ids and order
+    (~40 · rows · k bytes), independent of V and N."""
     num_rows = hidden.shape[0]
     width, column_start = (vocab_size, 0) if shard is None else (shard.existing, shard.vocab_start)
-    slice_columns = slice_columns or max(128, LEAN_SLICE_BYTES // (4 * max(num_rows, 1)) // 128 * 128)
-    buffer = torch.empty(num_rows, min(slice_columns, width), dtype=torch.float32, device=hidden.device)
-    running = None
-    for start in range(0, width, slice_columns):
-        stop = min(start + slice_columns, width)
-        logits = lm_head_logits_fp32(hidden, weight[start:stop], buffer[:, :stop - start])
-        part_bias = None if bias is None else bias[start:stop]
-        candidates = _chunk_candidates(logits, part_bias, k, temperature, stop - start, column_start + start, select)
-        running = candidates if running is None else _merge_running(running, candidates)
-    return _finish(*running, k, temperature, shard)
+    chunk_rows, slice_columns = tile or lean_tile(num_rows, k)
+    buffer = torch.empty(min(chunk_rows, num_rows), min(slice_columns, width), dtype=torch.float32,
+                         device=hidden.device)
+    values = torch.empty(num_rows, k, dtype=torch.float32, device=hidden.device)
+    indices = torch.empty(num_rows, k, dtype=torch.int64, device=hidden.device)
+    lse = torch.empty(num_rows, dtype=torch.float32, device=hidden.device)
+    for row_start in range(0, num_rows, chunk_rows):
+        rows = slice(row_start, min(row_start + chunk_rows, num_rows))
+        running = None
+        for start in range(0, width, slice_columns):
+            stop = min(start + slice_columns, width)
+            logits = lm_head_logits_fp32(hidden[rows], weight[start:stop], buffer[:rows.stop - rows.start, :stop - start])
+            part_bias = None if bias is None else bias[start:stop]
+            candidates = _chunk_candidates(logits, part_bias, k, temperature, stop - start, column_start + start,
+                                           select)
+            running = candidates if running is None else _merge_running(running, candidates)
+        values[rows], indices[rows], lse[rows] = running
+    return _finish(values, indices, lse, k, temperature, shard)

@@ -26,17 +26,26 @@ def test_teacher_topk_from_hidden(k, temperature, chunk_rows, dtype, atol):
 
 
 @pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-4), (torch.float16, 1e-4)])
-@pytest.mark.parametrize("k, temperature, slice_columns", [(1, 1.0, 64), (7, 0.7, 50), (64, 2.0, 32)])
-def test_teacher_topk_lean_merges_vocab_slices(k, temperature, slice_columns, dtype, atol):
+@pytest.mark.parametrize("k, temperature, tile", [(1, 1.0, (37, 64)), (7, 0.7, (10, 50)), (64, 2.0, (16, 32))])
+def test_teacher_topk_lean_merges_tiles(k, temperature, tile, dtype, atol):
     from kd_kernels.teacher_chunked import teacher_topk_vocab_sliced
 
     generator = torch.Generator().manual_seed(k + 100)
     hidden = torch.randn(37, 16, generator=generator).to(DEVICE, dtype)
     weight = torch.randn(203, 16, generator=generator).to(DEVICE, dtype)
     bias = torch.randn(203, generator=generator).to(DEVICE, dtype)
-    top = teacher_topk_vocab_sliced(hidden, weight, k, temperature, 200, bias, slice_columns=slice_columns)
+    top = teacher_topk_vocab_sliced(hidden, weight, k, temperature, 200, bias, tile=tile)
     logits = reference.lm_head_logits(hidden, weight, bias)
     _check(top, reference.teacher_topk(hidden, weight, k, temperature, 200, bias), atol, logits, temperature, 200)
+
+
+def test_lean_tile_bounds_the_memory_whatever_n_and_v():
+    from kd_kernels.teacher_chunked import LEAN_SLICE_BYTES, lean_tile
+
+    for num_rows, k in ((8192, 64), (16384, 1024), (100, 8)):
+        rows, columns = lean_tile(num_rows, k)
+        assert 1 <= rows <= min(num_rows, 1024) and 4 * rows * columns <= LEAN_SLICE_BYTES
+        assert 40 * rows * k <= 2 * (16 << 20) or rows == 128
 
 
 def test_teacher_topk_lean_ties_across_slices_go_to_the_lower_id():
@@ -47,7 +56,7 @@ def test_teacher_topk_lean_ties_across_slices_go_to_the_lower_id():
     weight = weight.to(DEVICE)
     from kd_kernels.teacher_chunked import teacher_topk_vocab_sliced
 
-    top = teacher_topk_vocab_sliced(hidden, weight, 4, 1.0, 300, slice_columns=100)  # 3 slices
+    top = teacher_topk_vocab_sliced(hidden, weight, 4, 1.0, 300, tile=(4, 100))  # 3 row chunks × 3 slices
     expected = reference.teacher_topk(hidden, weight, 4, 1.0, 300)
     assert torch.equal(top.indices.cpu(), expected.indices.cpu())
     public = kd.teacher_topk(hidden, weight, k=4, temperature=1.0, backend="triton", lean=True)

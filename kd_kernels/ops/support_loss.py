@@ -14,8 +14,9 @@ skewed_reverse_kl ``u = q (log q − log mix + 1 − λ q / mix)``; tvd ``u = �
 adaptive_kl ``(g_h · forward_kl + g_t · reverse_kl) / (g_h + g_t + ε)`` with the detached gaps
 ``g = Σ |p − q|`` over the head and tail bins; a bin is in the tail when the mass of the bins
 at or before it in ascending (p, position) order is ≤ α. That order is the reference's stable
-sort; here each bin's cumulative mass is a sum over comparisons with every other bin, in
-blocks of bins (O(k²) per row, no sort), so the teacher's bins need no particular order.
+sort. Rows whose p never increases with position (a teacher's top-k, sorted descending) get
+each bin's cumulative mass from one reverse scan (O(k)); other rows by comparisons with every
+other bin, in blocks of bins (O(k²), no sort), so the bins need no particular order.
 """
 import math
 
@@ -89,6 +90,50 @@ def _mass_at_or_before(p, p_after, teacher_row_ptr, k, shift, BLOCK_K: tl.conste
                                                     & (others[None, :] <= positions[:, None]))
         mass += tl.sum(tl.where(before, p_other[None, :], 0.0), axis=1)
     return mass
+
+
+@triton.jit
+def _max_combine(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def _min_combine(a, b):
+    return tl.minimum(a, b)
+
+
+@triton.jit
+def _bin_p(teacher_row_ptr, positions, k, shift):
+    """p of the bins at ``positions`` (0 outside [0, k) and where invalid), computed exactly as
+    the row's own, so that equal log-probs give bit-equal p."""
+    inside = (positions >= 0) & (positions < k)
+    t = tl.load(teacher_row_ptr + positions, mask=inside, other=float("-inf")).to(tl.float32)
+    valid = t > float("-inf")
+    return tl.where(valid, tl.exp(tl.where(valid, t - shift, 0.0)), 0.0)
+
+
+@triton.jit
+def _is_descending(p, teacher_row_ptr, k, shift, BLOCK_K: tl.constexpr):
+    """Whether the row's p never increases with position (teachers' top-k come sorted)."""
+    positions = tl.arange(0, BLOCK_K)
+    p_next = _bin_p(teacher_row_ptr, positions + 1, k, shift)
+    return tl.sum(((p_next > p) & (positions + 1 < k)).to(tl.int32), axis=0) == 0
+
+
+@triton.jit
+def _mass_at_or_before_descending(p, p_after, BLOCK_K: tl.constexpr):
+    """`_mass_at_or_before` for rows whose p never increases with position, in O(k): the bins
+    after a bin's run of equal p come before it in ascending (p, position) order, and so do
+    the bins of its run up to its own position. Equal-p runs are contiguous here."""
+    positions = tl.arange(0, BLOCK_K)
+    after = tl.cumsum(p, axis=0, reverse=True) - p  # Σ_{j > i} p_j, no cancellation
+    p_prev = tl.reshape(tl.gather(p, tl.maximum(positions - 1, 0), 0), [BLOCK_K])
+    p_next = tl.reshape(tl.gather(p, tl.minimum(positions + 1, BLOCK_K - 1), 0), [BLOCK_K])
+    run_start = tl.associative_scan(tl.where((positions == 0) | (p != p_prev), positions, 0), 0, _max_combine)
+    run_end = tl.associative_scan(tl.where((positions == BLOCK_K - 1) | (p != p_next), positions, BLOCK_K - 1), 0,
+                                  _min_combine, reverse=True)
+    mass = after - (run_end - positions).to(tl.float32) * p + (positions - run_start + 1).to(tl.float32) * p
+    return mass + tl.where(p_after < p, p_after, 0.0)
 
 
 @triton.jit
@@ -173,8 +218,11 @@ def _support_loss_kernel(teacher_ptr, at_ids_ptr, lse_tempered_ptr, counted_ptr,
             q_tail = 0.0
             term_tail_r = 0.0
             u_tail_r = 0.0
-        mass = _mass_at_or_before(p, p_tail, teacher_ptr + row.to(tl.int64) * stride_teacher, k, shift,
-                                  BLOCK_K, COMPARE_BLOCK)
+        teacher_row_ptr = teacher_ptr + row.to(tl.int64) * stride_teacher
+        if _is_descending(p, teacher_row_ptr, k, shift, BLOCK_K):
+            mass = _mass_at_or_before_descending(p, p_tail, BLOCK_K)
+        else:
+            mass = _mass_at_or_before(p, p_tail, teacher_row_ptr, k, shift, BLOCK_K, COMPARE_BLOCK)
         in_tail = mass <= alpha
         tail_bin_in_tail = (tl.sum(tl.where(p <= p_tail, p, 0.0), axis=0) + p_tail) <= alpha
         gap_tail_bin = tl.abs(p_tail - q_tail)
