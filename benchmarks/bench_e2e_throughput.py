@@ -107,7 +107,8 @@ def profile_student_step(extra, steps=6):
         torch.cuda.synchronize()
         wall = (time.perf_counter() - start) / steps
     events = profiler.key_averages()
-    gpu_busy = sum(e.self_device_time_total for e in events) / 1e6 / steps
+    gpu_busy = sum(e.self_device_time_total for e in events
+                   if e.device_type == torch.autograd.DeviceType.CUDA) / 1e6 / steps  # kernels only
     print(f"student step in-process: {wall * 1e3:.1f} ms wall, {gpu_busy * 1e3:.1f} ms of GPU kernels")
     print(events.table(sort_by="self_device_time_total", row_limit=12, max_name_column_width=60))
     print(events.table(sort_by="cpu_time_total", row_limit=12, max_name_column_width=60))

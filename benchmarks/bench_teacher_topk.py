@@ -36,6 +36,19 @@ def eager_teacher(hidden, weight, k):
 _compiled_teacher = torch.compile(eager_teacher)
 
 
+def with_env(name, value, fn):
+    """fn() with the environment variable set (the CUDA kernel reads its tuning switches per launch)."""
+    before = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        return fn()
+    finally:
+        if before is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = before
+
+
 def bench_shape(name, n, h, v, ks, only=None):
     weight = (torch.randn(v, h, device="cuda") * 0.02).to(torch.bfloat16)
     hidden, entropy, scale = llm_like_hidden(n, h, weight)
@@ -62,6 +75,12 @@ def bench_shape(name, n, h, v, ks, only=None):
             "torch.topk alone (bf16 logits in memory)": lambda: logits_bf16.topk(k, dim=-1),
             "ours from bf16 logits (cuda)": lambda: kd.teacher_topk_from_logits(
                 logits_bf16, k=k, temperature=TEMPERATURE, backend="cuda"),
+            "ours from bf16 logits (cuda, cp.async pass 1 forced)": lambda: with_env(
+                "KD_KERNELS_TOPK_PIPELINE", "1",
+                lambda: kd.teacher_topk_from_logits(logits_bf16, k=k, temperature=TEMPERATURE, backend="cuda")),
+            "ours from bf16 logits (cuda, register pass 1 forced)": lambda: with_env(
+                "KD_KERNELS_TOPK_PIPELINE", "0",
+                lambda: kd.teacher_topk_from_logits(logits_bf16, k=k, temperature=TEMPERATURE, backend="cuda")),
             "ours from bf16 logits (triton)": lambda: kd.teacher_topk_from_logits(
                 logits_bf16, k=k, temperature=TEMPERATURE, backend="triton"),
             "ours from fp32 logits (cuda)": lambda: kd.teacher_topk_from_logits(

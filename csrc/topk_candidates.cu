@@ -18,8 +18,10 @@
 #include <cub/block/block_scan.cuh>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_pipeline.h>
 #include <algorithm>
 #include <cfloat>
+#include <cstdlib>
 
 #include "topk_candidates.h"
 
@@ -31,6 +33,7 @@ namespace {
 constexpr int kThreads = 512;
 constexpr int kWarps = kThreads / 32;
 constexpr int kSamplesPerThread = 8;
+constexpr bool kPipelineDefault = false;  // the cp.async pass 1 for 16-bit logits (visit_row_pipelined)
 constexpr int kCapacity = 8192;  // candidates in dynamic shared memory (64 KiB), a power of two
 static_assert(kCapacity >= 8 * kMaxTopK, "the candidate buffer must hold several times k");
 // 16-byte loads in flight per thread: 16 elements per thread per step whatever the dtype
@@ -94,6 +97,46 @@ __device__ __forceinline__ void visit_row(const T* row, int width, Visit& visit)
       }
     }
   }
+  for (int i = head + packs * kVec + threadIdx.x; i < width; i += blockDim.x) visit.one(to_float(row[i]), i);
+}
+
+// Stages of the asynchronous pass-1 pipeline for 16-bit logits: each thread keeps
+// kStages - 1 16-byte copies (global -> shared, cp.async) in flight while it works on one,
+// without holding registers for them. 16-bit rows carry twice the elements per byte of
+// float32 ones, so the register-bound unroll left too few bytes in flight to fill HBM.
+constexpr int kStages = 4;
+
+// visit_row for pass 1 of 16-bit rows: the same visits, the aligned packs through `stages`
+// ([kStages][blockDim] packs of shared memory). Each thread reads back only the slots it
+// copied itself, so the pipeline needs no block barrier.
+template <typename T, typename Visit>
+__device__ __forceinline__ void visit_row_pipelined(const T* row, int width, Visit& visit, Pack<T>* stages) {
+  constexpr int kVec = Pack<T>::kSize;
+  int head = static_cast<int>(((16 - (reinterpret_cast<uintptr_t>(row) & 15)) & 15) / sizeof(T));
+  head = min(head, width);
+  for (int i = threadIdx.x; i < head; i += blockDim.x) visit.one(to_float(row[i]), i);
+  const int packs = (width - head) / kVec;
+  const Pack<T>* body = reinterpret_cast<const Pack<T>*>(row + head);
+  const int steps = (packs + blockDim.x - 1) / blockDim.x;
+  auto issue = [&](int step) {
+    const int p = step * blockDim.x + threadIdx.x;
+    if (step < steps && p < packs) __pipeline_memcpy_async(&stages[(step % kStages) * blockDim.x + threadIdx.x], &body[p], 16);
+    __pipeline_commit();  // one group per step, empty or not: wait_prior counts groups
+  };
+  for (int step = 0; step < kStages - 1; ++step) issue(step);
+  for (int step = 0; step < steps; ++step) {
+    issue(step + kStages - 1);
+    __pipeline_wait_prior(kStages - 1);  // this step's copy has landed
+    const int p = step * blockDim.x + threadIdx.x;
+    if (p < packs) {
+      const Pack<T> loaded = stages[(step % kStages) * blockDim.x + threadIdx.x];
+      float values[kVec];
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) values[j] = to_float(loaded.v[j]);
+      visit.template pack<kVec>(values, head + p * kVec, 0);
+    }
+  }
+  __pipeline_wait_prior(0);
   for (int i = head + packs * kVec + threadIdx.x; i < width; i += blockDim.x) visit.one(to_float(row[i]), i);
 }
 
@@ -303,9 +346,9 @@ __device__ int collect_exact(const T* row, int width, int k, uint32_t low, uint3
 template <typename T>
 __global__ void __launch_bounds__(kThreads, 2)
 topk_candidates_kernel(const T* __restrict__ logits, int64_t rows, int64_t row_stride, int width, int k,
-                       float temperature,
+                       float temperature, bool pipelined,
                        float* __restrict__ values, int32_t* __restrict__ indices, float* __restrict__ lse) {
-  extern __shared__ uint64_t buffer[];  // kCapacity entries
+  extern __shared__ uint64_t buffer[];  // kCapacity entries, then (16-bit logits) the pipeline's stages
   __shared__ unsigned int count;
   __shared__ unsigned int threshold_key;
   __shared__ unsigned int max_key;
@@ -333,7 +376,11 @@ topk_candidates_kernel(const T* __restrict__ logits, int64_t rows, int64_t row_s
     if (!isfinite(floor)) floor = INFINITY;  // nothing to go by: collect in pass 2
 
     RowScan scan(1.4426950408889634f / temperature, floor, buffer, &count);
-    visit_row(row, width, scan);
+    if (sizeof(T) == 2 && pipelined) {
+      visit_row_pipelined(row, width, scan, reinterpret_cast<Pack<T>*>(buffer + kCapacity));
+    } else {
+      visit_row(row, width, scan);
+    }
     const MaxSum total = BlockReduceMaxSum(storage.max_sum).Reduce(MaxSum{scan.max2, scan.sum2}, CombineMaxSum());
     if (threadIdx.x == 0) lse[r] = (total.max2 + log2f(total.sum2)) * 0.6931471805599453f;
     float thread_max = scan.bucket_max[0];
@@ -393,7 +440,10 @@ template <typename T>
 cudaError_t launch(const void* logits, int64_t rows, int64_t row_stride, int64_t width, int64_t k, float temperature,
                    float* values, int32_t* indices, float* lse, cudaStream_t stream) {
   if (rows == 0) return cudaSuccess;
-  constexpr int kSharedBytes = kCapacity * sizeof(uint64_t);
+  // KD_KERNELS_TOPK_PIPELINE=0 / 1 overrides the default (benchmarks compare the two)
+  const char* choice = std::getenv("KD_KERNELS_TOPK_PIPELINE");
+  const bool pipelined = sizeof(T) == 2 && (choice ? choice[0] == '1' : kPipelineDefault);
+  const int kSharedBytes = kCapacity * sizeof(uint64_t) + (pipelined ? kStages * kThreads * 16 : 0);
   const cudaError_t attribute = cudaFuncSetAttribute(topk_candidates_kernel<T>,
                                                      cudaFuncAttributeMaxDynamicSharedMemorySize, kSharedBytes);
   if (attribute != cudaSuccess) return attribute;
@@ -405,7 +455,7 @@ cudaError_t launch(const void* logits, int64_t rows, int64_t row_stride, int64_t
   const int64_t blocks = std::min<int64_t>(rows, 2 * static_cast<int64_t>(processors));
   topk_candidates_kernel<T><<<static_cast<unsigned int>(blocks), kThreads, kSharedBytes, stream>>>(
       static_cast<const T*>(logits), rows, row_stride, static_cast<int>(width), static_cast<int>(k), temperature,
-      values, indices, lse);
+      pipelined, values, indices, lse);
   return cudaGetLastError();
 }
 

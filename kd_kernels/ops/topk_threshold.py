@@ -4,16 +4,16 @@
 Pass 1 (one program per row) streams the row in blocks of ``BLOCK_V`` columns, keeping the
 logsumexp at τ and each lane's running maximum. The lane maxima are distinct elements, so
 any T with at least k lane maxima ≥ T has at least k row elements ≥ T; a bisection finds
-nearly the largest such T (T = -inf with fewer than k lanes). Pass 2 appends every element ≥ T, in column order, to a per-row
-buffer of ``capacity`` slots; a stable descending sort of the buffer then gives the top-k
-with lower columns first among equal values. Rows with more than ``capacity`` elements ≥ T
+nearly the largest such T (T = -inf with fewer than k lanes). Pass 2 appends every element ≥ T
+to a per-row buffer of ``capacity`` slots (an atomic slot each, in no order); one sort of a
+(value, complemented column) key then gives the top-k with lower columns first among equal
+values. Rows with more than ``capacity`` elements ≥ T
 (heavy ties) are redone exactly with a full-row sort; finding them costs one host sync.
 """
 import torch
 import triton
 import triton.language as tl
 
-from ..reference import top_of_candidates
 from .launch import ROW_BLOCK_V, THRESHOLD_BISECTIONS, num_warps_for
 
 
@@ -57,19 +57,36 @@ def _collect_kernel(logits_ptr, threshold_ptr, values_ptr, columns_ptr, counts_p
     row_ptr = logits_ptr + row.to(tl.int64) * stride_row
     out_values = values_ptr + row.to(tl.int64) * capacity
     out_columns = columns_ptr + row.to(tl.int64) * capacity
+    counter = counts_ptr + row + tl.zeros([BLOCK_V], tl.int32)
     threshold = tl.load(threshold_ptr + row)
     offsets = tl.arange(0, BLOCK_V)
-    count = 0
     for start in range(0, width, BLOCK_V):
         cols = start + offsets
         z = tl.load(row_ptr + cols, mask=cols < width, other=float("-inf")).to(tl.float32)
         take = (cols < width) & (z >= threshold)
-        slots = count + tl.cumsum(take.to(tl.int32), axis=0) - 1
+        # a slot per taken element, in no particular order: one atomic each, and the few taken
+        # elements are all that costs (a prefix sum over every block cost 8x the row's read)
+        slots = tl.atomic_add(counter, 1, mask=take)
         keep = take & (slots < capacity)
         tl.store(out_values + slots, z, mask=keep)
         tl.store(out_columns + slots, cols, mask=keep)
-        count += tl.sum(take.to(tl.int32), axis=0)
-    tl.store(counts_ptr + row, count)
+
+
+_NO_COLUMN = 2**31 - 1  # an empty slot: after every real column among equal (-inf) values
+
+
+def _top_by_value_then_column(values: torch.Tensor, columns: torch.Tensor, k: int):
+    """The k largest of ``[R, C]`` float32 candidates in any order: value descending, the lower
+    column first among equal values, by one sort of a 64-bit key (the float's bits made to
+    order as a signed integer, above the complemented column). Returns (values, columns int64)."""
+    bits = values.view(torch.int32)
+    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).long()  # signed order = float order
+    keys = (ordered << 32) | (0xFFFFFFFF - columns.long())
+    top = torch.sort(keys, dim=-1, descending=True).values[:, :k]
+    top_ordered = (top >> 32).to(torch.int32)
+    top_values = torch.where(top_ordered < 0, top_ordered ^ 0x7FFFFFFF, top_ordered).view(torch.float32)
+    top_columns = 0xFFFFFFFF - (top & 0xFFFFFFFF)
+    return top_values, torch.where(top_columns == _NO_COLUMN, 0, top_columns)
 
 
 def _capacity(k: int) -> int:
@@ -86,8 +103,8 @@ def threshold_topk(logits: torch.Tensor, k: int, temperature: float, width: int)
     lse = torch.empty(rows, dtype=torch.float32, device=device)
     threshold = torch.empty(rows, dtype=torch.float32, device=device)
     found = torch.full((rows, capacity), -float("inf"), dtype=torch.float32, device=device)
-    columns = torch.zeros(rows, capacity, dtype=torch.int32, device=device)
-    counts = torch.empty(rows, dtype=torch.int32, device=device)
+    columns = torch.full((rows, capacity), _NO_COLUMN, dtype=torch.int32, device=device)
+    counts = torch.zeros(rows, dtype=torch.int32, device=device)
     if rows:
         warps = num_warps_for(ROW_BLOCK_V)
         _threshold_kernel[(rows,)](logits, lse, threshold, logits.stride(0), width, k,
@@ -95,9 +112,7 @@ def threshold_topk(logits: torch.Tensor, k: int, temperature: float, width: int)
                                    num_warps=warps)
         _collect_kernel[(rows,)](logits, threshold, found, columns, counts, logits.stride(0), width, capacity,
                                  BLOCK_V=ROW_BLOCK_V, num_warps=warps)
-    # the buffer holds its entries in column order: a stable sort keeps lower columns first on ties
-    values, top_columns = top_of_candidates(found, columns, k)
-    values, top_columns = values.contiguous(), top_columns.long()
+    values, top_columns = _top_by_value_then_column(found, columns, k)
     overflow = (counts > capacity).nonzero().flatten()
     if overflow.numel():  # heavy ties: the exact full-row sort for these rows only
         exact, exact_columns = torch.sort(logits[overflow, :width].float(), dim=-1, descending=True, stable=True)
