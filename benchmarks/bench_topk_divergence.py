@@ -162,15 +162,24 @@ def bench_shape(name, n, h, v, k, extra_variants, only_ours=False):
     accuracy = bf16_accuracy(hidden[:2048], weight, kd.TopK(teacher.logprobs[:2048], teacher.indices[:2048], None, 1.0),
                              labels[:2048])
     print(f"bf16 accuracy vs float64 reference (2048 rows): {accuracy}")
+    for variant, options in extra_variants:
+        if "chunk_rows" in options:  # as many chunks on 2048 rows as on the n rows: as many bf16 dW additions
+            chunk_rows = max(1, options["chunk_rows"] * 2048 // n)
+            accuracy[variant] = bf16_accuracy(hidden[:2048], weight, kd.TopK(teacher.logprobs[:2048],
+                                                                             teacher.indices[:2048], None, 1.0),
+                                              labels[:2048], chunk_rows=chunk_rows)
+            print(f"bf16 accuracy, {variant} ({chunk_rows} of 2048 rows a chunk): {accuracy[variant]}")
     return dict(shape=name, n=n, h=h, v=v, k=k, entropy=entropy, teacher_entropy=teacher_entropy, rows=rows,
                 accuracy=accuracy)
 
 
-def bf16_accuracy(hidden, weight, teacher, labels):
+def bf16_accuracy(hidden, weight, teacher, labels, **ours):
+    """Relative errors of our bf16 loss and gradients against the float64 reference; ``ours``:
+    extra options of our call (e.g. chunk_rows, to count bf16 dW accumulation over chunks)."""
     leaves = [hidden.detach().clone().requires_grad_(), weight.detach().clone().requires_grad_()]
     leaves64 = [t.detach().double().requires_grad_() for t in leaves]
     options = dict(ce_weight=1.0, check_values=False)
-    got = kd.topk_divergence(*leaves, teacher, labels, backend="triton", **options)
+    got = kd.topk_divergence(*leaves, teacher, labels, backend="triton", **options, **ours)
     expected = kd.topk_divergence(*leaves64, teacher, labels, backend="torch", **options)
     got.backward()
     expected.backward()
@@ -188,6 +197,7 @@ def main():
     parser.add_argument("--out", default=None, help="JSON file for the results")
     parser.add_argument("--ours-only", action="store_true", help="only ours and the floor (same run), no baselines")
     parser.add_argument("--ks", default="64,1024", help="k values at S1 (other shapes: k = 64)")
+    parser.add_argument("--variants", default="", help="comma-separated parts of the S1 variants' names (default: all)")
     args = parser.parse_args()
     env = environment()
     print(f"environment: {env}")
@@ -200,6 +210,10 @@ def main():
             extra = [(f"{div} {sup}", dict(divergence=div, support=sup)) for div, sup in (
                 ("forward_kl", "tail"), ("reverse_kl", "renormalized"), ("jsd", "renormalized"), ("jsd", "tail"),
                 ("skewed_forward_kl", "renormalized"), ("adaptive_kl", "renormalized"), ("tvd", "tail"))]
+            extra += [(f"fast, chunk_rows={rows}", dict(chunk_rows=rows)) for rows in (256, 384, 512)]
+        if args.variants:
+            extra = [(label, options) for label, options in extra
+                     if any(part in label for part in args.variants.split(","))]
         ks = [int(k) for k in args.ks.split(",")] if name.startswith("S1") else [64]
         if 64 in ks:
             results.append(bench_shape(name, n, h, v, 64, extra, only_ours=args.ours_only))

@@ -70,14 +70,35 @@ struct alignas(16) Pack {
 // Visits every column < width of the row once, spread over the block: visit.pack(values,
 // first_column, slot) for 16-byte-aligned packs (slot: a compile-time position after unrolling), visit.one(value, column) for the unaligned head
 // and the tail.
+// The row split at 16-byte boundaries: `head` unaligned columns, then `packs` aligned packs
+// from `body`, then the tail columns from head + packs * kSize.
+template <typename T>
+struct RowLayout {
+  int head, packs;
+  const Pack<T>* body;
+
+  __device__ __forceinline__ RowLayout(const T* row, int width) {
+    head = min(static_cast<int>(((16 - (reinterpret_cast<uintptr_t>(row) & 15)) & 15) / sizeof(T)), width);
+    packs = (width - head) / Pack<T>::kSize;
+    body = reinterpret_cast<const Pack<T>*>(row + head);
+  }
+
+  // visit.one for the columns outside the packs (the head and the tail)
+  template <typename Visit>
+  __device__ __forceinline__ void visit_ends(const T* row, int width, Visit& visit, bool tail) const {
+    const int first = tail ? head + packs * Pack<T>::kSize : 0;
+    const int last = tail ? width : head;
+    for (int i = first + threadIdx.x; i < last; i += blockDim.x) visit.one(to_float(row[i]), i);
+  }
+};
+
 template <typename T, typename Visit>
 __device__ __forceinline__ void visit_row(const T* row, int width, Visit& visit) {
   constexpr int kVec = Pack<T>::kSize;
-  int head = static_cast<int>(((16 - (reinterpret_cast<uintptr_t>(row) & 15)) & 15) / sizeof(T));
-  head = min(head, width);
-  for (int i = threadIdx.x; i < head; i += blockDim.x) visit.one(to_float(row[i]), i);
-  const int packs = (width - head) / kVec;
-  const Pack<T>* body = reinterpret_cast<const Pack<T>*>(row + head);
+  const RowLayout<T> layout(row, width);
+  layout.visit_ends(row, width, visit, false);
+  const int head = layout.head, packs = layout.packs;
+  const Pack<T>* body = layout.body;
   constexpr int kSteps = kUnroll<T>;
   for (int first = threadIdx.x; first < packs; first += kSteps * blockDim.x) {
     Pack<T> loaded[kSteps];
@@ -97,7 +118,7 @@ __device__ __forceinline__ void visit_row(const T* row, int width, Visit& visit)
       }
     }
   }
-  for (int i = head + packs * kVec + threadIdx.x; i < width; i += blockDim.x) visit.one(to_float(row[i]), i);
+  layout.visit_ends(row, width, visit, true);
 }
 
 // Stages of the asynchronous pass-1 pipeline for 16-bit logits: each thread keeps
@@ -112,11 +133,10 @@ constexpr int kStages = 4;
 template <typename T, typename Visit>
 __device__ __forceinline__ void visit_row_pipelined(const T* row, int width, Visit& visit, Pack<T>* stages) {
   constexpr int kVec = Pack<T>::kSize;
-  int head = static_cast<int>(((16 - (reinterpret_cast<uintptr_t>(row) & 15)) & 15) / sizeof(T));
-  head = min(head, width);
-  for (int i = threadIdx.x; i < head; i += blockDim.x) visit.one(to_float(row[i]), i);
-  const int packs = (width - head) / kVec;
-  const Pack<T>* body = reinterpret_cast<const Pack<T>*>(row + head);
+  const RowLayout<T> layout(row, width);
+  layout.visit_ends(row, width, visit, false);
+  const int head = layout.head, packs = layout.packs;
+  const Pack<T>* body = layout.body;
   const int steps = (packs + blockDim.x - 1) / blockDim.x;
   auto issue = [&](int step) {
     const int p = step * blockDim.x + threadIdx.x;
@@ -137,7 +157,7 @@ __device__ __forceinline__ void visit_row_pipelined(const T* row, int width, Vis
     }
   }
   __pipeline_wait_prior(0);
-  for (int i = head + packs * kVec + threadIdx.x; i < width; i += blockDim.x) visit.one(to_float(row[i]), i);
+  layout.visit_ends(row, width, visit, true);
 }
 
 // Descending bitonic sort of buffer[0, size), size a power of two; every thread calls it.

@@ -33,6 +33,7 @@ class Config:
     teacher_hidden: int = _option(128, "teacher hidden size when built from a config")
     teacher_layers: int = _option(4, "teacher layers when built from a config")
     teacher_pretrain_steps: int = _option(250, "CE steps for a teacher built from a config")
+    teacher_lr: Optional[float] = _option(None, "the teacher pretraining's LR after its warm-up (none: lr)")
     student_path: Optional[str] = _option(None, "a local Hugging Face causal LM; none: build one")
     student_hidden: int = _option(64, "student hidden size when built from a config")
     student_layers: int = _option(2, "student layers when built from a config")
@@ -80,7 +81,7 @@ class Config:
 # explicitly take these when the run's device is CUDA). One micro-batch of 32 rows a step:
 # these small models are bound by kernel launches, which two micro-batches would double.
 GPU_DEFAULTS = dict(max_corpus_bytes=12_000_000, tokenizer_vocab=8192, row_tokens=512, rows_per_micro_batch=32,
-                    micro_batches=1, teacher_hidden=768, teacher_layers=8, teacher_pretrain_steps=800,
+                    micro_batches=1, teacher_hidden=768, teacher_layers=8, teacher_pretrain_steps=800, teacher_lr=1e-3,
                     student_hidden=384, student_layers=4, heads=8, steps=300, k=64, checkpoint_every=100)
 
 
@@ -104,8 +105,16 @@ def _runs_on_cuda(device: str) -> bool:
 def _parse_value(option: dataclasses.Field, text: str):
     value = yaml.safe_load(text)
     default = option.default
-    if value is None or default is None:
+    if value is None:
         return value
+    if default is None:  # Optional[...]: the annotation names the type (YAML reads "1e-3" as a string)
+        kind = {"Optional[float]": float, "Optional[int]": int}.get(str(option.type))
+        if kind is None:
+            return value
+        try:
+            return kind(value)
+        except (TypeError, ValueError) as error:
+            raise ValueError(f"{option.name}: expected a {kind.__name__} or null, got {text!r}") from error
     if isinstance(default, bool):
         if not isinstance(value, bool):
             raise ValueError(f"{option.name}: expected true or false, got {text!r}")

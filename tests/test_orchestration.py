@@ -29,6 +29,11 @@ def test_config_defaults_yaml_and_overrides(tmp_path):
         load_config(None, ["steps=many"])
     with pytest.raises(ValueError, match="key=value"):
         load_config(None, ["nokey"])
+    optional = load_config(None, ["teacher_lr=1e-3", "stop_after=5", "teacher_path=null"])  # typed by annotation
+    assert (optional.teacher_lr, optional.stop_after, optional.teacher_path) == (1e-3, 5, None)
+    assert isinstance(optional.teacher_lr, float)
+    with pytest.raises(ValueError, match="teacher_lr"):
+        load_config(None, ["teacher_lr=fast"])
     assert all(f"  {name} (" in help_text() for name in ("steps", "output_dir", "transfer", "k"))
 
 
