@@ -26,7 +26,7 @@ for tempered in (False, True):
             def run():
                 _row_statistics_kernel[(rows,)](logits, logits, arg, arg, lse, lse_t, lse_t, arg, lse, lse,
                                                 logits.stride(0), 0, 0, columns, 0, 0, 0.5, HAS_BIAS=False,
-                                                TEMPERED=tempered, HAS_IDS=False, HAS_LABELS=False, MERGE=False,
+                                                TEMPERED=tempered, HAS_IDS=False, HAS_LABELS=False,
                                                 BLOCK_V=block, BLOCK_K=1, num_warps=warps)
             ms = triton.testing.do_bench(run, return_mode="median")
             print(f"| lse tempered={tempered} | {block} | {warps} | {ms:.3f} | {nbytes / ms / 1e6:.0f} |")

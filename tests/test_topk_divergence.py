@@ -102,25 +102,35 @@ def test_gradient_to_only_one_of_hidden_and_weight():
 
 
 @pytest.fixture
-def small_lean_slices(monkeypatch):
-    """Lean slices of 32 columns at these tiny shapes, so a row spans several slices."""
+def small_lean_chunks(monkeypatch):
+    """Lean chunks of 8 rows at these tiny shapes (37 rows: 5 chunks, the last short), so dW
+    adds up over several chunks as it does at real sizes."""
     from kd_kernels.autograd import student_loss
 
-    monkeypatch.setattr(student_loss, "CHUNK_ROW_MULTIPLE", 32)
-    monkeypatch.setattr(student_loss, "LEAN_SLICE_BYTES", 37 * 32 * 4)
+    monkeypatch.setattr(student_loss, "LEAN_ROW_MULTIPLE", 8)
+    monkeypatch.setattr(student_loss, "LEAN_CHUNK_BYTES", 8 * 203 * 4 + 100)
+
+
+def test_lean_chunks_stay_under_the_budget_whatever_n():
+    from kd_kernels.autograd.student_loss import LEAN_CHUNK_BYTES, lean_chunk_rows
+
+    assert lean_chunk_rows(8192, 151_936) == 384  # the measured lean setting (benchmarks/RESULTS.md)
+    for num_rows, num_columns in ((8192, 151_936), (100_000, 128_256), (50, 262_144), (7, 1000)):
+        rows = lean_chunk_rows(num_rows, num_columns)
+        assert 1 <= rows <= num_rows and (4 * rows * num_columns <= LEAN_CHUNK_BYTES or rows == 64)
 
 
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.float16, 5e-3)])
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 @pytest.mark.parametrize("support", ["renormalized", "tail"])
 @pytest.mark.parametrize("divergence", ["forward_kl", "adaptive_kl", "tvd"])
-def test_lean_schedule(divergence, support, reduction, dtype, tolerance, small_lean_slices):
+def test_lean_schedule(divergence, support, reduction, dtype, tolerance, small_lean_chunks):
     _compare(_problem(seed=14, dtype=dtype), tolerance, lean=True, divergence=divergence, support=support,
              reduction=reduction)
 
 
 @pytest.mark.parametrize("lean", [False, True])
-def test_metrics_match_reference(lean, small_lean_slices):
+def test_metrics_match_reference(lean, small_lean_chunks):
     hidden, weight, bias, teacher, labels = _problem(seed=9)
     kwargs = dict(temperature=2.0, ce_weight=0.5, vocab_size=200, bias=bias, return_metrics=True)
     _, metrics = kd.topk_divergence(hidden, weight, teacher, labels, backend="triton",

@@ -12,8 +12,10 @@ Design (measured reasons in benchmarks/NOTES.md):
   stored on top, then ``dX = dlogits @ W`` and ``dW += dlogitsᵀ @ X``. Backward only
   scales them by the upstream gradient (skipped on the device when it is 1).
 - For reduction "none" the upstream gradient is per row, so backward recomputes the chunks.
-- Lean schedule (``lean=True``): vocab slices instead of row chunks, two passes, 4 matmuls
-  (see `_vocab_sliced_pass`).
+- Lean schedule (``lean=True``): the same passes in short chunks whose float32 logits stay
+  under ``LEAN_CHUNK_BYTES`` (384 rows at V = 151,936): ≤ 256 MiB whatever N, for one
+  extra read-modify-write of dW (bf16) per chunk. It replaced two passes over vocab slices
+  (4 matmuls), which were slower at more memory (benchmarks/NOTES.md, L3).
 - Vocab parallel (a `VocabShard`): the same passes over this rank's columns, statistics
   combined over the group before the loss math, dX summed over the group.
 Memory beyond inputs and outputs: ``chunk_rows · V · 4`` bytes plus O(N·k) (fast schedule).
@@ -35,9 +37,9 @@ _METRIC_NAMES = ("kd_sum", "ce_sum", "teacher_mass_sum", "student_mass_sum", "to
 # The float32 logits chunk (which the gradient then overwrites) stays under this many bytes.
 DEFAULT_CHUNK_BYTES = 5 << 28  # 1.25 GiB: 2048 rows at V = 151,936
 CHUNK_ROW_MULTIPLE = 128
-# The lean schedule slices the vocab instead: its float32 logits slice [N, columns] stays
-# under this, and the float32 dX accumulator (N·H·4) comes on top.
-LEAN_SLICE_BYTES = 5 << 25  # 160 MiB
+# The lean schedule's float32 logits chunk stays under this (with O(N·k) on top: ≤ 256 MiB).
+LEAN_CHUNK_BYTES = 232 << 20
+LEAN_ROW_MULTIPLE = 64
 
 
 def default_chunk_rows(num_rows: int, num_columns: int) -> int:
@@ -73,12 +75,10 @@ def _fused_support(stats, teacher_logprobs, counted, options: DivergenceOptions,
     return per_row, kd, ce, row_stats, grads
 
 
-def lean_slice_columns(num_rows: int, num_columns: int) -> int:
-    """Vocab columns per slice of the lean schedule: as few slices as the budget allows, even."""
-    most = max(CHUNK_ROW_MULTIPLE, LEAN_SLICE_BYTES // (4 * max(num_rows, 1)) // CHUNK_ROW_MULTIPLE * CHUNK_ROW_MULTIPLE)
-    slices = -(-num_columns // most)
-    columns = -(-num_columns // slices)
-    return min(num_columns, -(-columns // CHUNK_ROW_MULTIPLE) * CHUNK_ROW_MULTIPLE)
+def lean_chunk_rows(num_rows: int, num_columns: int) -> int:
+    """Rows per chunk of the lean schedule: the most whose float32 logits fit LEAN_CHUNK_BYTES."""
+    most = LEAN_CHUNK_BYTES // (4 * max(num_columns, 1)) // LEAN_ROW_MULTIPLE * LEAN_ROW_MULTIPLE
+    return max(1, min(num_rows, max(LEAN_ROW_MULTIPLE, most)))
 
 
 def fused_divergence_available(divergence: str) -> bool:
@@ -315,81 +315,9 @@ def _linear_pass(hidden, weight, bias, student_pass: _ChunkedStudentPass, row_we
     return per_row, (None if metrics is None else torch.stack(metrics)), grads
 
 
-def _accumulate_mm(accumulator: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """``accumulator (float32) += a @ b``, accumulated in float32 by cuBLAS."""
-    if a.is_cuda and a.dtype != torch.float32:
-        torch.addmm(accumulator, a, b, out_dtype=torch.float32, out=accumulator)
-    elif a.dtype == torch.float32:
-        accumulator.addmm_(a, b)
-    else:
-        accumulator += a.float() @ b.float()  # CPU interpreter tests only
-
-
-def _vocab_sliced_pass(hidden, weight, bias, student_pass: _ChunkedStudentPass, row_weight, needs,
-                       with_metrics: bool):
-    """The lean schedule: two passes over vocab slices (4 matmuls). Pass 1 merges each row's
-    logsumexps, argmax and gathered values across slices; the loss math runs once on all
-    rows; pass 2 recomputes each slice's logits, writes its gradient in place, accumulates
-    dX in float32 and writes the slice's dW rows once. Memory: one ``[N, slice]`` float32
-    buffer plus dX in float32, whatever N·V is."""
-    num_rows, num_columns = hidden.shape[0], weight.shape[0]
-    options = student_pass.options
-    device = hidden.device
-    want_grads = row_weight is not None and any(needs)
-    row_statistics, running_type = _statistics_kernel()
-    width, column_start = student_pass.width, student_pass.column_start
-    width_most = lean_slice_columns(num_rows, max(width, 1))
-    buffer = torch.empty(num_rows * width_most, dtype=torch.float32, device=device)
-    slices = [(start, min(start + width_most, width)) for start in range(0, width, width_most)]
-
-    def slice_logits(start, stop):
-        out = buffer[:num_rows * (stop - start)].view(num_rows, stop - start)
-        return _lm_head_logits_fp32(hidden, weight[start:stop], out), None if bias is None else bias[start:stop]
-
-    teacher_logprobs, teacher_indices, valid, labels, counted = student_pass.rows(0, num_rows)
-    ids = torch.where(valid, teacher_indices.long(), 0)
-    safe_labels = None if labels is None else torch.where(labels != options.ignore_index, labels.long(), 0)
-    running = running_type.empty(num_rows, ids.shape[1], options.temperature != 1.0, labels is not None, device)
-    for start, stop in slices:
-        logits, bias_slice = slice_logits(start, stop)
-        row_statistics(logits, bias_slice, stop - start, options.temperature, running, ids, safe_labels,
-                       column_start=column_start + start, merge=True)
-    stats = _ChunkStats(running.at_ids, running.at_label, running.lse, running.lse_tempered, running.top1,
-                        running.best, ids, safe_labels)
-    if student_pass.shard is not None:
-        stats = _combine_over_ranks(stats, student_pass.shard)
-    metrics = [torch.zeros((), device=device) for _ in _METRIC_NAMES] if with_metrics else None
-    per_row, grads = student_pass.step(stats, 0, num_rows, row_weight if want_grads else None, metrics)
-    grad_hidden = grad_weight = grad_bias = None
-    if want_grads:
-        plan = _gradient_plan(stats, grads, valid, options)
-        if needs[0]:
-            grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=device)
-        grad_weight = torch.zeros_like(weight) if needs[1] else None
-        grad_bias = torch.zeros(num_columns, dtype=torch.float32, device=device) if needs[2] else None
-        for start, stop in slices:
-            logits, bias_slice = slice_logits(start, stop)
-            gradient = logits.view(hidden.dtype)[:, :stop - start]
-            _write_logit_gradient(logits, bias_slice, plan, options, stop - start, gradient,
-                                  column_start=column_start + start)
-            if grad_hidden is not None:
-                _accumulate_mm(grad_hidden, gradient, weight[start:stop])
-            if grad_weight is not None:
-                torch.mm(gradient.T, hidden, out=grad_weight[start:stop])
-            if grad_bias is not None:
-                grad_bias[start:stop] = gradient.float().sum(0)
-        if grad_hidden is not None and student_pass.shard is not None:
-            from ..distributed import all_reduce_sum_
-
-            all_reduce_sum_(grad_hidden, student_pass.shard)  # float32, before rounding to the input dtype
-        grad_hidden = None if grad_hidden is None else grad_hidden.to(hidden.dtype)
-    grads = (grad_hidden, grad_weight, None if grad_bias is None else grad_bias.to(bias.dtype))
-    return per_row, (None if metrics is None else torch.stack(metrics)), grads
-
-
 def _schedule(hidden, weight, bias, student_pass, row_weight, needs, chunk_rows, lean, with_metrics):
     if lean:
-        return _vocab_sliced_pass(hidden, weight, bias, student_pass, row_weight, needs, with_metrics)
+        chunk_rows = lean_chunk_rows(hidden.shape[0], weight.shape[0])
     return _linear_pass(hidden, weight, bias, student_pass, row_weight, needs, chunk_rows, with_metrics)
 
 

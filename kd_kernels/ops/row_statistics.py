@@ -1,10 +1,9 @@
-"""Row statistics of a slice of logits in one streaming pass, merged into running values.
+"""Row statistics of logits rows in one streaming pass.
 
-For columns ``[column_start, column_start + width)`` of each row (z = logits + bias): the
-logsumexp at temperature 1 and at τ, the maximum and its column (lowest on ties), and the
-values at given global ids and at the label when this slice owns them. With ``merge`` the
-results combine with the running values already stored (vocab slices, one after another);
-without, they overwrite them (a slice that is the whole row).
+For columns ``[column_start, column_start + width)`` of each row (z = logits + bias; the whole
+row, or this rank's shard of it): the logsumexp at temperature 1 and at τ, the maximum and its
+column (lowest on ties), and the values at given global ids and at the label where these
+columns hold them.
 """
 from dataclasses import dataclass
 from typing import Optional
@@ -14,7 +13,6 @@ import triton
 import triton.language as tl
 
 from .launch import ROW_BLOCK_V, num_warps_for
-from .utils import logaddexp
 
 
 @dataclass
@@ -44,7 +42,7 @@ def _row_statistics_kernel(logits_ptr, bias_ptr, ids_ptr, labels_ptr,
                            lse_ptr, lse_tempered_ptr, best_ptr, top1_ptr, at_ids_ptr, at_label_ptr,
                            stride_row, stride_ids, stride_at_ids, width, column_start, k, inv_temperature,
                            HAS_BIAS: tl.constexpr, TEMPERED: tl.constexpr, HAS_IDS: tl.constexpr,
-                           HAS_LABELS: tl.constexpr, MERGE: tl.constexpr, BLOCK_V: tl.constexpr,
+                           HAS_LABELS: tl.constexpr, BLOCK_V: tl.constexpr,
                            BLOCK_K: tl.constexpr):
     row = tl.program_id(0)
     row_ptr = logits_ptr + row.to(tl.int64) * stride_row
@@ -77,14 +75,6 @@ def _row_statistics_kernel(logits_ptr, bias_ptr, ids_ptr, labels_ptr,
     if TEMPERED:
         lse_tempered = safe_row_max * inv_temperature + tl.log(
             tl.sum(lane_sum_tempered * tl.exp((lane_max - safe_row_max) * inv_temperature), axis=0))
-    if MERGE:
-        old_best = tl.load(best_ptr + row)
-        better = row_max > old_best  # strict: an earlier slice (lower column) keeps a tie
-        arg = tl.where(better, arg, tl.load(top1_ptr + row))
-        row_max = tl.maximum(row_max, old_best)
-        lse = logaddexp(tl.load(lse_ptr + row), lse)
-        if TEMPERED:
-            lse_tempered = logaddexp(tl.load(lse_tempered_ptr + row), lse_tempered)
     tl.store(lse_ptr + row, lse)
     if TEMPERED:
         tl.store(lse_tempered_ptr + row, lse_tempered)
@@ -98,30 +88,23 @@ def _row_statistics_kernel(logits_ptr, bias_ptr, ids_ptr, labels_ptr,
         values = tl.load(row_ptr + local, mask=owned, other=0.0).to(tl.float32)
         if HAS_BIAS:
             values += tl.load(bias_ptr + local, mask=owned, other=0.0).to(tl.float32)
-        at_ids_row = at_ids_ptr + row.to(tl.int64) * stride_at_ids + k_offsets
-        if MERGE:
-            values = tl.where(owned, values, 0.0) + tl.load(at_ids_row, mask=in_k, other=0.0)
-        tl.store(at_ids_row, values, mask=in_k if MERGE else owned)
+        tl.store(at_ids_ptr + row.to(tl.int64) * stride_at_ids + k_offsets, values, mask=owned)
     if HAS_LABELS:
         local_label = tl.load(labels_ptr + row) - column_start
         label_owned = (local_label >= 0) & (local_label < width)
         label_value = tl.load(row_ptr + local_label, mask=label_owned, other=0.0).to(tl.float32)
         if HAS_BIAS:
             label_value += tl.load(bias_ptr + local_label, mask=label_owned, other=0.0).to(tl.float32)
-        if MERGE:
-            label_value = tl.where(label_owned, label_value, 0.0) + tl.load(at_label_ptr + row)
-            tl.store(at_label_ptr + row, label_value)
-        else:
-            tl.store(at_label_ptr + row, label_value, mask=label_owned)
+        tl.store(at_label_ptr + row, label_value, mask=label_owned)
 
 
 def row_statistics(logits: torch.Tensor, bias, width: int, temperature: float, running: RunningRowStats,
                    ids: Optional[torch.Tensor] = None, labels: Optional[torch.Tensor] = None,
-                   column_start: int = 0, merge: bool = False) -> RunningRowStats:
+                   column_start: int = 0) -> RunningRowStats:
     """logits ``[R, ≥width]`` (unit column stride) of global columns ``[column_start, +width)``,
     bias ``[width]`` or None; ids ``[R, k]`` / labels ``[R]`` int64 global columns (already
-    safe: no -1 / ignore_index). Updates and returns ``running`` (``RunningRowStats.empty``).
-    Without ``merge`` the slice must hold every id and label of its rows."""
+    safe: no -1 / ignore_index). Writes and returns ``running`` (``RunningRowStats.empty``): ids
+    and labels outside these columns keep its initial values."""
     rows = logits.shape[0]
     tempered = temperature != 1.0
     k = 0 if ids is None else ids.shape[1]
@@ -135,6 +118,6 @@ def row_statistics(logits: torch.Tensor, bias, width: int, temperature: float, r
             logits.stride(0), ids.stride(0) if ids is not None else 0,
             running.at_ids.stride(0) if running.at_ids is not None else 0, width, column_start, k,
             1.0 / temperature, HAS_BIAS=bias is not None, TEMPERED=tempered, HAS_IDS=ids is not None,
-            HAS_LABELS=labels is not None, MERGE=merge, BLOCK_V=ROW_BLOCK_V,
+            HAS_LABELS=labels is not None, BLOCK_V=ROW_BLOCK_V,
             BLOCK_K=triton.next_power_of_2(max(k, 1)), num_warps=num_warps_for(ROW_BLOCK_V))
     return running
