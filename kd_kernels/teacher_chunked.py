@@ -53,8 +53,10 @@ def _chunk_candidates(logits: torch.Tensor, bias: Optional[torch.Tensor], k: int
 
 
 def _finish(values, indices, lse_tempered, k, temperature, shard) -> TopK:
+    """`TopK` from tempered values ``[N, k]`` float32 (turned into log-probs in place: no copy
+    of N·k) and int32 ids."""
     if shard is None:
-        return TopK(values - lse_tempered.unsqueeze(-1), indices.to(torch.int32), lse_tempered, temperature)
+        return TopK(values.sub_(lse_tempered.unsqueeze(-1)), indices.to(torch.int32), lse_tempered, temperature)
     from .vocab_parallel import merge_teacher_candidates
 
     return merge_teacher_candidates(values, indices, lse_tempered, k, temperature, shard)
@@ -79,7 +81,7 @@ def teacher_topk(hidden: torch.Tensor, weight: torch.Tensor, k: int, temperature
     chunk_rows = chunk_rows or max(1, min(num_rows, DEFAULT_CHUNK_BYTES // (4 * weight.shape[0])))
     logits = torch.empty(min(chunk_rows, num_rows), weight.shape[0], dtype=torch.float32, device=hidden.device)
     values = torch.empty(num_rows, k, dtype=torch.float32, device=hidden.device)
-    indices = torch.empty(num_rows, k, dtype=torch.int64, device=hidden.device)
+    indices = torch.empty(num_rows, k, dtype=torch.int32, device=hidden.device)  # ids < 2^31
     lse = torch.empty(num_rows, dtype=torch.float32, device=hidden.device)
     for start in range(0, num_rows, chunk_rows):
         stop = min(start + chunk_rows, num_rows)
@@ -118,7 +120,7 @@ def teacher_topk_vocab_sliced(hidden: torch.Tensor, weight: torch.Tensor, k: int
     buffer = torch.empty(min(chunk_rows, num_rows), min(slice_columns, width), dtype=torch.float32,
                          device=hidden.device)
     values = torch.empty(num_rows, k, dtype=torch.float32, device=hidden.device)
-    indices = torch.empty(num_rows, k, dtype=torch.int64, device=hidden.device)
+    indices = torch.empty(num_rows, k, dtype=torch.int32, device=hidden.device)  # ids < 2^31
     lse = torch.empty(num_rows, dtype=torch.float32, device=hidden.device)
     for row_start in range(0, num_rows, chunk_rows):
         rows = slice(row_start, min(row_start + chunk_rows, num_rows))

@@ -43,6 +43,19 @@ def test_from_logits_matches_reference(dtype, k):
         assert torch.equal(top.indices.cpu(), expected.indices.cpu())
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_pass_one_through_registers_or_the_cp_async_pipeline_gives_the_same_bits(dtype, monkeypatch):
+    """KD_KERNELS_TOPK_PIPELINE only changes how 16-bit rows reach pass 1 (odd width and an
+    unaligned start exercise the head and the tail)."""
+    logits = _llm_like_logits(700, 150_003, dtype, seed=5)[:, 1:]
+    results = []
+    for choice in ("0", "1"):
+        monkeypatch.setenv("KD_KERNELS_TOPK_PIPELINE", choice)
+        results.append(kd.teacher_topk_from_logits(logits, k=64, temperature=0.5, backend="cuda"))
+    assert torch.equal(results[0].indices, results[1].indices)
+    assert torch.equal(results[0].logprobs, results[1].logprobs) and torch.equal(results[0].lse, results[1].lse)
+
+
 def test_unaligned_rows_and_row_stride():
     wide = _llm_like_logits(300, 50_007, torch.bfloat16, seed=3)
     logits = wide[:, 3:50_003]  # rows start off 16-byte boundaries, odd row stride
