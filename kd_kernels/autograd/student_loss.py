@@ -88,9 +88,9 @@ def fused_divergence_available(divergence: str) -> bool:
 
 
 def _statistics_kernel():
-    from ..ops.row_statistics import RunningRowStats, row_statistics
+    from ..ops.row_statistics import RowStatistics, row_statistics
 
-    return row_statistics, RunningRowStats
+    return row_statistics, RowStatistics
 
 
 def _kernels():
@@ -118,14 +118,13 @@ def _chunk_stats(logits, bias, teacher_indices, valid, labels, options: Divergen
     """Statistics of rows whose logits (the ``width`` existing columns of this rank, global ids
     from ``column_start``) are all in memory: one Triton pass. Ids and labels this rank does
     not own read 0."""
-    row_statistics, running_type = _statistics_kernel()
+    row_statistics, statistics_type = _statistics_kernel()
     ids = torch.where(valid, teacher_indices.long(), 0)
     safe_labels = None if labels is None else torch.where(labels != options.ignore_index, labels.long(), 0)
-    running = running_type.empty(logits.shape[0], ids.shape[1], options.temperature != 1.0, labels is not None,
-                                 logits.device)
-    row_statistics(logits, bias, width, options.temperature, running, ids, safe_labels, column_start=column_start)
-    return _ChunkStats(running.at_ids, running.at_label, running.lse, running.lse_tempered, running.top1,
-                       running.best, ids, safe_labels)
+    out = statistics_type.empty(logits.shape[0], ids.shape[1], options.temperature != 1.0, labels is not None,
+                                logits.device)
+    row_statistics(logits, bias, width, options.temperature, out, ids, safe_labels, column_start=column_start)
+    return _ChunkStats(out.at_ids, out.at_label, out.lse, out.lse_tempered, out.top1, out.best, ids, safe_labels)
 
 
 def _combine_over_ranks(stats: _ChunkStats, shard) -> _ChunkStats:

@@ -16,7 +16,7 @@ from .launch import ROW_BLOCK_V, num_warps_for
 
 
 @dataclass
-class RunningRowStats:
+class RowStatistics:
     """Float32 ``lse``, ``lse_tempered`` (the same tensor when τ = 1), ``best`` (row max), int64
     ``top1``, float32 ``at_ids [N, k]`` and ``at_label [N]`` (None without ids / labels)."""
 
@@ -28,9 +28,9 @@ class RunningRowStats:
     at_label: Optional[torch.Tensor]
 
     @staticmethod
-    def empty(num_rows: int, k: int, tempered: bool, labels: bool, device) -> "RunningRowStats":
+    def empty(num_rows: int, k: int, tempered: bool, labels: bool, device) -> "RowStatistics":
         lse = torch.full((num_rows,), -float("inf"), device=device)
-        return RunningRowStats(
+        return RowStatistics(
             lse=lse, lse_tempered=lse.clone() if tempered else lse, best=lse.clone(),
             top1=torch.zeros(num_rows, dtype=torch.int64, device=device),
             at_ids=torch.zeros(num_rows, k, dtype=torch.float32, device=device) if k else None,
@@ -98,26 +98,26 @@ def _row_statistics_kernel(logits_ptr, bias_ptr, ids_ptr, labels_ptr,
         tl.store(at_label_ptr + row, label_value, mask=label_owned)
 
 
-def row_statistics(logits: torch.Tensor, bias, width: int, temperature: float, running: RunningRowStats,
+def row_statistics(logits: torch.Tensor, bias, width: int, temperature: float, out: RowStatistics,
                    ids: Optional[torch.Tensor] = None, labels: Optional[torch.Tensor] = None,
-                   column_start: int = 0) -> RunningRowStats:
+                   column_start: int = 0) -> RowStatistics:
     """logits ``[R, ≥width]`` (unit column stride) of global columns ``[column_start, +width)``,
     bias ``[width]`` or None; ids ``[R, k]`` / labels ``[R]`` int64 global columns (already
-    safe: no -1 / ignore_index). Writes and returns ``running`` (``RunningRowStats.empty``): ids
+    safe: no -1 / ignore_index). Writes and returns ``out`` (``RowStatistics.empty``): ids
     and labels outside these columns keep its initial values."""
     rows = logits.shape[0]
     tempered = temperature != 1.0
     k = 0 if ids is None else ids.shape[1]
     if rows:
         _row_statistics_kernel[(rows,)](
-            logits, bias if bias is not None else logits, ids if ids is not None else running.top1,
-            labels if labels is not None else running.top1,
-            running.lse, running.lse_tempered, running.best, running.top1,
-            running.at_ids if running.at_ids is not None else running.lse,
-            running.at_label if running.at_label is not None else running.lse,
+            logits, bias if bias is not None else logits, ids if ids is not None else out.top1,
+            labels if labels is not None else out.top1,
+            out.lse, out.lse_tempered, out.best, out.top1,
+            out.at_ids if out.at_ids is not None else out.lse,
+            out.at_label if out.at_label is not None else out.lse,
             logits.stride(0), ids.stride(0) if ids is not None else 0,
-            running.at_ids.stride(0) if running.at_ids is not None else 0, width, column_start, k,
+            out.at_ids.stride(0) if out.at_ids is not None else 0, width, column_start, k,
             1.0 / temperature, HAS_BIAS=bias is not None, TEMPERED=tempered, HAS_IDS=ids is not None,
             HAS_LABELS=labels is not None, BLOCK_V=ROW_BLOCK_V,
             BLOCK_K=triton.next_power_of_2(max(k, 1)), num_warps=num_warps_for(ROW_BLOCK_V))
-    return running
+    return out
