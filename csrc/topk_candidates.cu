@@ -69,9 +69,6 @@ struct alignas(16) Pack {
   T v[kSize];
 };
 
-// Visits every column < width of the row once, spread over the block: visit.pack(values,
-// first_column, slot) for 16-byte-aligned packs (slot: a compile-time position after unrolling), visit.one(value, column) for the unaligned head
-// and the tail.
 // The row split at 16-byte boundaries: `head` unaligned columns, then `packs` aligned packs
 // from `body`, then the tail columns from head + packs * kSize.
 template <typename T>
@@ -94,6 +91,9 @@ struct RowLayout {
   }
 };
 
+// Visits every column < width of the row once, spread over the block: visit.pack(values,
+// first_column, slot) for 16-byte-aligned packs (slot: a compile-time position after
+// unrolling), visit.one(value, column) for the unaligned head and the tail.
 template <typename T, typename Visit>
 __device__ __forceinline__ void visit_row(const T* row, int width, Visit& visit) {
   constexpr int kVec = Pack<T>::kSize;
@@ -465,9 +465,9 @@ cudaError_t launch(const void* logits, int64_t rows, int64_t row_stride, int64_t
   // KD_KERNELS_TOPK_PIPELINE=0 / 1 overrides the default (benchmarks compare the two)
   const char* choice = std::getenv("KD_KERNELS_TOPK_PIPELINE");
   const bool pipelined = sizeof(T) == 2 && (choice ? choice[0] == '1' : kPipelineDefault);
-  const int kSharedBytes = kCapacity * sizeof(uint64_t) + (pipelined ? kStages * kThreads * 16 : 0);
+  const int shared_bytes = kCapacity * sizeof(uint64_t) + (pipelined ? kStages * kThreads * 16 : 0);
   const cudaError_t attribute = cudaFuncSetAttribute(topk_candidates_kernel<T>,
-                                                     cudaFuncAttributeMaxDynamicSharedMemorySize, kSharedBytes);
+                                                     cudaFuncAttributeMaxDynamicSharedMemorySize, shared_bytes);
   if (attribute != cudaSuccess) return attribute;
   int device = 0, processors = 0;
   cudaError_t status = cudaGetDevice(&device);
@@ -475,7 +475,7 @@ cudaError_t launch(const void* logits, int64_t rows, int64_t row_stride, int64_t
   if (status != cudaSuccess) return status;
   // persistent blocks, two per SM: a block carries the previous row's threshold to the next
   const int64_t blocks = std::min<int64_t>(rows, 2 * static_cast<int64_t>(processors));
-  topk_candidates_kernel<T><<<static_cast<unsigned int>(blocks), kThreads, kSharedBytes, stream>>>(
+  topk_candidates_kernel<T><<<static_cast<unsigned int>(blocks), kThreads, shared_bytes, stream>>>(
       static_cast<const T*>(logits), rows, row_stride, static_cast<int>(width), static_cast<int>(k), temperature,
       pipelined, values, indices, lse);
   return cudaGetLastError();

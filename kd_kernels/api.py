@@ -99,8 +99,8 @@ def teacher_topk(hidden: torch.Tensor, weight: torch.Tensor, k: int = 64, *, tem
             if chunk_rows is not None:
                 raise ValueError("chunk_rows: applies to the default schedule only; pass lean=True or chunk_rows, "
                                  "not both")
-            topk = chunked.teacher_topk_vocab_sliced(hidden, weight, k, temperature, vocab_size, bias, shard,
-                                                     select=chosen)
+            topk = chunked.teacher_topk_tiled(hidden, weight, k, temperature, vocab_size, bias, shard,
+                                              select=chosen)
         else:
             topk = chunked.teacher_topk(hidden, weight, k, temperature, vocab_size, bias, chunk_rows, shard,
                                         select=chosen)

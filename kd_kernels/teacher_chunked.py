@@ -8,7 +8,7 @@ whole ``[N, V]``), then per chunk a selection of each row's top-k and its logsum
   (ops/topk_threshold.py): the path that needs no compiled extension.
 
 Both write each chunk's float32 logits (``chunk_rows · V · 4`` bytes, ~1.25 GiB by
-default). The lean schedule (`teacher_topk_vocab_sliced`) instead takes tiles of rows ×
+default). The lean schedule (`teacher_topk_tiled`) instead takes tiles of rows ×
 vocab columns (48 MiB of float32 logits whatever N and V) and merges each slice's top-k into
 the row chunk's running one. A top-k fused into the lm_head matmul epilogue is not built.
 """
@@ -106,7 +106,7 @@ def lean_tile(num_rows: int, k: int) -> tuple[int, int]:
     return rows, max(128, LEAN_SLICE_BYTES // (4 * rows) // 128 * 128)
 
 
-def teacher_topk_vocab_sliced(hidden: torch.Tensor, weight: torch.Tensor, k: int, temperature: float,
+def teacher_topk_tiled(hidden: torch.Tensor, weight: torch.Tensor, k: int, temperature: float,
                               vocab_size: int, bias: Optional[torch.Tensor] = None, shard=None, select: str = "triton",
                               tile: Optional[tuple[int, int]] = None) -> TopK:
     """The lean schedule: hidden ``[N, H]``, weight ``[V, H]`` -> `TopK` float32, one tile of

@@ -167,14 +167,17 @@ class _Session:
         tokens, labels = self.data.train_tokens, self.data.train_labels
         return [(tokens[pick], labels[pick]) for pick in step_batches(self.config, step, len(tokens))]
 
-    def submit(self, step: int) -> list:
-        """Each micro-batch scored by the teacher worker the plan gives it."""
-        return [self.teachers[self.plan.teacher_of(m)].score.remote(tokens, step, self.plan.student_of(m))
-                for m, (tokens, _) in enumerate(self.batches(step))]
+    def submit(self, step: int) -> tuple[list, list]:
+        """The step's micro-batches, each sent to the teacher worker the plan gives it, and the
+        teacher's replies (refs)."""
+        micro = self.batches(step)
+        return micro, [self.teachers[self.plan.teacher_of(m)].score.remote(tokens, step, self.plan.student_of(m))
+                       for m, (tokens, _) in enumerate(micro)]
 
-    def train(self, step: int, refs: list) -> dict:
-        """One student step over the teacher's replies ``refs``; the step's metrics."""
-        micro, plan = self.batches(step), self.plan
+    def train(self, step: int, micro: list, refs: list) -> dict:
+        """One student step over the micro-batches ``micro`` and the teacher's replies ``refs``
+        (both from `submit`); the step's metrics."""
+        plan = self.plan
         num_tokens = max(1, sum(int((labels != IGNORE_INDEX).sum()) for _, labels in micro))
         calls = [s.train_step.remote(step, [micro[m] for m in plan.micro_batches_of_student(rank)],
                                      [refs[m] for m in plan.micro_batches_of_student(rank)], num_tokens)
@@ -217,10 +220,10 @@ class _Session:
             pending = self.submit(start_step) if start_step < config.steps else None
             for step in range(start_step, config.steps):
                 started = time.perf_counter()
-                refs, pending = pending, None
+                submitted, pending = pending, None
                 if config.overlap and step + 1 < config.steps:
                     pending = self.submit(step + 1)  # the teacher scores the next step while the student trains
-                result = self.train(step, refs)
+                result = self.train(step, *submitted)
                 if pending is None and step + 1 < config.steps:
                     pending = self.submit(step + 1)
                 step_seconds = time.perf_counter() - started

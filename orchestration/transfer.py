@@ -38,14 +38,23 @@ class Layout:
     gpus_per_student: float
 
 
+# per GPU placement: (its default transfer, the transfer it cannot use and why)
+_GPU_TRANSFERS = {
+    "disaggregated": ("nccl", "cuda_ipc", "cuda_ipc maps memory of the same GPU; disaggregated workers use nccl or "
+                                          "object_store"),
+    "colocated": ("cuda_ipc", "nccl", "nccl cannot connect two workers on one GPU; colocated workers use cuda_ipc or "
+                                      "object_store"),
+}
+
+
 def resolve_layout(placement: str, transfer: str, device_type: str, gpus: int, teachers: int,
                    students: int) -> Layout:
     """The layout for the requested placement / transfer ("auto" or a name) on this machine.
 
     GPU: colocated (a teacher and a student worker on each GPU, CUDA IPC) when teacher_workers
-    == student_workers fit the GPUs, else disaggregated (one GPU per worker, NCCL). Colocated is
-    the default because it is the layout verified on the GPU machine so far (see
-    docs/DECISIONS.md). CPU: the object store. Raises for requests the machine cannot honour."""
+    == student_workers fit the GPUs, else disaggregated (one GPU per worker, NCCL); colocated
+    needs half the GPUs and was the faster of the two on two H200s (benchmarks/RESULTS.md).
+    CPU: the object store. Raises for requests the machine cannot honour."""
     if device_type != "cuda":
         if transfer not in ("auto", "object_store"):
             raise ValueError(f"transfer: {transfer!r} needs CUDA devices; on CPU use object_store (or auto)")
@@ -54,23 +63,18 @@ def resolve_layout(placement: str, transfer: str, device_type: str, gpus: int, t
         return Layout("colocated", "object_store", 0.0, 0.0)
     if placement == "auto":
         placement = "colocated" if teachers == students <= gpus else "disaggregated"
-    if placement == "disaggregated":
-        if gpus < teachers + students:
-            raise ValueError(f"placement: disaggregated needs one GPU per worker ({teachers} teacher + {students} "
-                             f"student workers), this machine has {gpus}")
-        chosen = "nccl" if transfer == "auto" else transfer
-        if chosen == "cuda_ipc":
-            raise ValueError("transfer: cuda_ipc maps memory of the same GPU; disaggregated workers use nccl or "
-                             "object_store")
-        return Layout("disaggregated", chosen, 1.0, 1.0)
-    if teachers != students or students > gpus:
+    if placement == "disaggregated" and gpus < teachers + students:
+        raise ValueError(f"placement: disaggregated needs one GPU per worker ({teachers} teacher + {students} "
+                         f"student workers), this machine has {gpus}")
+    if placement == "colocated" and (teachers != students or students > gpus):
         raise ValueError(f"placement: colocated puts one teacher and one student worker on each GPU: needs "
                          f"teacher_workers == student_workers <= GPUs, got {teachers}, {students} and {gpus} GPUs")
-    chosen = "cuda_ipc" if transfer == "auto" else transfer
-    if chosen == "nccl":
-        raise ValueError("transfer: nccl cannot connect two workers on one GPU; colocated workers use cuda_ipc "
-                         "or object_store")
-    return Layout("colocated", chosen, 0.5, 0.5)
+    default, refused, why = _GPU_TRANSFERS[placement]
+    chosen = default if transfer == "auto" else transfer
+    if chosen == refused:
+        raise ValueError(f"transfer: {why}")
+    share = 1.0 if placement == "disaggregated" else 0.5  # Ray num_gpus of each actor
+    return Layout(placement, chosen, share, share)
 
 
 class TopKSender:

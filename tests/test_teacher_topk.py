@@ -28,13 +28,13 @@ def test_teacher_topk_from_hidden(k, temperature, chunk_rows, dtype, atol):
 @pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-4), (torch.float16, 1e-4)])
 @pytest.mark.parametrize("k, temperature, tile", [(1, 1.0, (37, 64)), (7, 0.7, (10, 50)), (64, 2.0, (16, 32))])
 def test_teacher_topk_lean_merges_tiles(k, temperature, tile, dtype, atol):
-    from kd_kernels.teacher_chunked import teacher_topk_vocab_sliced
+    from kd_kernels.teacher_chunked import teacher_topk_tiled
 
     generator = torch.Generator().manual_seed(k + 100)
     hidden = torch.randn(37, 16, generator=generator).to(DEVICE, dtype)
     weight = torch.randn(203, 16, generator=generator).to(DEVICE, dtype)
     bias = torch.randn(203, generator=generator).to(DEVICE, dtype)
-    top = teacher_topk_vocab_sliced(hidden, weight, k, temperature, 200, bias, tile=tile)
+    top = teacher_topk_tiled(hidden, weight, k, temperature, 200, bias, tile=tile)
     logits = reference.lm_head_logits(hidden, weight, bias)
     _check(top, reference.teacher_topk(hidden, weight, k, temperature, 200, bias), atol, logits, temperature, 200)
 
@@ -48,15 +48,15 @@ def test_lean_tile_bounds_the_memory_whatever_n_and_v():
         assert 40 * rows * k <= 2 * (16 << 20) or rows == 128
 
 
-def test_teacher_topk_lean_ties_across_slices_go_to_the_lower_id():
+def test_teacher_topk_lean_ties_across_tiles_go_to_the_lower_id():
     generator = torch.Generator().manual_seed(3)
     hidden = torch.randn(9, 16, generator=generator).to(DEVICE)
     weight = torch.randn(300, 16, generator=generator)
     weight[[5, 150, 290]] = 3 * weight[7]  # equal logits in three slices
     weight = weight.to(DEVICE)
-    from kd_kernels.teacher_chunked import teacher_topk_vocab_sliced
+    from kd_kernels.teacher_chunked import teacher_topk_tiled
 
-    top = teacher_topk_vocab_sliced(hidden, weight, 4, 1.0, 300, tile=(4, 100))  # 3 row chunks × 3 slices
+    top = teacher_topk_tiled(hidden, weight, 4, 1.0, 300, tile=(4, 100))  # 3 row chunks × 3 slices
     expected = reference.teacher_topk(hidden, weight, 4, 1.0, 300)
     assert torch.equal(top.indices.cpu(), expected.indices.cpu())
     public = kd.teacher_topk(hidden, weight, k=4, temperature=1.0, backend="triton", lean=True)

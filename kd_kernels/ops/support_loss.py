@@ -75,6 +75,16 @@ def _bin_terms(lp, lq, DIVERGENCE: tl.constexpr, log_beta, log_one_minus_beta, b
 
 
 @triton.jit
+def _bin_p(teacher_row_ptr, positions, k, shift):
+    """p of the bins at ``positions`` (0 outside [0, k) and where invalid), computed exactly as
+    the row's own, so that equal log-probs give bit-equal p."""
+    inside = (positions >= 0) & (positions < k)
+    t = tl.load(teacher_row_ptr + positions, mask=inside, other=float("-inf")).to(tl.float32)
+    valid = t > float("-inf")
+    return tl.where(valid, tl.exp(tl.where(valid, t - shift, 0.0)), 0.0)
+
+
+@triton.jit
 def _mass_at_or_before(p, p_after, teacher_row_ptr, k, shift, BLOCK_K: tl.constexpr, COMPARE_BLOCK: tl.constexpr):
     """``[BLOCK_K]`` mass of the bins at or before each bin in ascending (p, position) order;
     ``p_after``: one more bin placed after every other (the tail bin), counted where smaller.
@@ -83,9 +93,7 @@ def _mass_at_or_before(p, p_after, teacher_row_ptr, k, shift, BLOCK_K: tl.conste
     mass = tl.where(p_after < p, p_after, 0.0)
     for start in tl.static_range(0, BLOCK_K, COMPARE_BLOCK):
         others = start + tl.arange(0, COMPARE_BLOCK)
-        t_other = tl.load(teacher_row_ptr + others, mask=others < k, other=float("-inf")).to(tl.float32)
-        valid_other = t_other > float("-inf")
-        p_other = tl.where(valid_other, tl.exp(tl.where(valid_other, t_other - shift, 0.0)), 0.0)
+        p_other = _bin_p(teacher_row_ptr, others, k, shift)
         before = (p_other[None, :] < p[:, None]) | ((p_other[None, :] == p[:, None])
                                                     & (others[None, :] <= positions[:, None]))
         mass += tl.sum(tl.where(before, p_other[None, :], 0.0), axis=1)
@@ -100,16 +108,6 @@ def _max_combine(a, b):
 @triton.jit
 def _min_combine(a, b):
     return tl.minimum(a, b)
-
-
-@triton.jit
-def _bin_p(teacher_row_ptr, positions, k, shift):
-    """p of the bins at ``positions`` (0 outside [0, k) and where invalid), computed exactly as
-    the row's own, so that equal log-probs give bit-equal p."""
-    inside = (positions >= 0) & (positions < k)
-    t = tl.load(teacher_row_ptr + positions, mask=inside, other=float("-inf")).to(tl.float32)
-    valid = t > float("-inf")
-    return tl.where(valid, tl.exp(tl.where(valid, t - shift, 0.0)), 0.0)
 
 
 @triton.jit
