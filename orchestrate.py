@@ -32,6 +32,8 @@ def main(argv=None) -> dict:
     result = dict(summary)
     with open(os.path.join(config.output_dir, "summary.json"), "w") as handle:
         json.dump(dict(config=vars(config), **result), handle, indent=2)
+    print(f"data: {result['train_rows']} training rows and {result['held_out_rows']} held out, "
+          f"{config.row_tokens} tokens each")
     print(f"held-out CE (nats/token): teacher {result['teacher_held_out_ce']:.4f}, "
           f"student {result['student_held_out_ce']:.4f} after {result['last_step'] + 1} steps")
     print(f"results in {config.output_dir}: metrics.jsonl, summary.json, checkpoints/, tokenizer/")

@@ -80,9 +80,10 @@ class Config:
 # The embedded default on a GPU: larger models, longer rows, more data (options not set
 # explicitly take these when the run's device is CUDA). One micro-batch of 32 rows a step:
 # these small models are bound by kernel launches, which two micro-batches would double.
-GPU_DEFAULTS = dict(max_corpus_bytes=12_000_000, tokenizer_vocab=8192, row_tokens=512, rows_per_micro_batch=32,
+GPU_DEFAULTS = dict(max_corpus_bytes=30_000_000, tokenizer_vocab=8192, row_tokens=512, rows_per_micro_batch=32,
                     micro_batches=1, teacher_hidden=768, teacher_layers=8, teacher_pretrain_steps=800, teacher_lr=1e-3,
-                    student_hidden=384, student_layers=4, heads=8, steps=300, k=64, checkpoint_every=100)
+                    student_hidden=384, student_layers=4, heads=8, steps=300, warmup_steps=30, k=64,
+                    checkpoint_every=100)
 
 
 def help_text() -> str:

@@ -44,12 +44,25 @@ def read_documents(path: str) -> Iterator[dict]:
                     yield {"text": block}
 
 
+def stdlib_sources() -> list[str]:
+    """The standard library's ``.py`` files: the top level first, then its packages (installed
+    third-party packages excluded: they differ between machines), each part sorted."""
+    root = sysconfig.get_paths()["stdlib"]
+    top = sorted(glob.glob(os.path.join(root, "*.py")))
+    nested = sorted(path for path in glob.glob(os.path.join(root, "*", "**", "*.py"), recursive=True)
+                    if not {"site-packages", "dist-packages"} & set(os.path.relpath(path, root).split(os.sep)))
+    return top + nested
+
+
 def stdlib_corpus(max_bytes: int = 3_000_000) -> list[dict]:
-    """Docstring-rich text every Python install has: the stdlib sources, as text records."""
+    """Docstring-rich text every Python install has: the stdlib sources, as text records
+    (about 4.5 MB at the top level, 30 MB with the packages)."""
     records, total = [], 0
-    for path in sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "*.py"))):
+    for path in stdlib_sources():
         with open(path, encoding="utf-8", errors="replace") as handle:
             text = handle.read()
+        if not text.strip():
+            continue  # empty __init__.py files
         records.append({"text": text})
         total += len(text)
         if total >= max_bytes:
@@ -60,8 +73,7 @@ def stdlib_corpus(max_bytes: int = 3_000_000) -> list[dict]:
 def encode(record: dict, tokenizer, chat_template: Optional[str]) -> Document:
     """One record → a `Document`. With a chat template the prompt's tokens are not trained."""
     if "text" in record:
-        tokens = tokenizer.encode(record["text"])
-        return Document(tokens, [True] * len(tokens))
+        return _text_document(tokenizer.encode(record["text"]))
     if chat_template:
         prompt = chat_template.format(prompt=record["prompt"], response="").rstrip()
         full = chat_template.format(prompt=record["prompt"], response=record["response"])
@@ -71,6 +83,19 @@ def encode(record: dict, tokenizer, chat_template: Optional[str]) -> Document:
     # the prediction of token t+1 is trained when t+1 belongs to the response
     trained = [t + 1 >= len(prompt_tokens) for t in range(len(tokens))]
     return Document(tokens, trained)
+
+
+def _text_document(tokens: list[int]) -> Document:
+    return Document(tokens, [True] * len(tokens))
+
+
+def encode_all(records: list[dict], tokenizer, chat_template: Optional[str]) -> list[Document]:
+    """`encode` of every record; the plain texts in one batched call (a fast tokenizer encodes
+    a batch on all cores: 30 MB of text in seconds instead of a minute)."""
+    texts = [record["text"] for record in records if "text" in record]
+    batched = iter(tokenizer(texts)["input_ids"] if texts else [])
+    return [_text_document(next(batched)) if "text" in record else encode(record, tokenizer, chat_template)
+            for record in records]
 
 
 def shifted_labels(document: Document) -> list[int]:
@@ -110,7 +135,7 @@ def train_tokenizer(records: list[dict], vocab_size: int, directory: str):
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<pad>", "<eos>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tokenizer.train_from_iterator((r.get("text") or r["prompt"] + r["response"] for r in records), trainer)
+    tokenizer.train_from_iterator((r["text"] if "text" in r else r["prompt"] + r["response"] for r in records), trainer)
     os.makedirs(directory, exist_ok=True)
     path = os.path.join(directory, "tokenizer.json")
     tokenizer.save(path)

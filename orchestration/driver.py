@@ -15,7 +15,7 @@ import torch
 
 from .comm_plan import CommPlan
 from .config import Config
-from .data import IGNORE_INDEX, encode, pack, read_documents, stdlib_corpus, train_tokenizer
+from .data import IGNORE_INDEX, encode_all, pack, read_documents, stdlib_corpus, train_tokenizer
 from .transfer import Layout, resolve_layout
 
 
@@ -34,7 +34,7 @@ def prepare_data(config: Config):
     else:
         tokenizer = train_tokenizer(records, config.tokenizer_vocab, tokenizer_dir)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    rows = list(pack((encode(r, tokenizer, config.chat_template) for r in records), config.row_tokens, pad_id))
+    rows = list(pack(encode_all(records, tokenizer, config.chat_template), config.row_tokens, pad_id))
     tokens = torch.stack([r[0] for r in rows])
     labels = torch.stack([r[1] for r in rows])
     held_out = max(1, len(rows) // 20)
@@ -250,6 +250,7 @@ class _Session:
             last_step=last_step, vocab=self.vocab, teacher_pretrain_loss=self.teacher_pretrain_loss,
             teacher_held_out_ce=self.call([teacher], [teacher.held_out_ce.remote(*held_out)], last_step)[0],
             student_held_out_ce=self.call([student], [student.held_out_ce.remote(*held_out)], last_step)[0],
+            train_rows=len(data.train_tokens), held_out_rows=len(data.held_tokens),
             metrics=metrics_path, checkpoint=checkpoint, placement=self.layout.placement,
             transfer=self.layout.transfer)
         if return_parameters:

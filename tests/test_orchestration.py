@@ -9,7 +9,8 @@ import torch
 import kd_kernels as kd
 from orchestration.comm_plan import CommPlan
 from orchestration.config import Config, help_text, load_config
-from orchestration.data import IGNORE_INDEX, Document, encode, pack, shifted_labels
+from orchestration.data import (IGNORE_INDEX, Document, encode, encode_all, pack, shifted_labels, stdlib_sources,
+                                train_tokenizer)
 
 ray = pytest.importorskip("ray")
 
@@ -106,6 +107,28 @@ def test_chat_template_masks_the_prompt():
     assert all(label == IGNORE_INDEX for label in labels[:first_response - 1])
     assert labels[first_response - 1] == ord("c") and labels[first_response] == ord("d")
     assert labels[-1] == IGNORE_INDEX
+
+
+def test_batched_encoding_equals_one_record_at_a_time(tmp_path):
+    records = [{"text": "def f(x):\n    return x + 1\n"}, {"prompt": "Q: two plus two", "response": " four"},
+               {"text": "class A:\n    pass\n" * 3}, {"prompt": "say", "response": " hi"}]
+    tokenizer = train_tokenizer(records * 4, 300, str(tmp_path / "tokenizer"))
+    template = "<{prompt}> {response}"
+    batched = encode_all(records, tokenizer, template)
+    single = [encode(record, tokenizer, template) for record in records]
+    assert [(d.tokens, d.trained) for d in batched] == [(d.tokens, d.trained) for d in single]
+    assert all(len(d.tokens) > 3 for d in batched)
+
+
+def test_stdlib_corpus_reads_the_top_level_first_and_no_installed_packages():
+    import os
+    import sysconfig
+
+    paths = stdlib_sources()
+    root = sysconfig.get_paths()["stdlib"]
+    depth = [os.path.relpath(path, root).count(os.sep) for path in paths]
+    assert depth == sorted(depth, key=lambda d: d > 0) and depth[0] == 0 and depth[-1] > 0
+    assert not any("site-packages" in path for path in paths)
 
 
 # ---- transfer through the object store -----------------------------------------------------
