@@ -156,31 +156,28 @@ class _Session:
             calls += [s.connect.remote([first_teacher_rank + t for t, ss in pairs if ss == index])
                       for index, s in enumerate(students)]
             self.call(teachers + students, calls, -1)
+        rows = self.ray.put(self.data.train_tokens), self.ray.put(self.data.train_labels)
+        self.call(teachers + students, [worker.set_rows.remote(*rows) for worker in teachers + students], -1)
         teacher = teachers[0]
-        self.teacher_pretrain_loss = self.call(
-            [teacher], [teacher.pretrain.remote(self.data.train_tokens, self.data.train_labels)], -1)[0]
+        self.teacher_pretrain_loss = self.call([teacher], [teacher.pretrain.remote()], -1)[0]
         if len(teachers) > 1:  # pretrained once, then copied: every teacher worker scores with the same weights
             state = self.ray.put(self.call([teacher], [teacher.state_dict.remote()], -1)[0])
             self.call(teachers[1:], [t.load_state_dict.remote(state) for t in teachers[1:]], -1)
 
-    def batches(self, step: int) -> list:
-        tokens, labels = self.data.train_tokens, self.data.train_labels
-        return [(tokens[pick], labels[pick]) for pick in step_batches(self.config, step, len(tokens))]
-
     def submit(self, step: int) -> tuple[list, list]:
-        """The step's micro-batches, each sent to the teacher worker the plan gives it, and the
-        teacher's replies (refs)."""
-        micro = self.batches(step)
-        return micro, [self.teachers[self.plan.teacher_of(m)].score.remote(tokens, step, self.plan.student_of(m))
-                       for m, (tokens, _) in enumerate(micro)]
+        """The step's micro-batches (training row indices, ``[B]`` each), each scored by the
+        teacher worker the plan gives it, and the teacher's replies (refs)."""
+        picks = step_batches(self.config, step, len(self.data.train_tokens))
+        return picks, [self.teachers[self.plan.teacher_of(m)].score_rows.remote(pick, step, self.plan.student_of(m))
+                       for m, pick in enumerate(picks)]
 
-    def train(self, step: int, micro: list, refs: list) -> dict:
-        """One student step over the micro-batches ``micro`` and the teacher's replies ``refs``
+    def train(self, step: int, picks: list, refs: list) -> dict:
+        """One student step over the micro-batches ``picks`` and the teacher's replies ``refs``
         (both from `submit`); the step's metrics."""
         plan = self.plan
-        num_tokens = max(1, sum(int((labels != IGNORE_INDEX).sum()) for _, labels in micro))
-        calls = [s.train_step.remote(step, [micro[m] for m in plan.micro_batches_of_student(rank)],
-                                     [refs[m] for m in plan.micro_batches_of_student(rank)], num_tokens)
+        num_tokens = max(1, sum(int((self.data.train_labels[pick] != IGNORE_INDEX).sum()) for pick in picks))
+        calls = [s.train_step_rows.remote(step, [picks[m] for m in plan.micro_batches_of_student(rank)],
+                                          [refs[m] for m in plan.micro_batches_of_student(rank)], num_tokens)
                  for rank, s in enumerate(self.students)]
         called = time.perf_counter()
         parts = self.call(self.students, calls, step)

@@ -86,7 +86,22 @@ def _autocast(device: torch.device):
                                                                                                    enabled=False)
 
 
-class TeacherWorker:
+class _TrainingRows:
+    """The training rows, sent to each worker once: a step's calls then carry row indices, not
+    tokens (a 128 KB tensor argument costs a Ray call several ms of serialization)."""
+
+    rows: torch.Tensor  # [R, T] int64 tokens
+    labels: torch.Tensor  # [R, T] int64 shifted labels
+
+    def set_rows(self, rows: torch.Tensor, labels: torch.Tensor) -> None:
+        self.rows, self.labels = rows, labels
+
+    def micro_batch(self, pick: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tokens, labels) ``[B, T]`` of the training rows ``pick`` ``[B]``."""
+        return self.rows[pick], self.labels[pick]
+
+
+class TeacherWorker(_TrainingRows):
     """Frozen teacher (eval, no grad). Builds and pretrains itself when no path is given."""
 
     def __init__(self, config: Config, vocab: int, transfer: str = "object_store", world: Optional[World] = None):
@@ -100,8 +115,8 @@ class TeacherWorker:
     def gpu(self):
         return gpu_identity()
 
-    def pretrain(self, rows: torch.Tensor, labels: torch.Tensor) -> float:
-        """CE steps on the training rows when the teacher was built, not loaded; last loss."""
+    def pretrain(self) -> float:
+        """CE steps on the training rows (`set_rows`) when the teacher was built, not loaded; last loss."""
         if self.config.teacher_path or self.config.teacher_pretrain_steps == 0:
             return float("nan")
         lr = self.config.lr if self.config.teacher_lr is None else self.config.teacher_lr
@@ -115,8 +130,8 @@ class TeacherWorker:
         self.model.train()
         for _ in range(self.config.teacher_pretrain_steps):
             batch_rows = self.config.rows_per_micro_batch * self.config.micro_batches  # a student step's rows
-            pick = torch.randint(0, rows.shape[0], (batch_rows,), generator=generator)
-            tokens, targets = rows[pick].to(self.device), labels[pick].to(self.device)
+            pick = torch.randint(0, self.rows.shape[0], (batch_rows,), generator=generator)
+            tokens, targets = (part.to(self.device) for part in self.micro_batch(pick))
             with _autocast(self.device):
                 logits = self.model(input_ids=tokens).logits[..., :self.vocab]
             loss = F.cross_entropy(logits.float().reshape(-1, self.vocab), targets.reshape(-1),
@@ -154,6 +169,10 @@ class TeacherWorker:
         if self.config.teacher_offload:
             self.model.to("cpu")
         return message, time.perf_counter() - start
+
+    def score_rows(self, pick: torch.Tensor, step: int = 0, student_rank: int = 0):
+        """`score` of the training rows ``pick`` ``[B]`` int64."""
+        return self.score(self.micro_batch(pick)[0], step, student_rank)
 
     def connect(self, student_ranks: list) -> None:
         """Creates the NCCL pair communicators with these students (before any scoring)."""
@@ -193,7 +212,7 @@ def _schedule(warmup_steps: int, total_steps: int):
     return factor
 
 
-class StudentWorker:
+class StudentWorker(_TrainingRows):
     """Trains the student with kd.topk_divergence on its final hidden states (AdamW, clip,
     warm-up + cosine LR, bf16 autocast on GPU); saves and restores exact checkpoints."""
 
@@ -255,6 +274,10 @@ class StudentWorker:
         return dict(totals, wait_seconds=wait_seconds, transfer_seconds=transfer_seconds,
                     student_seconds=worker_seconds - wait_seconds - transfer_seconds, worker_seconds=worker_seconds,
                     lr=self.scheduler.get_last_lr()[0])
+
+    def train_step_rows(self, step: int, picks: list, topk_refs: list, num_tokens: int) -> dict:
+        """`train_step` on the training rows ``picks`` (one ``[B]`` int64 tensor per micro-batch)."""
+        return self.train_step(step, [self.micro_batch(pick) for pick in picks], topk_refs, num_tokens)
 
     def _sum_gradients_over_ranks(self) -> None:
         if self.world_size == 1:
