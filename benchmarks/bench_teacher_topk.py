@@ -1,8 +1,8 @@
 """Teacher side: hidden → top-k log-probs and ids at temperature 2, providers side by side.
 
 Providers: the bare lm_head matmul (the floor), ours from hidden (cuda backend: cuBLAS fp32
-chunks + the CUDA top-k kernel; triton backend: + the Triton threshold select; lean: vocab
-slices), eager
+chunks + the CUDA top-k kernel; triton backend: + the Triton threshold select; triton fused:
+the top-k in the epilogue of a Triton matmul, no logits, with a sweep of its tiles; lean: tiles), eager
 PyTorch (matmul, log_softmax, topk), torch.compile of it, torch.topk alone on logits in
 memory, and ours from bf16 logits in memory (GB/s against a measured device copy, which
 counts its read and its write).
@@ -26,6 +26,8 @@ from harness import environment, llm_like_hidden, peak_extra_gib, time_ms, write
 from shapes import TEACHER_SHAPES  # noqa: E402
 
 TEMPERATURE = 2.0
+# tiles of the fused Triton kernel to try (KD_KERNELS_FUSED_TOPK: rows, columns, hidden step, warps, stages)
+FUSED_SWEEP = ("128,128,64,8,3", "64,256,64,8,3", "128,256,64,8,3", "128,128,64,4,4")
 
 
 def eager_teacher(hidden, weight, k):
@@ -67,6 +69,12 @@ def bench_shape(name, n, h, v, ks, only=None):
                                                                backend="cuda"),
             "ours from hidden (triton)": lambda: kd.teacher_topk(hidden, weight, k=k, temperature=TEMPERATURE,
                                                                  backend="triton"),
+            "ours from hidden (triton fused)": lambda: kd.teacher_topk(hidden, weight, k=k, temperature=TEMPERATURE,
+                                                                       backend="triton", fused=True),
+            **{f"ours from hidden (triton fused {tiles})": (lambda tiles=tiles: with_env(
+                "KD_KERNELS_FUSED_TOPK", tiles, lambda: kd.teacher_topk(hidden, weight, k=k, temperature=TEMPERATURE,
+                                                                        backend="triton", fused=True)))
+               for tiles in FUSED_SWEEP},
             "ours from hidden, lean (cuda)": lambda: kd.teacher_topk(hidden, weight, k=k, temperature=TEMPERATURE,
                                                                      backend="cuda", lean=True),
             "eager torch": lambda: eager_teacher(hidden, weight, k),

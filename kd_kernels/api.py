@@ -63,7 +63,7 @@ def _teacher_backend(backend: str, op: str, device: torch.device, k: int) -> str
 def teacher_topk(hidden: torch.Tensor, weight: torch.Tensor, k: int = 64, *, temperature: float = 1.0,
                  vocab_size: Optional[int] = None, bias: Optional[torch.Tensor] = None, group=None,
                  logprobs_dtype: torch.dtype = torch.float32, backend: str = "auto",
-                 chunk_rows: Optional[int] = None, lean: bool = False) -> TopK:
+                 chunk_rows: Optional[int] = None, lean: bool = False, fused: bool = False) -> TopK:
     """Top-k of the teacher's tempered distribution straight from hidden states and lm_head.
 
     Equals ``torch.log_softmax((hidden @ weight.T + bias)[:, :V*].float() / temperature, -1).topk(k)``
@@ -83,6 +83,10 @@ def teacher_topk(hidden: torch.Tensor, weight: torch.Tensor, k: int = 64, *, tem
         chunk_rows: rows per chunk on the triton backend (``chunk_rows · V · 4`` bytes); None: ~1.25 GiB.
         lean: tiles of rows × vocab columns instead of row chunks: 48 MiB of float32 logits
             plus ~16 MiB for merging slices, whatever N and V; one matmul and one merge per tile.
+        fused: the top-k chosen in the epilogue of a Triton matmul (triton backend): no logits in
+            memory at all, ``N · S · C · 8`` bytes of candidate keys (S vocab splits, C ≥ k + 128);
+            k <= 256.
+            Not yet measured on a GPU (benchmarks/NOTES.md); off by default.
     Returns:
         `TopK` with ``logprobs [N, k]``, ``indices [N, k]`` int32, ``lse [N]`` float32.
     """
@@ -91,11 +95,23 @@ def teacher_topk(hidden: torch.Tensor, weight: torch.Tensor, k: int = 64, *, tem
     vocab_size, shard = _vocab(group, weight.shape[0], vocab_size, "weight")
     check_k(k, vocab_size)
     _check_logprobs_dtype(logprobs_dtype)
-    chosen = _teacher_backend(backend, "teacher_topk", hidden.device, k)
+    # fused is a Triton kernel: "auto" means triton there
+    chosen = _teacher_backend("triton" if fused and backend == "auto" else backend, "teacher_topk", hidden.device, k)
+    if fused and (chosen != "triton" or lean or chunk_rows is not None):
+        raise ValueError(f"fused=True: runs on the triton backend with its own tiles; got backend {chosen!r}, "
+                         f"lean={lean}, chunk_rows={chunk_rows} (pass backend='triton' and neither of the others)")
+    if fused:
+        from .ops.lm_head_topk import FUSED_MAX_K
+
+        if k > FUSED_MAX_K:
+            raise ValueError(f"k: fused=True supports 1 <= k <= {FUSED_MAX_K}, got {k} (the default schedule "
+                             "takes any k)")
     if chosen in ("cuda", "triton"):
         from . import teacher_chunked as chunked
 
-        if lean:
+        if fused:
+            topk = chunked.teacher_topk_fused(hidden, weight, k, temperature, vocab_size, bias, shard)
+        elif lean:
             if chunk_rows is not None:
                 raise ValueError("chunk_rows: applies to the default schedule only; pass lean=True or chunk_rows, "
                                  "not both")

@@ -10,10 +10,13 @@ whole ``[N, V]``), then per chunk a selection of each row's top-k and its logsum
 Both write each chunk's float32 logits (``chunk_rows · V · 4`` bytes, ~1.25 GiB by
 default). The lean schedule (`teacher_topk_tiled`) instead takes tiles of rows ×
 vocab columns (48 MiB of float32 logits whatever N and V) and merges each slice's top-k into
-the row chunk's running one. A top-k fused into the lm_head matmul epilogue is not built.
+the row chunk's running one. `teacher_topk_fused` writes no logits at all: the top-k is
+selected in the epilogue of a Triton matmul (ops/lm_head_topk.py), per vocab split, and the
+splits are merged here.
 """
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -134,3 +137,21 @@ def teacher_topk_tiled(hidden: torch.Tensor, weight: torch.Tensor, k: int, tempe
             running = candidates if running is None else _merge_running(running, candidates)
         values[rows], indices[rows], lse[rows] = running
     return _finish(values, indices, lse, k, temperature, shard)
+
+
+def teacher_topk_fused(hidden: torch.Tensor, weight: torch.Tensor, k: int, temperature: float, vocab_size: int,
+                       bias: Optional[torch.Tensor] = None, shard=None) -> TopK:
+    """hidden ``[N, H]``, weight ``[V, H]`` (this rank's shard under ``shard``) -> `TopK`
+    float32 with the top-k chosen inside the matmul's epilogue: memory ``N · S · C · 8``
+    bytes (S vocab splits, C = next power of two ≥ k + the kernel's column tile), no term in V."""
+    from .ops.lm_head_topk import lm_head_topk_splits
+    from .ops.sort_keys import top_of_keys, value_column_keys
+
+    width, column_start = (vocab_size, 0) if shard is None else (shard.existing, shard.vocab_start)
+    split_values, split_columns, split_max, split_sum = lm_head_topk_splits(hidden.contiguous(), weight.contiguous(),
+                                                                            bias, k, temperature, width)
+    num_rows = hidden.shape[0]
+    values, columns = top_of_keys(value_column_keys(split_values.reshape(num_rows, -1),
+                                                    split_columns.reshape(num_rows, -1)), k)
+    lse = torch.logsumexp((split_max + torch.log2(split_sum)) * math.log(2.0), dim=-1)
+    return _finish(values.contiguous(), columns + column_start, lse, k, temperature, shard)

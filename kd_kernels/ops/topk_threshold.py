@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from .launch import ROW_BLOCK_V, THRESHOLD_BISECTIONS, num_warps_for
+from .sort_keys import EMPTY_COLUMN, top_of_keys, value_column_keys
 
 
 @triton.jit
@@ -72,21 +73,10 @@ def _collect_kernel(logits_ptr, threshold_ptr, values_ptr, columns_ptr, counts_p
         tl.store(out_columns + slots, cols, mask=keep)
 
 
-_NO_COLUMN = 2**31 - 1  # an empty slot: after every real column among equal (-inf) values
-
-
 def _top_by_value_then_column(values: torch.Tensor, columns: torch.Tensor, k: int):
     """The k largest of ``[R, C]`` float32 candidates in any order: value descending, the lower
-    column first among equal values, by one sort of a 64-bit key (the float's bits made to
-    order as a signed integer, above the complemented column). Returns (values, columns int64)."""
-    bits = values.view(torch.int32)
-    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).long()  # signed order = float order
-    keys = (ordered << 32) | (0xFFFFFFFF - columns.long())
-    top = torch.sort(keys, dim=-1, descending=True).values[:, :k]
-    top_ordered = (top >> 32).to(torch.int32)
-    top_values = torch.where(top_ordered < 0, top_ordered ^ 0x7FFFFFFF, top_ordered).view(torch.float32)
-    top_columns = 0xFFFFFFFF - (top & 0xFFFFFFFF)
-    return top_values, torch.where(top_columns == _NO_COLUMN, 0, top_columns)
+    column first among equal values. Returns (values, columns int64)."""
+    return top_of_keys(value_column_keys(values, columns), k)
 
 
 def _capacity(k: int) -> int:
@@ -103,7 +93,7 @@ def threshold_topk(logits: torch.Tensor, k: int, temperature: float, width: int)
     lse = torch.empty(rows, dtype=torch.float32, device=device)
     threshold = torch.empty(rows, dtype=torch.float32, device=device)
     found = torch.full((rows, capacity), -float("inf"), dtype=torch.float32, device=device)
-    columns = torch.full((rows, capacity), _NO_COLUMN, dtype=torch.int32, device=device)
+    columns = torch.full((rows, capacity), EMPTY_COLUMN, dtype=torch.int32, device=device)
     counts = torch.zeros(rows, dtype=torch.int32, device=device)
     if rows:
         warps = num_warps_for(ROW_BLOCK_V)

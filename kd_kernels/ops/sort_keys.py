@@ -1,0 +1,31 @@
+"""(value, column) pairs as one 64-bit key whose descending order is value descending, then
+the lower column first: the float's bits made to order as a signed integer, above the
+complemented column. One sort of keys replaces a two-key stable sort."""
+import torch
+
+EMPTY_COLUMN = 2**31 - 1  # an empty slot: after every real column among equal (-inf) values
+
+
+def value_column_keys(values: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
+    """float32 values and integer columns (same shape) -> int64 keys."""
+    bits = values.contiguous().view(torch.int32)
+    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).long()  # signed order = float order
+    return (ordered << 32) | (0xFFFFFFFF - columns.long())
+
+
+def empty_key() -> int:
+    """The smallest key: value -inf at EMPTY_COLUMN."""
+    return int(value_column_keys(torch.tensor([-float("inf")]), torch.tensor([EMPTY_COLUMN]))[0])
+
+
+def decode_keys(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int64 keys -> (float32 values, int64 columns; EMPTY_COLUMN reads 0)."""
+    ordered = (keys >> 32).to(torch.int32)
+    values = torch.where(ordered < 0, ordered ^ 0x7FFFFFFF, ordered).view(torch.float32)
+    columns = 0xFFFFFFFF - (keys & 0xFFFFFFFF)
+    return values, torch.where(columns == EMPTY_COLUMN, 0, columns)
+
+
+def top_of_keys(keys: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k largest keys of each row ``[R, C]`` in order, decoded: (values ``[R, k]``, columns)."""
+    return decode_keys(torch.sort(keys, dim=-1, descending=True).values[:, :k])
