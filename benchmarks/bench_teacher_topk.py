@@ -27,7 +27,7 @@ from shapes import TEACHER_SHAPES  # noqa: E402
 
 TEMPERATURE = 2.0
 # tiles of the fused Triton kernel to try (KD_KERNELS_FUSED_TOPK: rows, columns, hidden step, warps, stages)
-FUSED_SWEEP = ("128,128,64,8,3", "64,256,64,8,3", "128,256,64,8,3", "128,128,64,4,4")
+FUSED_SWEEP = ("64,128,64,8,4", "64,128,128,8,3", "128,128,64,8,3", "64,256,64,8,3")
 
 
 def eager_teacher(hidden, weight, k):

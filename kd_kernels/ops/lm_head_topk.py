@@ -108,16 +108,14 @@ def _keep_top_k(values_ptr, columns_ptr, rows, rows_ok, count, k, limit, BLOCK_M
 
 
 @triton.jit
-def _lm_head_topk_kernel(hidden_ptr, weight_ptr, bias_ptr, values_ptr, columns_ptr, row_max_ptr, row_sum_ptr,
+def _lm_head_topk_kernel(hidden_desc, weight_desc, bias_ptr, values_ptr, columns_ptr, row_max_ptr, row_sum_ptr,
                          num_rows, hidden_size, width, split_columns, k, inv_temperature,
-                         stride_hidden, stride_weight,
                          HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_K: tl.constexpr, C: tl.constexpr, SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr):
     row_tile = tl.program_id(0)
     split = tl.program_id(1)
     rows = row_tile * BLOCK_M + tl.arange(0, BLOCK_M)
     rows_ok = rows < num_rows
-    hidden_steps = tl.arange(0, BLOCK_K)
     tile_columns = tl.arange(0, BLOCK_N)
     row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
     row_sum = tl.zeros([BLOCK_M], tl.float32)  # Σ 2^((z - row_max) · log2e), z tempered
@@ -129,14 +127,11 @@ def _lm_head_topk_kernel(hidden_ptr, weight_ptr, bias_ptr, values_ptr, columns_p
         columns = tile_start + tile_columns
         columns_ok = columns < split_stop
         accumulator = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        # TMA tiles (zero past the tensors' ends): a pipelined mainloop without pointer tensors
         for step in range(0, hidden_size, BLOCK_K):
-            inner = step + hidden_steps
-            inner_ok = inner < hidden_size
-            a = tl.load(hidden_ptr + rows.to(tl.int64)[:, None] * stride_hidden + inner[None, :],
-                        mask=rows_ok[:, None] & inner_ok[None, :], other=0.0)
-            b = tl.load(weight_ptr + columns.to(tl.int64)[:, None] * stride_weight + inner[None, :],
-                        mask=columns_ok[:, None] & inner_ok[None, :], other=0.0)
-            accumulator = tl.dot(a, tl.trans(b), accumulator, input_precision=DOT_PRECISION)
+            a = hidden_desc.load([row_tile * BLOCK_M, step])
+            b = weight_desc.load([tile_start, step])
+            accumulator = tl.dot(a, b.T, accumulator, input_precision=DOT_PRECISION)
         if HAS_BIAS:
             accumulator += tl.load(bias_ptr + columns, mask=columns_ok, other=0.0).to(tl.float32)[None, :]
         z = tl.where(columns_ok[None, :], accumulator * inv_temperature, float("-inf"))  # tempered
@@ -162,6 +157,19 @@ def _lm_head_topk_kernel(hidden_ptr, weight_ptr, bias_ptr, values_ptr, columns_p
     _keep_top_k(values_ptr, columns_ptr, rows, rows_ok, count, k, -1, BLOCK_M, C, SPLITS)
     tl.store(row_max_ptr + rows * SPLITS + split, row_max, mask=rows_ok)
     tl.store(row_sum_ptr + rows * SPLITS + split, row_sum, mask=rows_ok)
+
+
+def _descriptor(tensor: torch.Tensor, name: str, block_shape: list):
+    """A TMA descriptor of ``tensor [R, H]`` (rows contiguous) read in ``block_shape`` tiles."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    row_bytes = tensor.stride(0) * tensor.element_size()
+    if tensor.stride(1) != 1 or row_bytes % 16 or tensor.data_ptr() % 16:
+        raise ValueError(f"{name}: fused=True reads rows by TMA, which needs contiguous rows starting at 16-byte "
+                         f"boundaries (H · {tensor.element_size()} bytes a multiple of 16); got strides "
+                         f"{tuple(tensor.stride())} of {tensor.dtype} at address {tensor.data_ptr()} (pass .contiguous() "
+                         "of a tensor whose hidden size is a multiple of 8)")
+    return TensorDescriptor.from_tensor(tensor, block_shape)
 
 
 def _splits(num_rows: int, width: int, config: FusedTopKConfig, device) -> int:
@@ -195,8 +203,10 @@ def lm_head_topk_splits(hidden: torch.Tensor, weight: torch.Tensor, bias, k: int
     if num_rows:
         grid = (-(-num_rows // config.block_m), splits)
         _lm_head_topk_kernel[grid](
-            hidden, weight, bias if bias is not None else weight, values, columns, row_max, row_sum,
-            num_rows, hidden_size, width, split_columns, k, 1.0 / temperature, hidden.stride(0), weight.stride(0),
+            _descriptor(hidden, "hidden", [config.block_m, config.block_k]),
+            _descriptor(weight, "weight", [config.block_n, config.block_k]),
+            bias if bias is not None else values, values, columns, row_max, row_sum,
+            num_rows, hidden_size, width, split_columns, k, 1.0 / temperature,
             HAS_BIAS=bias is not None, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
             C=slots, SPLITS=splits,
             # float32 inputs get float32 products (tf32 would move logits by ~1e-3)
