@@ -21,7 +21,10 @@ import torch
 import triton
 import triton.language as tl
 
+from .tma import row_tile_descriptor
+
 _NO_COLUMN = 2**31 - 1
+USER = "the matmul with statistics (KD_KERNELS_STUDENT_STATS=epilogue)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,17 +87,6 @@ def _logits_and_statistics_kernel(hidden_desc, weight_desc, logits_desc, bias_pt
     tl.store(tile_arg_ptr + at, arg, mask=rows_ok)
 
 
-def _descriptor(tensor: torch.Tensor, name: str, block_shape: list):
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    row_bytes = tensor.stride(0) * tensor.element_size()
-    if tensor.stride(1) != 1 or row_bytes % 16 or tensor.data_ptr() % 16:
-        raise ValueError(f"{name}: the matmul with statistics reads and writes rows by TMA, which needs contiguous "
-                         f"rows starting at 16-byte boundaries; got strides {tuple(tensor.stride())} of "
-                         f"{tensor.dtype} at address {tensor.data_ptr()}")
-    return TensorDescriptor(tensor, list(tensor.shape), list(tensor.stride()), block_shape)
-
-
 @dataclasses.dataclass
 class TileStatistics:
     """Per (row, column tile) float32 ``max``, ``total`` (Σ exp(z - max)), ``total_tempered``
@@ -122,9 +114,9 @@ def logits_and_statistics(hidden: torch.Tensor, weight: torch.Tensor, bias, widt
     if num_rows:
         grid = (-(-num_rows // tiles.block_m) * num_tiles,)
         _logits_and_statistics_kernel[grid](
-            _descriptor(hidden, "hidden", [tiles.block_m, tiles.block_k]),
-            _descriptor(weight, "weight", [tiles.block_n, tiles.block_k]),
-            _descriptor(out, "logits", [tiles.block_m, tiles.block_n]),
+            row_tile_descriptor(hidden, "hidden", [tiles.block_m, tiles.block_k], USER),
+            row_tile_descriptor(weight, "weight", [tiles.block_n, tiles.block_k], USER),
+            row_tile_descriptor(out, "logits", [tiles.block_m, tiles.block_n], USER),
             bias if bias is not None else stats.max, stats.max, stats.total,
             stats.total_tempered if tempered else stats.total, stats.arg,
             num_rows, hidden_size, width, num_tiles, 1.0 / temperature,

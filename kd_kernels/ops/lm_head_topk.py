@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from .sort_keys import EMPTY_COLUMN
+from .tma import row_tile_descriptor
 
 _EMPTY_COLUMN = tl.constexpr(EMPTY_COLUMN)
 
@@ -159,19 +160,6 @@ def _lm_head_topk_kernel(hidden_desc, weight_desc, bias_ptr, values_ptr, columns
     tl.store(row_sum_ptr + rows * SPLITS + split, row_sum, mask=rows_ok)
 
 
-def _descriptor(tensor: torch.Tensor, name: str, block_shape: list):
-    """A TMA descriptor of ``tensor [R, H]`` (rows contiguous) read in ``block_shape`` tiles."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    row_bytes = tensor.stride(0) * tensor.element_size()
-    if tensor.stride(1) != 1 or row_bytes % 16 or tensor.data_ptr() % 16:
-        raise ValueError(f"{name}: fused=True reads rows by TMA, which needs contiguous rows starting at 16-byte "
-                         f"boundaries (H · {tensor.element_size()} bytes a multiple of 16); got strides "
-                         f"{tuple(tensor.stride())} of {tensor.dtype} at address {tensor.data_ptr()} (pass .contiguous() "
-                         "of a tensor whose hidden size is a multiple of 8)")
-    return TensorDescriptor.from_tensor(tensor, block_shape)
-
-
 def _splits(num_rows: int, width: int, config: FusedTopKConfig, device) -> int:
     if config.splits is not None:
         return max(1, config.splits)
@@ -203,8 +191,8 @@ def lm_head_topk_splits(hidden: torch.Tensor, weight: torch.Tensor, bias, k: int
     if num_rows:
         grid = (-(-num_rows // config.block_m), splits)
         _lm_head_topk_kernel[grid](
-            _descriptor(hidden, "hidden", [config.block_m, config.block_k]),
-            _descriptor(weight, "weight", [config.block_n, config.block_k]),
+            row_tile_descriptor(hidden, "hidden", [config.block_m, config.block_k], "fused=True"),
+            row_tile_descriptor(weight, "weight", [config.block_n, config.block_k], "fused=True"),
             bias if bias is not None else values, values, columns, row_max, row_sum,
             num_rows, hidden_size, width, split_columns, k, 1.0 / temperature,
             HAS_BIAS=bias is not None, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
