@@ -84,7 +84,7 @@ def teacher_topk(hidden: torch.Tensor, weight: torch.Tensor, k: int = 64, *, tem
         lean: tiles of rows × vocab columns instead of row chunks: 48 MiB of float32 logits
             plus ~16 MiB for merging slices, whatever N and V; one matmul and one merge per tile.
         fused: the top-k chosen in the epilogue of a Triton matmul (triton backend): no logits in
-            memory at all, ``N · S · C · 8`` bytes of candidate keys (S vocab splits, C ≥ k + 128);
+            memory at all, ``N · S · C · 8`` bytes of candidates (S vocab splits, C ≥ k + 128);
             k <= 256.
             Not yet measured on a GPU (benchmarks/NOTES.md); off by default.
     Returns:
@@ -97,12 +97,12 @@ def teacher_topk(hidden: torch.Tensor, weight: torch.Tensor, k: int = 64, *, tem
     _check_logprobs_dtype(logprobs_dtype)
     # fused is a Triton kernel: "auto" means triton there
     chosen = _teacher_backend("triton" if fused and backend == "auto" else backend, "teacher_topk", hidden.device, k)
-    if fused and (chosen != "triton" or lean or chunk_rows is not None):
-        raise ValueError(f"fused=True: runs on the triton backend with its own tiles; got backend {chosen!r}, "
-                         f"lean={lean}, chunk_rows={chunk_rows} (pass backend='triton' and neither of the others)")
     if fused:
         from .ops.lm_head_topk import FUSED_MAX_K
 
+        if chosen != "triton" or lean or chunk_rows is not None:
+            raise ValueError(f"fused=True: runs on the triton backend with its own tiles; got backend {chosen!r}, "
+                             f"lean={lean}, chunk_rows={chunk_rows} (pass backend='triton' and neither of the others)")
         if k > FUSED_MAX_K:
             raise ValueError(f"k: fused=True supports 1 <= k <= {FUSED_MAX_K}, got {k} (the default schedule "
                              "takes any k)")

@@ -21,9 +21,9 @@ import torch
 import triton
 import triton.language as tl
 
+from .sort_keys import EMPTY_COLUMN
 from .tma import row_tile_descriptor
 
-_NO_COLUMN = 2**31 - 1
 USER = "the matmul with statistics (KD_KERNELS_STUDENT_STATS=epilogue)"
 
 
@@ -137,5 +137,5 @@ def combine_tiles(stats: TileStatistics, temperature: float, column_start: int =
     if stats.total_tempered is not None:
         lse_tempered = safe_best / temperature + torch.log(
             (stats.total_tempered * torch.exp(weights / temperature)).sum(-1))
-    top1 = torch.where(stats.max == best.unsqueeze(-1), stats.arg, _NO_COLUMN).min(dim=-1).values
+    top1 = torch.where(stats.max == best.unsqueeze(-1), stats.arg, EMPTY_COLUMN).min(dim=-1).values
     return lse, lse_tempered, best, top1.long() + column_start

@@ -31,7 +31,6 @@ _EMPTY_COLUMN = tl.constexpr(EMPTY_COLUMN)
 FUSED_MAX_K = 256  # each row's k + BLOCK_N candidate slots are sorted inside the kernel
 
 
-
 @dataclasses.dataclass(frozen=True)
 class FusedTopKConfig:
     """Tile sizes of the fused kernel (rows, vocab columns, hidden step), warps, pipeline

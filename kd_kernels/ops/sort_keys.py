@@ -13,11 +13,6 @@ def value_column_keys(values: torch.Tensor, columns: torch.Tensor) -> torch.Tens
     return (ordered << 32) | (0xFFFFFFFF - columns.long())
 
 
-def empty_key() -> int:
-    """The smallest key: value -inf at EMPTY_COLUMN."""
-    return int(value_column_keys(torch.tensor([-float("inf")]), torch.tensor([EMPTY_COLUMN]))[0])
-
-
 def decode_keys(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """int64 keys -> (float32 values, int64 columns; EMPTY_COLUMN reads 0)."""
     ordered = (keys >> 32).to(torch.int32)

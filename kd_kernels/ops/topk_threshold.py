@@ -73,12 +73,6 @@ def _collect_kernel(logits_ptr, threshold_ptr, values_ptr, columns_ptr, counts_p
         tl.store(out_columns + slots, cols, mask=keep)
 
 
-def _top_by_value_then_column(values: torch.Tensor, columns: torch.Tensor, k: int):
-    """The k largest of ``[R, C]`` float32 candidates in any order: value descending, the lower
-    column first among equal values. Returns (values, columns int64)."""
-    return top_of_keys(value_column_keys(values, columns), k)
-
-
 def _capacity(k: int) -> int:
     return max(256, 4 * k)
 
@@ -102,7 +96,8 @@ def threshold_topk(logits: torch.Tensor, k: int, temperature: float, width: int)
                                    num_warps=warps)
         _collect_kernel[(rows,)](logits, threshold, found, columns, counts, logits.stride(0), width, capacity,
                                  BLOCK_V=ROW_BLOCK_V, num_warps=warps)
-    values, top_columns = _top_by_value_then_column(found, columns, k)
+    # value descending, the lower column first among equal values
+    values, top_columns = top_of_keys(value_column_keys(found, columns), k)
     overflow = (counts > capacity).nonzero().flatten()
     if overflow.numel():  # heavy ties: the exact full-row sort for these rows only
         exact, exact_columns = torch.sort(logits[overflow, :width].float(), dim=-1, descending=True, stable=True)
