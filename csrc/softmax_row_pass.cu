@@ -20,11 +20,11 @@ namespace cg = cooperative_groups;
 namespace kd_kernels {
 namespace {
 
-constexpr int kThreads = 512;  // one CTA per SM (two row buffers): the smem passes need the threads
+constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 constexpr int kMaxCluster = 16;
 // A CTA's slice of the row; static shared memory and the per-block reserve fit beside it.
-constexpr int64_t kMaxSliceFloats = (200 * 1024) / 8;  // two buffers
+constexpr int64_t kMaxSliceFloats = (200 * 1024) / 4;
 
 struct Partial {
   float max;           // of the slice (-inf if it holds no existing column)
@@ -79,36 +79,38 @@ __device__ __forceinline__ float block_sum(float value, float* scratch) {
   return total;
 }
 
-struct RowPassArgs {
-  const float* logits;
-  const float* bias;
-  int64_t rows, row_stride;
-  int width, num_columns, slice_len, k;
-  float inv_temperature;
-  bool tempered;
-  const int64_t* ids;
-  int64_t ids_stride;
-  const int64_t* labels;
-  const float* coef;
-  float *lse, *lse_tempered, *best;
-  int64_t* top1;
-  float* at_ids;
-  int64_t at_ids_stride;
-  float* at_label;
-  int64_t grad_stride;
-};
-
-// One row's slice, already in shared memory (`slice`): statistics with the cluster, then the
-// gradient. `partial` is this row's slot (two alternate, so one cluster barrier a row is enough:
-// the next use of a slot comes after the barrier of the row in between).
 template <typename GradT>
-__device__ void process_row(const RowPassArgs& a, GradT* grad, cg::cluster_group& cluster, int64_t row,
-                            float* slice, Partial* partial, float* scratch, int* scratch_column) {
+__global__ void __launch_bounds__(kThreads) softmax_row_pass_kernel(
+    const float* __restrict__ logits, const float* __restrict__ bias, int64_t row_stride, int width,
+    int num_columns, int slice_len, float inv_temperature, bool tempered, const int64_t* __restrict__ ids, int k,
+    int64_t ids_stride, const int64_t* __restrict__ labels, const float* __restrict__ coef, float* lse_out,
+    float* lse_tempered_out, float* best_out, int64_t* top1_out, float* at_ids, int64_t at_ids_stride,
+    float* at_label, GradT* grad, int64_t grad_stride) {
+  extern __shared__ float4 slice4[];
+  float* slice = reinterpret_cast<float*>(slice4);
+  __shared__ Partial partial;
+  __shared__ float scratch[kWarps];
+  __shared__ int scratch_column[kWarps];
+
+  cg::cluster_group cluster = cg::this_cluster();
   const int cluster_size = static_cast<int>(cluster.num_blocks());
   const int rank = static_cast<int>(cluster.block_rank());
-  const int slice_start = rank * a.slice_len;
-  const int slice_columns = max(0, min(a.slice_len, a.num_columns - slice_start));
+  const int64_t row = blockIdx.x / cluster_size;
+  const int slice_start = rank * slice_len;
+  const int slice_columns = max(0, min(slice_len, num_columns - slice_start));
+  const int vectors = slice_columns / 4;
+  const float* row_logits = logits + row * row_stride + slice_start;
   const int tid = threadIdx.x;
+
+  // 1. the whole slice in flight at once (cp.async, global -> shared, no registers held): a
+  // register-staged load kept too few bytes in flight to fill HBM at two CTAs per SM
+  for (int i = tid; i < vectors; i += kThreads) {
+    __pipeline_memcpy_async(&slice4[i], reinterpret_cast<const float4*>(row_logits) + i, 16);
+  }
+  __pipeline_commit();
+  for (int j = 4 * vectors + tid; j < slice_columns; j += kThreads) slice[j] = row_logits[j];  // a partial vector
+  __pipeline_wait_prior(0);
+  __syncthreads();
 
   // z = logits + bias, -inf past width, in place; the maximum and its lowest column (each
   // thread visits its columns in ascending order and touches only its own elements)
@@ -116,7 +118,7 @@ __device__ void process_row(const RowPassArgs& a, GradT* grad, cg::cluster_group
   int thread_column = INT_MAX;
   for (int j = tid; j < slice_columns; j += kThreads) {
     const int column = slice_start + j;
-    const float z = column < a.width ? slice[j] + (a.bias ? a.bias[column] : 0.0f) : -INFINITY;
+    const float z = column < width ? slice[j] + (bias ? bias[column] : 0.0f) : -INFINITY;
     slice[j] = z;
     if (z > thread_max) {
       thread_max = z;
@@ -127,7 +129,6 @@ __device__ void process_row(const RowPassArgs& a, GradT* grad, cg::cluster_group
     keep_larger(thread_max, thread_column, __shfl_xor_sync(0xffffffffu, thread_max, offset),
                 __shfl_xor_sync(0xffffffffu, thread_column, offset));
   }
-  __syncthreads();  // scratch may still be read from the previous row
   if (tid % 32 == 0) {
     scratch[tid / 32] = thread_max;
     scratch_column[tid / 32] = thread_column;
@@ -137,121 +138,83 @@ __device__ void process_row(const RowPassArgs& a, GradT* grad, cg::cluster_group
   int slice_column = INT_MAX;
   for (int w = 0; w < kWarps; ++w) keep_larger(slice_max, slice_column, scratch[w], scratch_column[w]);
 
-  // the slice's sums (each thread reads back the elements it wrote)
+  // 2. the slice's sums (each thread reads back the elements it wrote)
   const float shift = slice_max == -INFINITY ? 0.0f : slice_max;
   float sum = 0.0f, sum_tempered = 0.0f;
   for (int j = tid; j < slice_columns; j += kThreads) {
     const float z = slice[j];
     sum += __expf(z - shift);
-    if (a.tempered) sum_tempered += __expf((z - shift) * a.inv_temperature);
+    if (tempered) sum_tempered += __expf((z - shift) * inv_temperature);
   }
   sum = block_sum(sum, scratch);
-  if (a.tempered) sum_tempered = block_sum(sum_tempered, scratch);
-  if (tid == 0) *partial = Partial{slice_max, sum, sum_tempered, slice_column};
+  if (tempered) sum_tempered = block_sum(sum_tempered, scratch);
+  if (tid == 0) partial = Partial{slice_max, sum, sum_tempered, slice_column};
 
-  // the row's statistics from the cluster's partials
-  cluster.sync();  // every slice of the row is in shared memory: its global bytes may be overwritten
+  // 3. the row's statistics from the cluster's partials
+  cluster.sync();  // every slice is in shared memory: the row in global memory may be overwritten
   float row_max = -INFINITY;
   int row_column = INT_MAX;
   Partial parts[kMaxCluster];
 #pragma unroll
   for (int r = 0; r < kMaxCluster; ++r) {
     if (r >= cluster_size) break;
-    parts[r] = *cluster.map_shared_rank(partial, r);
+    parts[r] = *cluster.map_shared_rank(&partial, r);
     keep_larger(row_max, row_column, parts[r].max, parts[r].column);
   }
+  cluster.barrier_arrive();  // this CTA is done with the others' shared memory
   const float row_shift = row_max == -INFINITY ? 0.0f : row_max;
   float total = 0.0f, total_tempered = 0.0f;
 #pragma unroll
   for (int r = 0; r < kMaxCluster; ++r) {
     if (r >= cluster_size) break;
     total += parts[r].sum * __expf(parts[r].max - row_shift);
-    if (a.tempered) total_tempered += parts[r].sum_tempered * __expf((parts[r].max - row_shift) * a.inv_temperature);
+    if (tempered) total_tempered += parts[r].sum_tempered * __expf((parts[r].max - row_shift) * inv_temperature);
   }
   const float lse = row_shift + logf(total);
   if (rank == 0 && tid == 0) {
-    a.lse[row] = lse;
-    a.lse_tempered[row] = a.tempered ? row_shift * a.inv_temperature + logf(total_tempered) : lse;
-    a.best[row] = row_max;
-    a.top1[row] = row_column;
+    lse_out[row] = lse;
+    lse_tempered_out[row] = tempered ? row_shift * inv_temperature + logf(total_tempered) : lse;
+    best_out[row] = row_max;
+    top1_out[row] = row_column;
   }
   // the values at the ids and the label this slice holds (ids < width: each in one slice)
-  for (int j = tid; j < a.k; j += kThreads) {
-    const int64_t column = a.ids[row * a.ids_stride + j] - slice_start;
-    if (column >= 0 && column < slice_columns) a.at_ids[row * a.at_ids_stride + j] = slice[column];
+  for (int j = tid; j < k; j += kThreads) {
+    const int64_t column = ids[row * ids_stride + j] - slice_start;
+    if (column >= 0 && column < slice_columns) at_ids[row * at_ids_stride + j] = slice[column];
   }
-  if (a.labels != nullptr && tid == 0) {
-    const int64_t column = a.labels[row] - slice_start;
-    if (column >= 0 && column < slice_columns) a.at_label[row] = slice[column];
+  if (labels != nullptr && tid == 0) {
+    const int64_t column = labels[row] - slice_start;
+    if (column >= 0 && column < slice_columns) at_label[row] = slice[column];
   }
 
-  // the dense gradient coef * softmax(z) over the slice, from shared memory
-  const float row_coef = a.coef[row];
-  GradT* row_grad = grad + row * a.grad_stride + slice_start;
-  const float4* slice4 = reinterpret_cast<const float4*>(slice);
-  const int vectors = slice_columns / 4;
+  // 4. the dense gradient coef * softmax(z) over the slice, from shared memory
+  const float row_coef = coef[row];
+  GradT* row_grad = grad + row * grad_stride + slice_start;
   for (int i = tid; i < vectors; i += kThreads) {
     const float4 z = slice4[i];
     const int column = slice_start + 4 * i;
     float4 g;
-    g.x = column < a.width ? row_coef * __expf(z.x - lse) : 0.0f;
-    g.y = column + 1 < a.width ? row_coef * __expf(z.y - lse) : 0.0f;
-    g.z = column + 2 < a.width ? row_coef * __expf(z.z - lse) : 0.0f;
-    g.w = column + 3 < a.width ? row_coef * __expf(z.w - lse) : 0.0f;
+    g.x = column < width ? row_coef * __expf(z.x - lse) : 0.0f;
+    g.y = column + 1 < width ? row_coef * __expf(z.y - lse) : 0.0f;
+    g.z = column + 2 < width ? row_coef * __expf(z.z - lse) : 0.0f;
+    g.w = column + 3 < width ? row_coef * __expf(z.w - lse) : 0.0f;
     store4<GradT>(row_grad + 4 * i, g);
   }
   for (int j = 4 * vectors + tid; j < slice_columns; j += kThreads) {
     const int column = slice_start + j;
-    row_grad[j] = from_float<GradT>(column < a.width ? row_coef * __expf(slice[j] - lse) : 0.0f);
+    row_grad[j] = from_float<GradT>(column < width ? row_coef * __expf(slice[j] - lse) : 0.0f);
   }
-}
-
-// Persistent: each cluster walks rows cluster_id, cluster_id + clusters, ...; while it works on
-// one row, the next row's slices are already in flight (cp.async into the other buffer), so
-// HBM stays busy through the reductions and the cluster barrier.
-template <typename GradT>
-__global__ void __launch_bounds__(kThreads) softmax_row_pass_kernel(RowPassArgs a, GradT* grad) {
-  extern __shared__ float4 buffers4[];
-  __shared__ Partial partials[2];
-  __shared__ float scratch[kWarps];
-  __shared__ int scratch_column[kWarps];
-  cg::cluster_group cluster = cg::this_cluster();
-  const int cluster_size = static_cast<int>(cluster.num_blocks());
-  const int slice_start = static_cast<int>(cluster.block_rank()) * a.slice_len;
-  const int slice_columns = max(0, min(a.slice_len, a.num_columns - slice_start));
-  const int vectors = slice_columns / 4;
-  const int64_t clusters = gridDim.x / cluster_size;
-  float* buffers[2] = {reinterpret_cast<float*>(buffers4), reinterpret_cast<float*>(buffers4) + a.slice_len};
-
-  auto prefetch = [&](int64_t row, float* slice) {
-    if (row < a.rows) {
-      const float4* source = reinterpret_cast<const float4*>(a.logits + row * a.row_stride + slice_start);
-      for (int i = threadIdx.x; i < vectors; i += kThreads) {
-        __pipeline_memcpy_async(reinterpret_cast<float4*>(slice) + i, source + i, 16);
-      }
-    }
-    __pipeline_commit();  // one group per row, empty or not: wait_prior counts groups
-  };
-  int parity = 0;
-  int64_t row = blockIdx.x / cluster_size;
-  prefetch(row, buffers[0]);
-  for (; row < a.rows; row += clusters, parity ^= 1) {
-    float* slice = buffers[parity];
-    __syncthreads();  // every thread is done with the other buffer (the previous row)
-    prefetch(row + clusters, buffers[parity ^ 1]);
-    __pipeline_wait_prior(1);  // this row's copies have landed
-    const float* row_logits = a.logits + row * a.row_stride + slice_start;
-    for (int j = 4 * vectors + threadIdx.x; j < slice_columns; j += kThreads) slice[j] = row_logits[j];
-    __syncthreads();
-    process_row<GradT>(a, grad, cluster, row, slice, &partials[parity], scratch, scratch_column);
-  }
-  __pipeline_wait_prior(0);
-  cluster.sync();  // no CTA leaves while another may still read its partials
+  cluster.barrier_wait();  // no CTA leaves while another may still read its partial
 }
 
 template <typename GradT>
-cudaError_t launch(int cluster_size, const RowPassArgs& args, void* grad, cudaStream_t stream) {
-  const size_t shared_bytes = 2 * static_cast<size_t>(args.slice_len) * sizeof(float);
+cudaError_t launch(int cluster_size, const float* logits, const float* bias, int64_t rows, int64_t row_stride, int64_t width,
+                   int64_t num_columns, float inv_temperature, const int64_t* ids, int64_t k, int64_t ids_stride,
+                   const int64_t* labels, const float* coef, float* lse, float* lse_tempered, float* best,
+                   int64_t* top1, float* at_ids, int64_t at_ids_stride, float* at_label, void* grad,
+                   int64_t grad_stride, cudaStream_t stream) {
+  const int64_t slice_len = ((num_columns + cluster_size - 1) / cluster_size + 3) / 4 * 4;
+  const size_t shared_bytes = static_cast<size_t>(slice_len) * sizeof(float);
   auto kernel = softmax_row_pass_kernel<GradT>;
   cudaError_t status =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared_bytes));
@@ -260,6 +223,7 @@ cudaError_t launch(int cluster_size, const RowPassArgs& args, void* grad, cudaSt
   }
   if (status != cudaSuccess) return status;
   cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(static_cast<unsigned>(rows * cluster_size));
   config.blockDim = dim3(kThreads);
   config.dynamicSmemBytes = shared_bytes;
   config.stream = stream;
@@ -270,58 +234,38 @@ cudaError_t launch(int cluster_size, const RowPassArgs& args, void* grad, cudaSt
   attribute[0].val.clusterDim.z = 1;
   config.attrs = attribute;
   config.numAttrs = 1;
-  config.gridDim = dim3(static_cast<unsigned>(args.rows * cluster_size));
-  int resident = 0;  // clusters that fit the device at once: the persistent grid
-  status = cudaOccupancyMaxActiveClusters(&resident, kernel, &config);
-  if (status != cudaSuccess) return status;
-  if (resident < 1) return cudaErrorInvalidConfiguration;
-  const int64_t clusters = args.rows < resident ? args.rows : resident;
-  config.gridDim = dim3(static_cast<unsigned>(clusters * cluster_size));
-  return cudaLaunchKernelEx(&config, kernel, args, static_cast<GradT*>(grad));
+  const bool tempered = inv_temperature != 1.0f;
+  return cudaLaunchKernelEx(&config, kernel, logits, bias, row_stride, static_cast<int>(width),
+                            static_cast<int>(num_columns), static_cast<int>(slice_len), inv_temperature, tempered,
+                            ids, static_cast<int>(k), ids_stride, labels, coef, lse, lse_tempered, best, top1, at_ids,
+                            at_ids_stride, at_label, static_cast<GradT*>(grad), grad_stride);
 }
 
 }  // namespace
 
 int64_t softmax_row_pass_max_columns() { return kMaxSliceFloats * kRowPassCluster; }  // at the portable size
 
-cudaError_t launch_softmax_row_pass(int cluster_size, const float* logits, const float* bias, int64_t rows,
-                                    int64_t row_stride, int64_t width, int64_t num_columns, float inv_temperature,
+cudaError_t launch_softmax_row_pass(int cluster_size, const float* logits, const float* bias, int64_t rows, int64_t row_stride,
+                                    int64_t width, int64_t num_columns, float inv_temperature,
                                     const int64_t* ids, int64_t k, int64_t ids_stride, const int64_t* labels,
                                     const float* coef, float* lse, float* lse_tempered, float* best, int64_t* top1,
                                     float* at_ids, int64_t at_ids_stride, float* at_label, LogitsDtype grad_dtype,
                                     void* grad, int64_t grad_stride, cudaStream_t stream) {
   if (rows == 0) return cudaSuccess;
   if (cluster_size != 8 && cluster_size != 16) return cudaErrorInvalidValue;
-  RowPassArgs args;
-  args.logits = logits;
-  args.bias = bias;
-  args.rows = rows;
-  args.row_stride = row_stride;
-  args.width = static_cast<int>(width);
-  args.num_columns = static_cast<int>(num_columns);
-  args.slice_len = static_cast<int>(((num_columns + cluster_size - 1) / cluster_size + 3) / 4 * 4);
-  args.k = static_cast<int>(k);
-  args.inv_temperature = inv_temperature;
-  args.tempered = inv_temperature != 1.0f;
-  args.ids = ids;
-  args.ids_stride = ids_stride;
-  args.labels = labels;
-  args.coef = coef;
-  args.lse = lse;
-  args.lse_tempered = lse_tempered;
-  args.best = best;
-  args.top1 = top1;
-  args.at_ids = at_ids;
-  args.at_ids_stride = at_ids_stride;
-  args.at_label = at_label;
-  args.grad_stride = grad_stride;
   switch (grad_dtype) {
     case LogitsDtype::kFloat32:
-      return launch<float>(cluster_size, args, grad, stream);
+      return launch<float>(cluster_size, logits, bias, rows, row_stride, width, num_columns, inv_temperature, ids, k, ids_stride,
+                           labels, coef, lse, lse_tempered, best, top1, at_ids, at_ids_stride, at_label, grad,
+                           grad_stride, stream);
     case LogitsDtype::kFloat16:
-      return launch<__half>(cluster_size, args, grad, stream);
+      return launch<__half>(cluster_size, logits, bias, rows, row_stride, width, num_columns, inv_temperature, ids, k, ids_stride,
+                            labels, coef, lse, lse_tempered, best, top1, at_ids, at_ids_stride, at_label, grad,
+                            grad_stride, stream);
     case LogitsDtype::kBFloat16:
-      return launch<__nv_bfloat16>(cluster_size, args, grad, stream);
+      return launch<__nv_bfloat16>(cluster_size, logits, bias, rows, row_stride, width, num_columns, inv_temperature, ids, k,
+                                   ids_stride, labels, coef, lse, lse_tempered, best, top1, at_ids, at_ids_stride,
+                                   at_label, grad, grad_stride, stream);
   }
   return cudaErrorInvalidValue;
 }
