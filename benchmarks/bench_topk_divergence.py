@@ -238,9 +238,6 @@ def main():
             extra += [(f"{schedule}, {passes} row pass{'es' if passes == 'two' else ''}",
                        dict(env={"KD_KERNELS_STUDENT_PASSES": passes}, lean=schedule == "lean"))
                       for schedule in ("fast", "lean") for passes in ("two", "cluster")]
-            extra += [(f"{schedule}, cluster row pass of 16 CTAs", dict(
-                env={"KD_KERNELS_STUDENT_PASSES": "cluster", "KD_KERNELS_ROW_PASS_CLUSTER": "16"},
-                lean=schedule == "lean")) for schedule in ("fast", "lean")]
             # the row statistics in the matmul's epilogue (KD_KERNELS_STUDENT_STATS), default tiles and a sweep
             extra += [(f"fast, statistics in the matmul epilogue {tiles or ''}".rstrip(),
                        dict(env={"KD_KERNELS_STUDENT_STATS": "epilogue",

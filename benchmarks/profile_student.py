@@ -1,7 +1,6 @@
 """Where the time of the fused student step goes at S1: torch.profiler kernel table.
 
-usage: python benchmarks/profile_student.py [--lean] [--chunk-rows R] [--passes two,one,cluster]
-(--passes: one kernel table per KD_KERNELS_STUDENT_PASSES, ms per step, and the step's device time)
+usage: python benchmarks/profile_student.py [--lean] [--chunk-rows R]
 """
 import argparse
 import os
@@ -19,7 +18,6 @@ from harness import llm_like_hidden  # noqa: E402
 parser = argparse.ArgumentParser(description=__doc__)
 parser.add_argument("--lean", action="store_true")
 parser.add_argument("--chunk-rows", type=int, default=None)
-parser.add_argument("--passes", default="", help="comma-separated KD_KERNELS_STUDENT_PASSES values (default: as set)")
 args = parser.parse_args()
 n, h, v, k = 8192, 2048, 151_936, 64
 weight = (torch.randn(v, h, device="cuda") * 0.02).to(torch.bfloat16).requires_grad_()
@@ -35,33 +33,11 @@ def step():
     weight.grad = None
 
 
-STEPS = 5
-
-
-def profile_steps(label):
-    for _ in range(3):
+for _ in range(3):
+    step()
+torch.cuda.synchronize()
+with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    for _ in range(5):
         step()
     torch.cuda.synchronize()
-    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(STEPS):
-        step()
-    stop.record()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(STEPS):
-            step()
-        torch.cuda.synchronize()
-    events = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)
-    busy = sum(e.self_device_time_total for e in events) / STEPS / 1e3
-    print(f"## {label}: {start.elapsed_time(stop) / STEPS:.2f} ms a step (events), kernels {busy:.2f} ms")
-    for event in events[:10]:
-        if event.self_device_time_total:
-            print(f"  {event.self_device_time_total / STEPS / 1e3:7.3f} ms  {event.count // STEPS:4d}×  {event.key[:90]}")
-
-
-for passes in [p for p in args.passes.split(",") if p] or [os.environ.get("KD_KERNELS_STUDENT_PASSES", "one")]:
-    # "cluster16": the CUDA row pass with 16 CTAs a row
-    os.environ["KD_KERNELS_STUDENT_PASSES"] = passes.rstrip("0123456789")
-    os.environ["KD_KERNELS_ROW_PASS_CLUSTER"] = passes[len("cluster"):] if passes.startswith("cluster1") else "8"
-    profile_steps(f"passes={passes}, lean={args.lean}, chunk_rows={args.chunk_rows}")
+print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60))

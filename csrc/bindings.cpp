@@ -104,10 +104,7 @@ void softmax_row_pass(const at::Tensor& logits, const c10::optional<at::Tensor>&
                       const c10::optional<at::Tensor>& labels, const at::Tensor& coef, const at::Tensor& lse,
                       const at::Tensor& lse_tempered, const at::Tensor& best, const at::Tensor& top1,
                       const c10::optional<at::Tensor>& at_ids, const c10::optional<at::Tensor>& at_label,
-                      const at::Tensor& grad, int64_t cluster_size) {
-  if (cluster_size != 8 && cluster_size != 16) {
-    fail_value("cluster_size: expected 8 or 16, got " + std::to_string(cluster_size));
-  }
+                      const at::Tensor& grad) {
   if (!logits.is_cuda()) fail_value("logits: expected a CUDA tensor, got one on " + logits.device().str());
   if (logits.scalar_type() != at::kFloat) {
     fail_type(std::string("logits: expected dtype float32, got ") + c10::toString(logits.scalar_type()));
@@ -172,7 +169,7 @@ void softmax_row_pass(const at::Tensor& logits, const c10::optional<at::Tensor>&
   }
   const c10::cuda::CUDAGuard guard(logits.device());
   const cudaError_t status = kd_kernels::launch_softmax_row_pass(
-      static_cast<int>(cluster_size), logits.data_ptr<float>(), bias.has_value() ? bias->data_ptr<float>() : nullptr, rows, row_stride, width,
+      logits.data_ptr<float>(), bias.has_value() ? bias->data_ptr<float>() : nullptr, rows, row_stride, width,
       num_columns, static_cast<float>(inv_temperature), ids.has_value() ? ids->data_ptr<int64_t>() : nullptr, k,
       ids.has_value() ? ids->stride(0) : 0, optional_int64(labels), coef.data_ptr<float>(), lse.data_ptr<float>(),
       lse_tempered.data_ptr<float>(), best.data_ptr<float>(), top1.data_ptr<int64_t>(),
@@ -202,5 +199,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
              pybind11::arg("logits"), pybind11::arg("bias"), pybind11::arg("width"), pybind11::arg("inv_temperature"),
              pybind11::arg("ids"), pybind11::arg("labels"), pybind11::arg("coef"), pybind11::arg("lse"),
              pybind11::arg("lse_tempered"), pybind11::arg("best"), pybind11::arg("top1"), pybind11::arg("at_ids"),
-             pybind11::arg("at_label"), pybind11::arg("grad"), pybind11::arg("cluster_size") = 8);
+             pybind11::arg("at_label"), pybind11::arg("grad"));
 }

@@ -8,7 +8,6 @@
 #include "softmax_row_pass.h"
 
 #include <cooperative_groups.h>
-#include <cuda_pipeline.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -22,7 +21,7 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
-constexpr int kMaxCluster = 16;
+constexpr int kUnroll = 8;  // 32 KiB of loads in flight per CTA, two CTAs per SM at V = 151,936
 // A CTA's slice of the row; static shared memory and the per-block reserve fit beside it.
 constexpr int64_t kMaxSliceFloats = (200 * 1024) / 4;
 
@@ -93,32 +92,44 @@ __global__ void __launch_bounds__(kThreads) softmax_row_pass_kernel(
   __shared__ int scratch_column[kWarps];
 
   cg::cluster_group cluster = cg::this_cluster();
-  const int cluster_size = static_cast<int>(cluster.num_blocks());
   const int rank = static_cast<int>(cluster.block_rank());
-  const int64_t row = blockIdx.x / cluster_size;
+  const int64_t row = blockIdx.x / kRowPassCluster;
   const int slice_start = rank * slice_len;
   const int slice_columns = max(0, min(slice_len, num_columns - slice_start));
   const int vectors = slice_columns / 4;
   const float* row_logits = logits + row * row_stride + slice_start;
   const int tid = threadIdx.x;
 
-  // 1. the whole slice in flight at once (cp.async, global -> shared, no registers held): a
-  // register-staged load kept too few bytes in flight to fill HBM at two CTAs per SM
-  for (int i = tid; i < vectors; i += kThreads) {
-    __pipeline_memcpy_async(&slice4[i], reinterpret_cast<const float4*>(row_logits) + i, 16);
-  }
-  __pipeline_commit();
-  for (int j = 4 * vectors + tid; j < slice_columns; j += kThreads) slice[j] = row_logits[j];  // a partial vector
-  __pipeline_wait_prior(0);
-  __syncthreads();
-
-  // z = logits + bias, -inf past width, in place; the maximum and its lowest column (each
-  // thread visits its columns in ascending order and touches only its own elements)
+  // 1. the slice into shared memory (z = logits + bias, -inf past width), max and its column
   float thread_max = -INFINITY;
   int thread_column = INT_MAX;
-  for (int j = tid; j < slice_columns; j += kThreads) {
+  for (int base = 0; base < vectors; base += kThreads * kUnroll) {
+    float4 loaded[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int i = base + u * kThreads + tid;
+      if (i < vectors) loaded[u] = __ldcs(reinterpret_cast<const float4*>(row_logits) + i);
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int i = base + u * kThreads + tid;
+      if (i >= vectors) continue;
+      float z[4] = {loaded[u].x, loaded[u].y, loaded[u].z, loaded[u].w};
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int column = slice_start + 4 * i + e;
+        z[e] = column < width ? z[e] + (bias ? bias[column] : 0.0f) : -INFINITY;
+        if (z[e] > thread_max) {  // a thread sees its columns in ascending order: the lowest wins ties
+          thread_max = z[e];
+          thread_column = column;
+        }
+      }
+      slice4[i] = make_float4(z[0], z[1], z[2], z[3]);
+    }
+  }
+  for (int j = 4 * vectors + tid; j < slice_columns; j += kThreads) {  // a last partial vector
     const int column = slice_start + j;
-    const float z = column < width ? slice[j] + (bias ? bias[column] : 0.0f) : -INFINITY;
+    const float z = column < width ? row_logits[j] + (bias ? bias[column] : 0.0f) : -INFINITY;
     slice[j] = z;
     if (z > thread_max) {
       thread_max = z;
@@ -138,7 +149,7 @@ __global__ void __launch_bounds__(kThreads) softmax_row_pass_kernel(
   int slice_column = INT_MAX;
   for (int w = 0; w < kWarps; ++w) keep_larger(slice_max, slice_column, scratch[w], scratch_column[w]);
 
-  // 2. the slice's sums (each thread reads back the elements it wrote)
+  // 2. the slice's sums, from shared memory (each thread reads back what it wrote)
   const float shift = slice_max == -INFINITY ? 0.0f : slice_max;
   float sum = 0.0f, sum_tempered = 0.0f;
   for (int j = tid; j < slice_columns; j += kThreads) {
@@ -154,10 +165,9 @@ __global__ void __launch_bounds__(kThreads) softmax_row_pass_kernel(
   cluster.sync();  // every slice is in shared memory: the row in global memory may be overwritten
   float row_max = -INFINITY;
   int row_column = INT_MAX;
-  Partial parts[kMaxCluster];
+  Partial parts[kRowPassCluster];
 #pragma unroll
-  for (int r = 0; r < kMaxCluster; ++r) {
-    if (r >= cluster_size) break;
+  for (int r = 0; r < kRowPassCluster; ++r) {
     parts[r] = *cluster.map_shared_rank(&partial, r);
     keep_larger(row_max, row_column, parts[r].max, parts[r].column);
   }
@@ -165,8 +175,7 @@ __global__ void __launch_bounds__(kThreads) softmax_row_pass_kernel(
   const float row_shift = row_max == -INFINITY ? 0.0f : row_max;
   float total = 0.0f, total_tempered = 0.0f;
 #pragma unroll
-  for (int r = 0; r < kMaxCluster; ++r) {
-    if (r >= cluster_size) break;
+  for (int r = 0; r < kRowPassCluster; ++r) {
     total += parts[r].sum * __expf(parts[r].max - row_shift);
     if (tempered) total_tempered += parts[r].sum_tempered * __expf((parts[r].max - row_shift) * inv_temperature);
   }
@@ -208,28 +217,25 @@ __global__ void __launch_bounds__(kThreads) softmax_row_pass_kernel(
 }
 
 template <typename GradT>
-cudaError_t launch(int cluster_size, const float* logits, const float* bias, int64_t rows, int64_t row_stride, int64_t width,
+cudaError_t launch(const float* logits, const float* bias, int64_t rows, int64_t row_stride, int64_t width,
                    int64_t num_columns, float inv_temperature, const int64_t* ids, int64_t k, int64_t ids_stride,
                    const int64_t* labels, const float* coef, float* lse, float* lse_tempered, float* best,
                    int64_t* top1, float* at_ids, int64_t at_ids_stride, float* at_label, void* grad,
                    int64_t grad_stride, cudaStream_t stream) {
-  const int64_t slice_len = ((num_columns + cluster_size - 1) / cluster_size + 3) / 4 * 4;
+  const int64_t slice_len = ((num_columns + kRowPassCluster - 1) / kRowPassCluster + 3) / 4 * 4;
   const size_t shared_bytes = static_cast<size_t>(slice_len) * sizeof(float);
   auto kernel = softmax_row_pass_kernel<GradT>;
   cudaError_t status =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared_bytes));
-  if (status == cudaSuccess && cluster_size > 8) {
-    status = cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
-  }
   if (status != cudaSuccess) return status;
   cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(static_cast<unsigned>(rows * cluster_size));
+  config.gridDim = dim3(static_cast<unsigned>(rows * kRowPassCluster));
   config.blockDim = dim3(kThreads);
   config.dynamicSmemBytes = shared_bytes;
   config.stream = stream;
   cudaLaunchAttribute attribute[1];
   attribute[0].id = cudaLaunchAttributeClusterDimension;
-  attribute[0].val.clusterDim.x = cluster_size;
+  attribute[0].val.clusterDim.x = kRowPassCluster;
   attribute[0].val.clusterDim.y = 1;
   attribute[0].val.clusterDim.z = 1;
   config.attrs = attribute;
@@ -243,27 +249,26 @@ cudaError_t launch(int cluster_size, const float* logits, const float* bias, int
 
 }  // namespace
 
-int64_t softmax_row_pass_max_columns() { return kMaxSliceFloats * kRowPassCluster; }  // at the portable size
+int64_t softmax_row_pass_max_columns() { return kMaxSliceFloats * kRowPassCluster; }
 
-cudaError_t launch_softmax_row_pass(int cluster_size, const float* logits, const float* bias, int64_t rows, int64_t row_stride,
+cudaError_t launch_softmax_row_pass(const float* logits, const float* bias, int64_t rows, int64_t row_stride,
                                     int64_t width, int64_t num_columns, float inv_temperature,
                                     const int64_t* ids, int64_t k, int64_t ids_stride, const int64_t* labels,
                                     const float* coef, float* lse, float* lse_tempered, float* best, int64_t* top1,
                                     float* at_ids, int64_t at_ids_stride, float* at_label, LogitsDtype grad_dtype,
                                     void* grad, int64_t grad_stride, cudaStream_t stream) {
   if (rows == 0) return cudaSuccess;
-  if (cluster_size != 8 && cluster_size != 16) return cudaErrorInvalidValue;
   switch (grad_dtype) {
     case LogitsDtype::kFloat32:
-      return launch<float>(cluster_size, logits, bias, rows, row_stride, width, num_columns, inv_temperature, ids, k, ids_stride,
+      return launch<float>(logits, bias, rows, row_stride, width, num_columns, inv_temperature, ids, k, ids_stride,
                            labels, coef, lse, lse_tempered, best, top1, at_ids, at_ids_stride, at_label, grad,
                            grad_stride, stream);
     case LogitsDtype::kFloat16:
-      return launch<__half>(cluster_size, logits, bias, rows, row_stride, width, num_columns, inv_temperature, ids, k, ids_stride,
+      return launch<__half>(logits, bias, rows, row_stride, width, num_columns, inv_temperature, ids, k, ids_stride,
                             labels, coef, lse, lse_tempered, best, top1, at_ids, at_ids_stride, at_label, grad,
                             grad_stride, stream);
     case LogitsDtype::kBFloat16:
-      return launch<__nv_bfloat16>(cluster_size, logits, bias, rows, row_stride, width, num_columns, inv_temperature, ids, k,
+      return launch<__nv_bfloat16>(logits, bias, rows, row_stride, width, num_columns, inv_temperature, ids, k,
                                    ids_stride, labels, coef, lse, lse_tempered, best, top1, at_ids, at_ids_stride,
                                    at_label, grad, grad_stride, stream);
   }

@@ -9,8 +9,7 @@
 
 namespace kd_kernels {
 
-// CTAs that share one row by default (a thread-block cluster; 8 is the portable maximum, 16
-// the largest Hopper allows).
+// CTAs that share one row (a thread-block cluster; 8 is the portable maximum).
 constexpr int kRowPassCluster = 8;
 
 // Largest row (columns) whose slices fit one CTA's shared memory each.
@@ -24,8 +23,7 @@ int64_t softmax_row_pass_max_columns();
 // then grad[r * grad_stride + c] = coef[r] * exp(z[c] - lse[r]) for c < width, 0 for
 // width <= c < num_columns, in `grad_dtype`. grad may alias logits (the same storage, same
 // start): the whole row is in shared memory before any of it is overwritten.
-// cluster_size: 8 or 16 CTAs a row.
-cudaError_t launch_softmax_row_pass(int cluster_size, const float* logits, const float* bias, int64_t rows, int64_t row_stride,
+cudaError_t launch_softmax_row_pass(const float* logits, const float* bias, int64_t rows, int64_t row_stride,
                                     int64_t width, int64_t num_columns, float inv_temperature,
                                     const int64_t* ids, int64_t k, int64_t ids_stride, const int64_t* labels,
                                     const float* coef, float* lse, float* lse_tempered, float* best, int64_t* top1,

@@ -4,7 +4,6 @@ held in the shared memory of a cluster of eight CTAs (the Triton `row_statistics
 gradient reads each row twice). The compiled module checks its inputs itself."""
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
@@ -23,14 +22,5 @@ def softmax_row_pass(logits: torch.Tensor, bias: Optional[torch.Tensor], width: 
     float32. Writes ``out`` and ``grad``; returns ``out``."""
     bias = None if bias is None else bias.float().contiguous()
     load_extension().softmax_row_pass(logits, bias, width, 1.0 / temperature, ids, labels, coef, out.lse,
-                                      out.lse_tempered, out.best, out.top1, out.at_ids, out.at_label, grad,
-                                      cluster_size())
+                                      out.lse_tempered, out.best, out.top1, out.at_ids, out.at_label, grad)
     return out
-
-
-def cluster_size() -> int:
-    """CTAs a row: ``KD_KERNELS_ROW_PASS_CLUSTER`` = 8 (default, the portable cluster size) or 16."""
-    value = os.environ.get("KD_KERNELS_ROW_PASS_CLUSTER", "8")
-    if value not in ("8", "16"):
-        raise ValueError(f"KD_KERNELS_ROW_PASS_CLUSTER: expected 8 or 16, got {value!r}")
-    return int(value)
