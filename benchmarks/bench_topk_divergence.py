@@ -233,11 +233,6 @@ def main():
                 ("forward_kl", "tail"), ("reverse_kl", "renormalized"), ("jsd", "renormalized"), ("jsd", "tail"),
                 ("skewed_forward_kl", "renormalized"), ("adaptive_kl", "renormalized"), ("tvd", "tail"))]
             extra += [(f"fast, chunk_rows={rows}", dict(chunk_rows=rows)) for rows in (256, 384, 512)]
-            # the row statistics and the dense gradient: one Triton kernel (default), the CUDA
-            # cluster kernel (one read of each row), or two passes (KD_KERNELS_STUDENT_PASSES)
-            extra += [(f"{schedule}, {passes} row pass{'es' if passes == 'two' else ''}",
-                       dict(env={"KD_KERNELS_STUDENT_PASSES": passes}, lean=schedule == "lean"))
-                      for schedule in ("fast", "lean") for passes in ("two", "cluster")]
             # the row statistics in the matmul's epilogue (KD_KERNELS_STUDENT_STATS), default tiles and a sweep
             extra += [(f"fast, statistics in the matmul epilogue {tiles or ''}".rstrip(),
                        dict(env={"KD_KERNELS_STUDENT_STATS": "epilogue",

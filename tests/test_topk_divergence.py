@@ -145,15 +145,9 @@ def test_statistics_in_the_matmul_epilogue(divergence, support, temperature, dty
     _compare(problem, tolerance, divergence=divergence, support=support, beta=0.3, temperature=temperature)
 
 
-def _skip_without_extension(passes):
-    if passes == "cluster" and not kd.available_backends()["cuda"].startswith("available"):
-        pytest.skip("the CUDA row pass needs a CUDA device and the built extension")
-
-
-@pytest.mark.parametrize("statistics", ["one pass with the gradient", "two passes", "matmul epilogue", "cluster"])
+@pytest.mark.parametrize("statistics", ["one pass with the gradient", "two passes", "matmul epilogue"])
 def test_metrics_and_argmax_ties(statistics, monkeypatch):
-    _skip_without_extension(statistics)
-    monkeypatch.setenv("KD_KERNELS_STUDENT_PASSES", {"two passes": "two", "cluster": "cluster"}.get(statistics, "one"))
+    monkeypatch.setenv("KD_KERNELS_STUDENT_PASSES", "two" if statistics == "two passes" else "one")
     if statistics == "matmul epilogue":
         monkeypatch.setenv("KD_KERNELS_STUDENT_STATS", "epilogue")
     hidden, weight, bias, _, labels = _problem(seed=14)
@@ -182,9 +176,8 @@ def test_metrics_and_argmax_ties(statistics, monkeypatch):
 
 @pytest.mark.parametrize("divergence, dtype, tolerance", [
     ("forward_kl", torch.float32, 1e-5), ("reverse_kl", torch.float16, 5e-3), ("jsd", torch.float32, 1e-5)])
-@pytest.mark.parametrize("passes", ["one", "two", "cluster"])
+@pytest.mark.parametrize("passes", ["one", "two"])
 def test_one_and_two_row_passes(passes, divergence, dtype, tolerance, monkeypatch):
-    _skip_without_extension(passes)
     # renormalized support: the dense gradient's coefficient is CE's, known before the
     # statistics, so "one" takes them and writes the dense gradient in one kernel
     monkeypatch.setenv("KD_KERNELS_STUDENT_PASSES", passes)
@@ -260,17 +253,6 @@ def test_gpu_real_shape(divergence, support, dtype, tolerance, lean):
     assert relative_error(got, expected) <= tolerance
     for g, r in zip(grads, expected_grads):
         assert relative_error(g, r) <= tolerance
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("passes", ["one", "two", "cluster"])
-@pytest.mark.parametrize("divergence, dtype, tolerance, lean", [
-    ("forward_kl", torch.bfloat16, 2e-2, False), ("forward_kl", torch.float32, 1e-5, False),
-    ("reverse_kl", torch.bfloat16, 2e-2, True)])
-def test_gpu_real_shape_row_passes(passes, divergence, dtype, tolerance, lean, monkeypatch):
-    _skip_without_extension(passes)
-    monkeypatch.setenv("KD_KERNELS_STUDENT_PASSES", passes)
-    test_gpu_real_shape(divergence, "renormalized", dtype, tolerance, lean)
 
 
 @pytest.mark.gpu

@@ -81,18 +81,14 @@ def _ce_scale(counted, row_weight, options: DivergenceOptions) -> torch.Tensor:
     return torch.where(counted, row_weight * options.ce_weight, 0.0)
 
 
-STUDENT_PASSES = ("one", "cluster", "two")
-
-
 def student_passes() -> str:
-    """``KD_KERNELS_STUDENT_PASSES``, where the dense gradient's coefficient is known before the
-    row statistics (no tail term): ``one`` (default) — one Triton kernel takes the statistics
-    and writes the dense gradient, reading each row twice (the second time partly from L2);
-    ``cluster`` — the CUDA kernel that reads each row once (`ops/softmax_row_pass.py`; needs the
-    extension); ``two`` — a statistics pass, then a gradient pass (what the tail mode does)."""
+    """``KD_KERNELS_STUDENT_PASSES``: ``one`` (default) — where the dense gradient's coefficient
+    is known before the row statistics (no tail term), one kernel takes the statistics and
+    writes the dense gradient, reading each row twice, the second time largely from L2;
+    ``two`` — a statistics pass, then a gradient pass (what the tail mode always does)."""
     choice = os.environ.get("KD_KERNELS_STUDENT_PASSES", "one")
-    if choice not in STUDENT_PASSES:
-        raise ValueError(f"KD_KERNELS_STUDENT_PASSES: expected one of {STUDENT_PASSES}, got {choice!r}")
+    if choice not in ("one", "two"):
+        raise ValueError(f"KD_KERNELS_STUDENT_PASSES: expected 'one' or 'two', got {choice!r}")
     return choice
 
 
@@ -182,13 +178,8 @@ def _chunk_stats(logits, bias, teacher_indices, valid, labels, options: Divergen
     out = statistics_type.empty(logits.shape[0], ids.shape[1], options.temperature != 1.0, labels is not None,
                                 logits.device)
     grad, coef = dense if dense is not None else (None, None)
-    if dense is not None and student_passes() == "cluster":
-        from ..ops.softmax_row_pass import softmax_row_pass
-
-        softmax_row_pass(logits, bias, width, options.temperature, out, ids, safe_labels, grad, coef)
-    else:
-        row_statistics(logits, bias, width, options.temperature, out, ids, safe_labels, column_start=column_start,
-                       grad=grad, coef=coef)
+    row_statistics(logits, bias, width, options.temperature, out, ids, safe_labels, column_start=column_start,
+                   grad=grad, coef=coef)
     return _ChunkStats(out.at_ids, out.at_label, out.lse, out.lse_tempered, out.top1, out.best, ids, safe_labels)
 
 
@@ -356,8 +347,8 @@ def _linear_pass(hidden, weight, bias, student_pass: _ChunkedStudentPass, row_we
     want_grads = row_weight is not None and any(needs)
     chunk_rows = chunk_rows or default_chunk_rows(num_rows, num_columns)
     in_matmul = statistics_in_matmul()
-    # rows of the logits buffer start at 16-byte boundaries for the TMA matmul and the CUDA row pass
-    row_stride = -(-num_columns // 4) * 4 if in_matmul or student_passes() == "cluster" else num_columns
+    # rows of the logits buffer start at 16-byte boundaries when the matmul writes them by TMA
+    row_stride = -(-num_columns // 4) * 4 if in_matmul else num_columns
     logits = torch.empty(min(chunk_rows, num_rows), row_stride, dtype=torch.float32, device=device)[:, :num_columns]
     per_row = torch.empty(num_rows, dtype=torch.float32, device=device)
     metrics = [torch.zeros((), device=device) for _ in _METRIC_NAMES] if with_metrics else None
