@@ -69,27 +69,11 @@ def _fused_support(stats, teacher_logprobs, counted, options: DivergenceOptions,
     row_stats = StudentRowStats(stats.at_ids / options.temperature, stats.lse_tempered, label_logprob, stats.top1)
     grads = None
     if row_weight is not None:
-        ce_scale = _ce_scale(counted, row_weight, options)
+        ce_scale = torch.where(counted, row_weight * options.ce_weight, 0.0)
         with_label = stats.at_label is not None
         grads = SupportGradients(at_ids=grad_ids, at_label=-ce_scale if with_label else None,
                                  lse=ce_scale if with_label else None, lse_tempered=grad_lse_tempered)
     return per_row, kd, ce, row_stats, grads
-
-
-def _ce_scale(counted, row_weight, options: DivergenceOptions) -> torch.Tensor:
-    """d objective / d (per-row CE): the coefficient of softmax(z) in the logit gradient."""
-    return torch.where(counted, row_weight * options.ce_weight, 0.0)
-
-
-def student_passes() -> str:
-    """``KD_KERNELS_STUDENT_PASSES``: ``one`` (default) — where the dense gradient's coefficient
-    is known before the row statistics (no tail term), one kernel takes the statistics and
-    writes the dense gradient, reading each row twice, the second time largely from L2;
-    ``two`` — a statistics pass, then a gradient pass (what the tail mode always does)."""
-    choice = os.environ.get("KD_KERNELS_STUDENT_PASSES", "one")
-    if choice not in ("one", "two"):
-        raise ValueError(f"KD_KERNELS_STUDENT_PASSES: expected 'one' or 'two', got {choice!r}")
-    return choice
 
 
 def lean_chunk_rows(num_rows: int, num_columns: int) -> int:
@@ -164,12 +148,10 @@ def _chunk_stats_from_tiles(logits, bias, tiles, ids, safe_labels, options: Dive
 
 
 def _chunk_stats(logits, bias, teacher_indices, valid, labels, options: DivergenceOptions, width: int,
-                 column_start: int = 0, tiles=None, dense=None) -> _ChunkStats:
+                 column_start: int = 0, tiles=None) -> _ChunkStats:
     """Statistics of rows whose logits (the ``width`` existing columns of this rank, global ids
     from ``column_start``) are all in memory: one Triton pass, or the matmul epilogue's
-    ``tiles`` (`TileStatistics`) and gathers. Ids and labels this rank does not own read 0.
-    ``dense = (grad, coef)``: the same pass also writes ``grad = coef · softmax(z)`` over the
-    logits (`row_statistics`)."""
+    ``tiles`` (`TileStatistics`) and gathers. Ids and labels this rank does not own read 0."""
     ids = torch.where(valid, teacher_indices.long(), 0)
     safe_labels = None if labels is None else torch.where(labels != options.ignore_index, labels.long(), 0)
     if tiles is not None:
@@ -177,9 +159,7 @@ def _chunk_stats(logits, bias, teacher_indices, valid, labels, options: Divergen
     row_statistics, statistics_type = _statistics_kernel()
     out = statistics_type.empty(logits.shape[0], ids.shape[1], options.temperature != 1.0, labels is not None,
                                 logits.device)
-    grad, coef = dense if dense is not None else (None, None)
-    row_statistics(logits, bias, width, options.temperature, out, ids, safe_labels, column_start=column_start,
-                   grad=grad, coef=coef)
+    row_statistics(logits, bias, width, options.temperature, out, ids, safe_labels, column_start=column_start)
     return _ChunkStats(out.at_ids, out.at_label, out.lse, out.lse_tempered, out.top1, out.best, ids, safe_labels)
 
 
@@ -297,24 +277,12 @@ class _ChunkedStudentPass:
                 metrics[index] = metrics[index] + sums[name].float()
         return per_row, grads
 
-    def dense_coefficient(self, row_weight, start, stop) -> Optional[torch.Tensor]:
-        """The coefficient of softmax(z) in the logit gradient of rows [start, stop), where it is
-        known before their statistics: without the tail term (whose coefficient comes from the
-        loss math) it is CE's alone. None where it is not (or ``KD_KERNELS_STUDENT_PASSES=two``),
-        and over a vocab shard (its softmax needs the group's logsumexp)."""
-        if self.options.support == "tail" or self.shard is not None or student_passes() == "two":
-            return None
-        if self.labels is None:
-            return torch.zeros(stop - start, dtype=torch.float32, device=self.counted.device)
-        return _ce_scale(self.counted[start:stop], row_weight[start:stop], self.options)
-
-    def chunk(self, logits, bias, start, stop, row_weight, metrics, tiles=None, dense=None):
+    def chunk(self, logits, bias, start, stop, row_weight, metrics, tiles=None):
         """`step` of rows [start, stop) from their logits ``[stop - start, V]`` (and the matmul
-        epilogue's tile statistics, if it made them); also returns the stats. ``dense``: see
-        `_chunk_stats`."""
+        epilogue's tile statistics, if it made them); also returns the stats."""
         _, teacher_indices, valid, labels, _ = self.rows(start, stop)
         stats = _chunk_stats(logits, bias, teacher_indices, valid, labels, self.options, self.width,
-                             self.column_start, tiles, dense)
+                             self.column_start, tiles)
         if self.shard is not None:
             stats = _combine_over_ranks(stats, self.shard)
         per_row, grads = self.step(stats, start, stop, row_weight, metrics)
@@ -360,12 +328,7 @@ def _linear_pass(hidden, weight, bias, student_pass: _ChunkedStudentPass, row_we
     for start in range(0, num_rows, chunk_rows):
         stop = min(start + chunk_rows, num_rows)
         hidden_chunk = hidden[start:stop]
-        chunk_logits, tiles, dense = logits[:stop - start], None, None
-        # the gradient row, in the input dtype, overwrites the first bytes of its float32 logits row
-        chunk_grad = chunk_logits.view(hidden.dtype)[:, :num_columns]
-        if want_grads and not in_matmul:
-            coef = student_pass.dense_coefficient(row_weight, start, stop)
-            dense = None if coef is None else (chunk_grad, coef)
+        chunk_logits, tiles = logits[:stop - start], None
         if in_matmul:
             from ..ops.lm_head_statistics import logits_and_statistics
 
@@ -374,17 +337,14 @@ def _linear_pass(hidden, weight, bias, student_pass: _ChunkedStudentPass, row_we
         else:
             _lm_head_logits_fp32(hidden_chunk, weight, chunk_logits)
         per_row[start:stop], stats, grads = student_pass.chunk(chunk_logits, bias, start, stop,
-                                                               row_weight if want_grads else None, metrics, tiles,
-                                                               dense)
+                                                               row_weight if want_grads else None, metrics, tiles)
         if not want_grads:
             continue
+        # the gradient row, in the input dtype, overwrites the first bytes of its float32 logits row
+        chunk_grad = chunk_logits.view(hidden.dtype)[:, :num_columns]
         plan = _gradient_plan(stats, grads, student_pass.valid[start:stop], student_pass.options)
-        if dense is None:
-            _write_logit_gradient(chunk_logits, bias, plan, student_pass.options, student_pass.width, chunk_grad,
-                                  student_pass.column_start)
-        else:  # the dense part is written: the sparse columns on top
-            _kernels()[2](chunk_grad, plan.columns, plan.values, student_pass.column_start,
-                          student_pass.column_start + num_columns)
+        _write_logit_gradient(chunk_logits, bias, plan, student_pass.options, student_pass.width, chunk_grad,
+                              student_pass.column_start)
         if grad_hidden is not None:
             torch.mm(chunk_grad, weight, out=grad_hidden[start:stop])
         if grad_weight is not None and start == 0:

@@ -1,15 +1,9 @@
-"""Row statistics of logits rows in one streaming pass, optionally followed by the dense
-gradient ``coef · softmax(z)`` of the same row.
+"""Row statistics of logits rows in one streaming pass.
 
 For columns ``[column_start, column_start + width)`` of each row (z = logits + bias; the whole
 row, or this rank's shard of it): the logsumexp at temperature 1 and at τ, the maximum and its
 column (lowest on ties), and the values at given global ids and at the label where these
 columns hold them.
-
-With the gradient, one program reads its row twice: the statistics walk the row from its end
-to its start, so the gradient, walking from the start (the order that lets it overwrite the
-float32 row with its bf16 / fp16 values), first re-reads what was read last, while it may still
-sit in L2.
 """
 from dataclasses import dataclass
 from typing import Optional
@@ -19,7 +13,6 @@ import triton
 import triton.language as tl
 
 from .launch import ROW_BLOCK_V, num_warps_for
-from .softmax_gradient import dense_gradient_row
 
 
 @dataclass
@@ -47,24 +40,19 @@ class RowStatistics:
 @triton.jit
 def _row_statistics_kernel(logits_ptr, bias_ptr, ids_ptr, labels_ptr,
                            lse_ptr, lse_tempered_ptr, best_ptr, top1_ptr, at_ids_ptr, at_label_ptr,
-                           grad_ptr, coef_ptr,
-                           stride_row, stride_ids, stride_at_ids, stride_grad, width, num_columns, column_start, k,
-                           inv_temperature,
+                           stride_row, stride_ids, stride_at_ids, width, column_start, k, inv_temperature,
                            HAS_BIAS: tl.constexpr, TEMPERED: tl.constexpr, HAS_IDS: tl.constexpr,
-                           HAS_LABELS: tl.constexpr, GRAD: tl.constexpr, BLOCK_V: tl.constexpr,
+                           HAS_LABELS: tl.constexpr, BLOCK_V: tl.constexpr,
                            BLOCK_K: tl.constexpr):
     row = tl.program_id(0)
     row_ptr = logits_ptr + row.to(tl.int64) * stride_row
     offsets = tl.arange(0, BLOCK_V)
-    num_blocks = tl.cdiv(width, BLOCK_V)
     # per-lane running max and sums; the temperature shares the max (τ > 0 keeps the order)
     lane_max = tl.full([BLOCK_V], float("-inf"), tl.float32)
     lane_sum = tl.zeros([BLOCK_V], tl.float32)
     lane_sum_tempered = tl.zeros([BLOCK_V], tl.float32)
     lane_arg = tl.zeros([BLOCK_V], tl.int32)
-    for block in range(0, num_blocks):
-        # with the gradient to follow, from the row's end (see the module docstring)
-        start = (num_blocks - 1 - block) * BLOCK_V if GRAD else block * BLOCK_V
+    for start in range(0, width, BLOCK_V):
         cols = start + offsets
         inside = cols < width
         z = tl.load(row_ptr + cols, mask=inside, other=float("-inf")).to(tl.float32)
@@ -77,11 +65,7 @@ def _row_statistics_kernel(logits_ptr, bias_ptr, ids_ptr, labels_ptr,
         if TEMPERED:
             lane_sum_tempered = (lane_sum_tempered * tl.exp((lane_max - safe_max) * inv_temperature)
                                  + tl.exp((z - safe_max) * inv_temperature))
-        # the lowest column wins ties: walking backwards, a later equal value replaces
-        if GRAD:
-            lane_arg = tl.where((z > lane_max) | ((z == lane_max) & inside), cols, lane_arg)
-        else:
-            lane_arg = tl.where(z > lane_max, cols, lane_arg)
+        lane_arg = tl.where(z > lane_max, cols, lane_arg)
         lane_max = new_max
     row_max = tl.max(lane_max, axis=0)
     # the lowest column among lanes holding the maximum
@@ -112,29 +96,16 @@ def _row_statistics_kernel(logits_ptr, bias_ptr, ids_ptr, labels_ptr,
         if HAS_BIAS:
             label_value += tl.load(bias_ptr + local_label, mask=label_owned, other=0.0).to(tl.float32)
         tl.store(at_label_ptr + row, label_value, mask=label_owned)
-    if GRAD:
-        # the gathers above read float32 values that the gradient's stores overwrite
-        tl.debug_barrier()
-        coef = tl.load(coef_ptr + row)
-        dense_gradient_row(row_ptr, bias_ptr, grad_ptr + row.to(tl.int64) * stride_grad, lse, coef, lse, coef,
-                           width, num_columns, inv_temperature, HAS_BIAS, False, True, BLOCK_V)
 
 
 def row_statistics(logits: torch.Tensor, bias, width: int, temperature: float, out: RowStatistics,
                    ids: Optional[torch.Tensor] = None, labels: Optional[torch.Tensor] = None,
-                   column_start: int = 0, grad: Optional[torch.Tensor] = None,
-                   coef: Optional[torch.Tensor] = None) -> RowStatistics:
+                   column_start: int = 0) -> RowStatistics:
     """logits ``[R, ≥width]`` (unit column stride) of global columns ``[column_start, +width)``,
     bias ``[width]`` or None; ids ``[R, k]`` / labels ``[R]`` int64 global columns (already
     safe: no -1 / ignore_index). Writes and returns ``out`` (``RowStatistics.empty``): ids
-    and labels outside these columns keep its initial values.
-
-    With ``grad`` (the logits' own storage viewed as ``[R, C]`` bf16 / fp16 / fp32, C =
-    ``logits.shape[1]``) and float32 ``coef [R]``: also writes ``grad = coef · softmax(z)``
-    over the first ``width`` columns of the whole row (``column_start`` must be 0), 0 past them."""
+    and labels outside these columns keep its initial values."""
     rows = logits.shape[0]
-    if grad is not None and (grad.data_ptr() != logits.data_ptr() or column_start != 0 or coef is None):
-        raise ValueError("row_statistics: grad must alias logits (same start), with coef and column_start = 0")
     tempered = temperature != 1.0
     k = 0 if ids is None else ids.shape[1]
     if rows:
@@ -144,11 +115,9 @@ def row_statistics(logits: torch.Tensor, bias, width: int, temperature: float, o
             out.lse, out.lse_tempered, out.best, out.top1,
             out.at_ids if out.at_ids is not None else out.lse,
             out.at_label if out.at_label is not None else out.lse,
-            grad if grad is not None else logits, coef if coef is not None else out.lse,
             logits.stride(0), ids.stride(0) if ids is not None else 0,
-            out.at_ids.stride(0) if out.at_ids is not None else 0, grad.stride(0) if grad is not None else 0,
-            width, logits.shape[1], column_start, k,
+            out.at_ids.stride(0) if out.at_ids is not None else 0, width, column_start, k,
             1.0 / temperature, HAS_BIAS=bias is not None, TEMPERED=tempered, HAS_IDS=ids is not None,
-            HAS_LABELS=labels is not None, GRAD=grad is not None, BLOCK_V=ROW_BLOCK_V,
+            HAS_LABELS=labels is not None, BLOCK_V=ROW_BLOCK_V,
             BLOCK_K=triton.next_power_of_2(max(k, 1)), num_warps=num_warps_for(ROW_BLOCK_V))
     return out

@@ -14,10 +14,18 @@ from .launch import ROW_BLOCK_V, num_warps_for
 
 
 @triton.jit
-def dense_gradient_row(logits_row, bias_ptr, grad_row, lse, coef, lse_tempered, coef_tempered, vocab_size,
-                       num_columns, inv_temperature, HAS_BIAS: tl.constexpr, HAS_TEMPERED: tl.constexpr,
-                       IN_PLACE: tl.constexpr, BLOCK_V: tl.constexpr):
-    """One row of the gradient, columns in ascending order (what makes the in-place store safe)."""
+def _softmax_gradient_kernel(logits_ptr, bias_ptr, grad_ptr, lse_ptr, lse_tempered_ptr, coef_ptr, coef_tempered_ptr,
+                             stride_logits, stride_grad, vocab_size, num_columns, inv_temperature,
+                             HAS_BIAS: tl.constexpr, HAS_TEMPERED: tl.constexpr, IN_PLACE: tl.constexpr,
+                             BLOCK_V: tl.constexpr):
+    row = tl.program_id(0)
+    logits_row = logits_ptr + row.to(tl.int64) * stride_logits
+    grad_row = grad_ptr + row.to(tl.int64) * stride_grad
+    lse = tl.load(lse_ptr + row)
+    coef = tl.load(coef_ptr + row)
+    if HAS_TEMPERED:
+        lse_tempered = tl.load(lse_tempered_ptr + row)
+        coef_tempered = tl.load(coef_tempered_ptr + row)
     offsets = tl.arange(0, BLOCK_V)
     for start in range(0, num_columns, BLOCK_V):
         cols = start + offsets
@@ -31,26 +39,7 @@ def dense_gradient_row(logits_row, bias_ptr, grad_row, lse, coef, lse_tempered, 
         grad = tl.where(in_vocab, grad, 0.0)
         if IN_PLACE:
             tl.debug_barrier()
-        tl.store(grad_row + cols, grad.to(grad_row.dtype.element_ty), mask=cols < num_columns)
-
-
-@triton.jit
-def _softmax_gradient_kernel(logits_ptr, bias_ptr, grad_ptr, lse_ptr, lse_tempered_ptr, coef_ptr, coef_tempered_ptr,
-                             stride_logits, stride_grad, vocab_size, num_columns, inv_temperature,
-                             HAS_BIAS: tl.constexpr, HAS_TEMPERED: tl.constexpr, IN_PLACE: tl.constexpr,
-                             BLOCK_V: tl.constexpr):
-    row = tl.program_id(0)
-    logits_row = logits_ptr + row.to(tl.int64) * stride_logits
-    grad_row = grad_ptr + row.to(tl.int64) * stride_grad
-    lse = tl.load(lse_ptr + row)
-    coef = tl.load(coef_ptr + row)
-    lse_tempered = lse
-    coef_tempered = coef
-    if HAS_TEMPERED:
-        lse_tempered = tl.load(lse_tempered_ptr + row)
-        coef_tempered = tl.load(coef_tempered_ptr + row)
-    dense_gradient_row(logits_row, bias_ptr, grad_row, lse, coef, lse_tempered, coef_tempered, vocab_size,
-                       num_columns, inv_temperature, HAS_BIAS, HAS_TEMPERED, IN_PLACE, BLOCK_V)
+        tl.store(grad_row + cols, grad.to(grad_ptr.dtype.element_ty), mask=cols < num_columns)
 
 
 def softmax_gradient(logits: torch.Tensor, bias, grad: torch.Tensor, lse: torch.Tensor, lse_tempered: torch.Tensor,
