@@ -77,6 +77,24 @@ def test_num_tokens_and_one_chunk_and_beta_endpoints():
     _compare(problem, 1e-5, divergence="jsd", beta=1.0, support="tail")
 
 
+@pytest.mark.parametrize("support", ["renormalized", "tail"])
+@pytest.mark.parametrize("divergence", ["forward_kl", "jsd"])
+def test_labels_among_the_ids_and_missing_entries(divergence, support):
+    # where gradients land on one column twice: the label among the teacher's ids, and
+    # missing entries (-inf, id 0) beside a label 0 or a valid id 0
+    hidden, weight, bias, teacher, labels = _problem(seed=18, k=6)
+    logprobs, indices = teacher.logprobs.clone(), teacher.indices.clone()
+    rows = torch.arange(hidden.shape[0], device=labels.device)
+    labels = torch.where(rows % 3 == 0, indices[:, 1].long(), labels)  # the label is the second id
+    missing = rows % 4 == 1
+    logprobs[missing, 4:] = -float("inf")
+    indices[missing, 4:] = 0
+    labels = torch.where(rows % 8 == 1, 0, labels)  # a missing row whose label is column 0
+    indices[rows % 8 == 5, 3] = 0  # a missing row with a valid id 0 as well
+    problem = (hidden, weight, bias, kd.TopK(logprobs, indices, temperature=2.0), labels)
+    _compare(problem, 1e-5, divergence=divergence, support=support, beta=0.3)
+
+
 def test_large_logits_and_low_temperature_stay_finite():
     hidden, weight, bias, teacher, labels = _problem(scale=25.0, seed=7, temperature=0.25)
     hidden.requires_grad_()

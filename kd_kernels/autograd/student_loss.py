@@ -147,18 +147,16 @@ def _chunk_stats_from_tiles(logits, bias, tiles, ids, safe_labels, options: Dive
                        ids, safe_labels)
 
 
-def _chunk_stats(logits, bias, teacher_indices, valid, labels, options: DivergenceOptions, width: int,
-                 column_start: int = 0, tiles=None) -> _ChunkStats:
+def _chunk_stats(logits, bias, ids, safe_labels, out, options: DivergenceOptions, width: int, column_start: int = 0,
+                 tiles=None) -> _ChunkStats:
     """Statistics of rows whose logits (the ``width`` existing columns of this rank, global ids
-    from ``column_start``) are all in memory: one Triton pass, or the matmul epilogue's
-    ``tiles`` (`TileStatistics`) and gathers. Ids and labels this rank does not own read 0."""
-    ids = torch.where(valid, teacher_indices.long(), 0)
-    safe_labels = None if labels is None else torch.where(labels != options.ignore_index, labels.long(), 0)
+    from ``column_start``) are all in memory: one Triton pass into ``out`` (`RowStatistics`
+    rows), or the matmul epilogue's ``tiles`` (`TileStatistics`) and gathers. ``ids`` /
+    ``safe_labels``: int64, invalid entries and ignored rows -> 0. Ids and labels this rank
+    does not own read 0."""
     if tiles is not None:
         return _chunk_stats_from_tiles(logits, bias, tiles, ids, safe_labels, options, width, column_start)
-    row_statistics, statistics_type = _statistics_kernel()
-    out = statistics_type.empty(logits.shape[0], ids.shape[1], options.temperature != 1.0, labels is not None,
-                                logits.device)
+    row_statistics, _ = _statistics_kernel()
     row_statistics(logits, bias, width, options.temperature, out, ids, safe_labels, column_start=column_start)
     return _ChunkStats(out.at_ids, out.at_label, out.lse, out.lse_tempered, out.top1, out.best, ids, safe_labels)
 
@@ -195,34 +193,20 @@ class _GradientPlan:
     values: torch.Tensor
 
 
-def _gradient_plan(stats: _ChunkStats, grads, valid, options: DivergenceOptions) -> _GradientPlan:
+def _gradient_plan(stats: _ChunkStats, grads, teacher_logprobs, options: DivergenceOptions) -> _GradientPlan:
+    from ..ops.gradient_plan import gradient_plan
+
     coef = grads.lse if grads.lse is not None else torch.zeros_like(stats.lse)
     # d logsumexp(z / τ) / dz = softmax(z / τ) / τ; at τ = 1 both terms are one softmax
     coef_tempered = None if grads.lse_tempered is None else grads.lse_tempered / options.temperature
     if coef_tempered is not None and options.temperature == 1.0:
         coef, coef_tempered = coef + coef_tempered, None
-
-    def dense(z):
-        value = coef.unsqueeze(-1) * torch.exp(z - stats.lse.unsqueeze(-1))
-        if coef_tempered is not None:
-            value = value + coef_tempered.unsqueeze(-1) * torch.exp(
-                z / options.temperature - stats.lse_tempered.unsqueeze(-1))
-        return value
-
-    at_ids = torch.where(valid, grads.at_ids, 0.0)
-    at_column0 = torch.where(stats.ids == 0, at_ids, 0.0).sum(-1, keepdim=True)
-    sparse_ids = torch.where(valid, at_ids, at_column0)
-    columns, values = [stats.ids], []
-    if grads.at_label is not None:
-        label = stats.labels.unsqueeze(-1)
-        label_grad = grads.at_label.unsqueeze(-1)
-        sparse_ids = sparse_ids + torch.where(stats.ids == label, label_grad, 0.0)
-        ids_on_label = torch.where(valid & (stats.ids == label), at_ids, 0.0).sum(-1, keepdim=True)
-        columns.append(label)
-        values.append(dense(stats.at_label.unsqueeze(-1)) + (ids_on_label + label_grad))
-    values.insert(0, dense(stats.at_ids) + sparse_ids)
-    return _GradientPlan(coef, coef_tempered, stats.lse, stats.lse_tempered, torch.cat(columns, -1).contiguous(),
-                         torch.cat(values, -1).float().contiguous())
+    with_label = grads.at_label is not None
+    columns, values = gradient_plan(
+        teacher_logprobs.contiguous(), grads.at_ids.float().contiguous(), stats.ids, stats.at_ids, stats.lse, stats.lse_tempered,
+        coef, coef_tempered, stats.labels if with_label else None, stats.at_label if with_label else None,
+        grads.at_label if with_label else None, options.temperature)
+    return _GradientPlan(coef, coef_tempered, stats.lse, stats.lse_tempered, columns, values)
 
 
 def _write_logit_gradient(logits, bias, plan: _GradientPlan, options: DivergenceOptions, vocab_size: int,
@@ -247,6 +231,13 @@ class _ChunkedStudentPass:
         self.teacher_logprobs = teacher_logprobs
         self.teacher_indices = teacher_indices
         self.valid = torch.isfinite(teacher_logprobs)
+        # once for all rows, not per chunk: each small op is a launch and a gap on the device
+        self.safe_ids = torch.where(self.valid, teacher_indices.long(), 0)
+        self.safe_labels = None if labels is None else torch.where(labels != options.ignore_index, labels.long(), 0)
+        _, statistics_type = _statistics_kernel()
+        self.stats_rows = statistics_type.empty(teacher_logprobs.shape[0], teacher_logprobs.shape[1],
+                                                options.temperature != 1.0, labels is not None,
+                                                teacher_logprobs.device)
         self.labels = labels
         self.options = options
         self.vocab_size = vocab_size
@@ -280,9 +271,9 @@ class _ChunkedStudentPass:
     def chunk(self, logits, bias, start, stop, row_weight, metrics, tiles=None):
         """`step` of rows [start, stop) from their logits ``[stop - start, V]`` (and the matmul
         epilogue's tile statistics, if it made them); also returns the stats."""
-        _, teacher_indices, valid, labels, _ = self.rows(start, stop)
-        stats = _chunk_stats(logits, bias, teacher_indices, valid, labels, self.options, self.width,
-                             self.column_start, tiles)
+        stats = _chunk_stats(logits, bias, self.safe_ids[start:stop],
+                             None if self.safe_labels is None else self.safe_labels[start:stop],
+                             self.stats_rows.rows(start, stop), self.options, self.width, self.column_start, tiles)
         if self.shard is not None:
             stats = _combine_over_ranks(stats, self.shard)
         per_row, grads = self.step(stats, start, stop, row_weight, metrics)
@@ -342,7 +333,7 @@ def _linear_pass(hidden, weight, bias, student_pass: _ChunkedStudentPass, row_we
             continue
         # the gradient row, in the input dtype, overwrites the first bytes of its float32 logits row
         chunk_grad = chunk_logits.view(hidden.dtype)[:, :num_columns]
-        plan = _gradient_plan(stats, grads, student_pass.valid[start:stop], student_pass.options)
+        plan = _gradient_plan(stats, grads, student_pass.teacher_logprobs[start:stop], student_pass.options)
         _write_logit_gradient(chunk_logits, bias, plan, student_pass.options, student_pass.width, chunk_grad,
                               student_pass.column_start)
         if grad_hidden is not None:
@@ -434,7 +425,7 @@ class LogitsTopKDivergence(torch.autograd.Function):
         teacher_logprobs, teacher_indices, valid, labels, counted = student_pass.rows(0, logits.shape[0])
         *_, grads = student_pass.support(stats, teacher_logprobs, teacher_indices, counted, row_weight)
         grad_logits = torch.empty_like(logits, memory_format=torch.contiguous_format)
-        _write_logit_gradient(logits, None, _gradient_plan(stats, grads, valid, options), options,
+        _write_logit_gradient(logits, None, _gradient_plan(stats, grads, teacher_logprobs, options), options,
                               student_pass.width, grad_logits, student_pass.column_start)
         return grad_logits, None, None, None, None, None, None, None, None
 

@@ -27,6 +27,13 @@ class RowStatistics:
     at_ids: Optional[torch.Tensor]
     at_label: Optional[torch.Tensor]
 
+    def rows(self, start: int, stop: int) -> "RowStatistics":
+        """Views of rows [start, stop) (written in place by `row_statistics`)."""
+        def part(t):
+            return None if t is None else t[start:stop]
+        return RowStatistics(part(self.lse), part(self.lse_tempered), part(self.best), part(self.top1),
+                             part(self.at_ids), part(self.at_label))
+
     @staticmethod
     def empty(num_rows: int, k: int, tempered: bool, labels: bool, device) -> "RowStatistics":
         lse = torch.full((num_rows,), -float("inf"), device=device)
