@@ -23,6 +23,7 @@ Memory beyond inputs and outputs: ``chunk_rows · V · 4`` bytes plus O(N·k) (f
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from typing import Optional
 
@@ -230,18 +231,36 @@ class _ChunkedStudentPass:
         self.width, self.column_start = (vocab_size, 0) if shard is None else (shard.existing, shard.vocab_start)
         self.teacher_logprobs = teacher_logprobs
         self.teacher_indices = teacher_indices
-        self.valid = torch.isfinite(teacher_logprobs)
-        # once for all rows, not per chunk: each small op is a launch and a gap on the device
-        self.safe_ids = torch.where(self.valid, teacher_indices.long(), 0)
-        self.safe_labels = None if labels is None else torch.where(labels != options.ignore_index, labels.long(), 0)
-        _, statistics_type = _statistics_kernel()
-        self.stats_rows = statistics_type.empty(teacher_logprobs.shape[0], teacher_logprobs.shape[1],
-                                                options.temperature != 1.0, labels is not None,
-                                                teacher_logprobs.device)
         self.labels = labels
         self.options = options
         self.vocab_size = vocab_size
-        self.counted = counted_rows(labels, teacher_logprobs.shape[0], options.ignore_index, teacher_logprobs.device)
+
+    # The per-row inputs below are made once for all rows (not per chunk: each small op is a
+    # launch and a gap on the device) and on first use, after the first chunk's matmul is queued.
+    @functools.cached_property
+    def valid(self) -> torch.Tensor:
+        return torch.isfinite(self.teacher_logprobs)
+
+    @functools.cached_property
+    def safe_ids(self) -> torch.Tensor:
+        return torch.where(self.valid, self.teacher_indices.long(), 0)
+
+    @functools.cached_property
+    def safe_labels(self) -> Optional[torch.Tensor]:
+        labels = self.labels
+        return None if labels is None else torch.where(labels != self.options.ignore_index, labels.long(), 0)
+
+    @functools.cached_property
+    def stats_rows(self):
+        _, statistics_type = _statistics_kernel()
+        rows, k = self.teacher_logprobs.shape
+        return statistics_type.empty(rows, k, self.options.temperature != 1.0, self.labels is not None,
+                                     self.teacher_logprobs.device)
+
+    @functools.cached_property
+    def counted(self) -> torch.Tensor:
+        rows = self.teacher_logprobs.shape[0]
+        return counted_rows(self.labels, rows, self.options.ignore_index, self.teacher_logprobs.device)
 
     def support(self, stats: "_ChunkStats", teacher_logprobs, teacher_indices, counted, row_weight):
         """(per-row loss, KD, CE, row stats, gradients w.r.t. the statistics or None)."""
@@ -300,7 +319,10 @@ def _reduce(per_row: torch.Tensor, row_weight: Optional[torch.Tensor], options: 
 def _linear_pass(hidden, weight, bias, student_pass: _ChunkedStudentPass, row_weight, needs, chunk_rows,
                  with_metrics: bool):
     """Chunks over rows: logits by cuBLAS, statistics and gradients by the Triton passes.
-    Returns per-row loss, metric sums (or None), and (grad_hidden, grad_weight, grad_bias)."""
+    ``row_weight``: None (no gradients) or a function making the ``[N]`` d loss / d per-row
+    loss, called once the first matmul is queued (its small ops then run behind it).
+    Returns per-row loss, metric sums (or None), (grad_hidden, grad_weight, grad_bias) and the
+    row weights."""
     num_rows, num_columns = hidden.shape[0], weight.shape[0]
     device = hidden.device
     want_grads = row_weight is not None and any(needs)
@@ -327,6 +349,8 @@ def _linear_pass(hidden, weight, bias, student_pass: _ChunkedStudentPass, row_we
                                           student_pass.options.temperature, chunk_logits)
         else:
             _lm_head_logits_fp32(hidden_chunk, weight, chunk_logits)
+        if start == 0 and row_weight is not None:
+            row_weight = row_weight()
         per_row[start:stop], stats, grads = student_pass.chunk(chunk_logits, bias, start, stop,
                                                                row_weight if want_grads else None, metrics, tiles)
         if not want_grads:
@@ -349,7 +373,9 @@ def _linear_pass(hidden, weight, bias, student_pass: _ChunkedStudentPass, row_we
 
         all_reduce_sum_(grad_hidden, student_pass.shard)  # hidden is replicated: Σ_r dlogits_r @ W_r
     grads = (grad_hidden, grad_weight, None if grad_bias is None else grad_bias.to(bias.dtype))
-    return per_row, (None if metrics is None else torch.stack(metrics)), grads
+    if callable(row_weight):  # no rows
+        row_weight = row_weight()
+    return per_row, (None if metrics is None else torch.stack(metrics)), grads, row_weight
 
 
 def _schedule(hidden, weight, bias, student_pass, row_weight, needs, chunk_rows, lean, with_metrics):
@@ -366,11 +392,12 @@ class LinearTopKDivergence(torch.autograd.Function):
                 options: DivergenceOptions, vocab_size: int, chunk_rows, lean: bool, with_metrics: bool, shard):
         student_pass = _ChunkedStudentPass(teacher_logprobs, teacher_indices, labels, options, vocab_size, shard)
         needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2])
-        row_weight = None
-        if options.reduction != "none":
-            row_weight = _row_weight(hidden.shape[0], student_pass.counted, options, num_tokens, hidden.device)
-        per_row, metrics, grads = _schedule(hidden, weight, bias, student_pass, row_weight, needs, chunk_rows, lean,
-                                            with_metrics)
+        def weigh_rows():
+            return _row_weight(hidden.shape[0], student_pass.counted, options, num_tokens, hidden.device)
+
+        per_row, metrics, grads, row_weight = _schedule(
+            hidden, weight, bias, student_pass, weigh_rows if options.reduction != "none" else None, needs, chunk_rows,
+            lean, with_metrics)
         ctx.options, ctx.chunk_rows, ctx.lean, ctx.needs, ctx.backward_done = options, chunk_rows, lean, needs, False
         ctx.student_pass = student_pass if options.reduction == "none" else None
         ctx.save_for_backward(*(grads if options.reduction != "none" else (hidden, weight, bias)))
@@ -384,8 +411,8 @@ class LinearTopKDivergence(torch.autograd.Function):
     def backward(ctx, grad_loss, _grad_metrics):
         if ctx.options.reduction == "none":
             hidden, weight, bias = ctx.saved_tensors
-            _, _, grads = _schedule(hidden, weight, bias, ctx.student_pass, grad_loss.float(), ctx.needs,
-                                    ctx.chunk_rows, ctx.lean, with_metrics=False)
+            _, _, grads, _ = _schedule(hidden, weight, bias, ctx.student_pass, grad_loss.float, ctx.needs,
+                                       ctx.chunk_rows, ctx.lean, with_metrics=False)
         else:
             if ctx.backward_done:
                 raise RuntimeError("topk_divergence: backward ran twice through the same graph; the fused "
