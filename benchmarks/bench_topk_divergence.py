@@ -180,7 +180,7 @@ def bench_shape(name, n, h, v, k, extra_variants, only_ours=False):
                              labels[:2048])
     print(f"bf16 accuracy vs float64 reference (2048 rows): {accuracy}")
     for variant, options in extra_variants:
-        if "env" in options and "KD_KERNELS_STATS_TILES" not in options["env"]:
+        if "env" in options:
             with environment_set(options["env"]):
                 accuracy[variant] = bf16_accuracy(hidden[:2048], weight, kd.TopK(
                     teacher.logprobs[:2048], teacher.indices[:2048], None, 1.0), labels[:2048])
@@ -233,11 +233,6 @@ def main():
                 ("forward_kl", "tail"), ("reverse_kl", "renormalized"), ("jsd", "renormalized"), ("jsd", "tail"),
                 ("skewed_forward_kl", "renormalized"), ("adaptive_kl", "renormalized"), ("tvd", "tail"))]
             extra += [(f"fast, chunk_rows={rows}", dict(chunk_rows=rows)) for rows in (256, 384, 512)]
-            # the row statistics in the matmul's epilogue (KD_KERNELS_STUDENT_STATS), default tiles and a sweep
-            extra += [(f"fast, statistics in the matmul epilogue {tiles or ''}".rstrip(),
-                       dict(env={"KD_KERNELS_STUDENT_STATS": "epilogue",
-                                 **({"KD_KERNELS_STATS_TILES": tiles} if tiles else {})}))
-                      for tiles in (None, "128,256,64,8,2", "128,128,64,8,4", "64,256,64,8,3")]
         if args.variants:
             extra = [(label, options) for label, options in extra
                      if any(part in label for part in args.variants.split(","))]

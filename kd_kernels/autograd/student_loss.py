@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 from typing import Optional
 
 import torch
@@ -115,48 +114,13 @@ class _ChunkStats:
     labels: Optional[torch.Tensor]  # [C] int64, ignored rows -> 0
 
 
-def statistics_in_matmul() -> bool:
-    """``KD_KERNELS_STUDENT_STATS=epilogue``: the row statistics come from the lm_head matmul's
-    epilogue (ops/lm_head_statistics.py) instead of a pass over the float32 logits; ``pass``
-    (the default) keeps the pass. A switch for benchmarks until the epilogue is measured."""
-    choice = os.environ.get("KD_KERNELS_STUDENT_STATS", "pass")
-    if choice not in ("pass", "epilogue"):
-        raise ValueError(f"KD_KERNELS_STUDENT_STATS: expected 'pass' or 'epilogue', got {choice!r}")
-    return choice == "epilogue"
-
-
-def _at_columns(logits, bias, columns, width: int, column_start: int):
-    """Raw logits (+ bias) at global ``columns`` (int64, any shape ``[R, …]``) this rank owns; 0 elsewhere."""
-    local = columns - column_start
-    owned = (local >= 0) & (local < width)
-    safe = torch.where(owned, local, 0)
-    values = logits.gather(1, safe)
-    if bias is not None:
-        values = values + bias[safe].float()
-    return torch.where(owned, values, 0.0)
-
-
-def _chunk_stats_from_tiles(logits, bias, tiles, ids, safe_labels, options: DivergenceOptions, width: int,
-                            column_start: int) -> _ChunkStats:
-    from ..ops.lm_head_statistics import combine_tiles
-
-    lse, lse_tempered, best, top1 = combine_tiles(tiles, options.temperature, column_start)
-    at_label = None
-    if safe_labels is not None:
-        at_label = _at_columns(logits, bias, safe_labels.unsqueeze(-1), width, column_start).squeeze(-1)
-    return _ChunkStats(_at_columns(logits, bias, ids, width, column_start), at_label, lse, lse_tempered, top1, best,
-                       ids, safe_labels)
-
-
-def _chunk_stats(logits, bias, ids, safe_labels, out, options: DivergenceOptions, width: int, column_start: int = 0,
-                 tiles=None) -> _ChunkStats:
+def _chunk_stats(logits, bias, ids, safe_labels, out, options: DivergenceOptions, width: int,
+                 column_start: int = 0) -> _ChunkStats:
     """Statistics of rows whose logits (the ``width`` existing columns of this rank, global ids
     from ``column_start``) are all in memory: one Triton pass into ``out`` (`RowStatistics`
-    rows), or the matmul epilogue's ``tiles`` (`TileStatistics`) and gathers. ``ids`` /
+    rows). ``ids`` /
     ``safe_labels``: int64, invalid entries and ignored rows -> 0. Ids and labels this rank
     does not own read 0."""
-    if tiles is not None:
-        return _chunk_stats_from_tiles(logits, bias, tiles, ids, safe_labels, options, width, column_start)
     row_statistics, _ = _statistics_kernel()
     row_statistics(logits, bias, width, options.temperature, out, ids, safe_labels, column_start=column_start)
     return _ChunkStats(out.at_ids, out.at_label, out.lse, out.lse_tempered, out.top1, out.best, ids, safe_labels)
@@ -287,12 +251,11 @@ class _ChunkedStudentPass:
                 metrics[index] = metrics[index] + sums[name].float()
         return per_row, grads
 
-    def chunk(self, logits, bias, start, stop, row_weight, metrics, tiles=None):
-        """`step` of rows [start, stop) from their logits ``[stop - start, V]`` (and the matmul
-        epilogue's tile statistics, if it made them); also returns the stats."""
+    def chunk(self, logits, bias, start, stop, row_weight, metrics):
+        """`step` of rows [start, stop) from their logits ``[stop - start, V]``; also returns the stats."""
         stats = _chunk_stats(logits, bias, self.safe_ids[start:stop],
                              None if self.safe_labels is None else self.safe_labels[start:stop],
-                             self.stats_rows.rows(start, stop), self.options, self.width, self.column_start, tiles)
+                             self.stats_rows.rows(start, stop), self.options, self.width, self.column_start)
         if self.shard is not None:
             stats = _combine_over_ranks(stats, self.shard)
         per_row, grads = self.step(stats, start, stop, row_weight, metrics)
@@ -327,10 +290,7 @@ def _linear_pass(hidden, weight, bias, student_pass: _ChunkedStudentPass, row_we
     device = hidden.device
     want_grads = row_weight is not None and any(needs)
     chunk_rows = chunk_rows or default_chunk_rows(num_rows, num_columns)
-    in_matmul = statistics_in_matmul()
-    # rows of the logits buffer start at 16-byte boundaries when the matmul writes them by TMA
-    row_stride = -(-num_columns // 4) * 4 if in_matmul else num_columns
-    logits = torch.empty(min(chunk_rows, num_rows), row_stride, dtype=torch.float32, device=device)[:, :num_columns]
+    logits = torch.empty(min(chunk_rows, num_rows), num_columns, dtype=torch.float32, device=device)
     per_row = torch.empty(num_rows, dtype=torch.float32, device=device)
     metrics = [torch.zeros((), device=device) for _ in _METRIC_NAMES] if with_metrics else None
     grad_hidden = torch.empty_like(hidden) if want_grads and needs[0] else None
@@ -341,18 +301,12 @@ def _linear_pass(hidden, weight, bias, student_pass: _ChunkedStudentPass, row_we
     for start in range(0, num_rows, chunk_rows):
         stop = min(start + chunk_rows, num_rows)
         hidden_chunk = hidden[start:stop]
-        chunk_logits, tiles = logits[:stop - start], None
-        if in_matmul:
-            from ..ops.lm_head_statistics import logits_and_statistics
-
-            tiles = logits_and_statistics(hidden_chunk, weight, bias, student_pass.width,
-                                          student_pass.options.temperature, chunk_logits)
-        else:
-            _lm_head_logits_fp32(hidden_chunk, weight, chunk_logits)
+        chunk_logits = logits[:stop - start]
+        _lm_head_logits_fp32(hidden_chunk, weight, chunk_logits)
         if start == 0 and row_weight is not None:
             row_weight = row_weight()
         per_row[start:stop], stats, grads = student_pass.chunk(chunk_logits, bias, start, stop,
-                                                               row_weight if want_grads else None, metrics, tiles)
+                                                               row_weight if want_grads else None, metrics)
         if not want_grads:
             continue
         # the gradient row, in the input dtype, overwrites the first bytes of its float32 logits row
