@@ -118,9 +118,8 @@ def _chunk_stats(logits, bias, ids, safe_labels, out, options: DivergenceOptions
                  column_start: int = 0) -> _ChunkStats:
     """Statistics of rows whose logits (the ``width`` existing columns of this rank, global ids
     from ``column_start``) are all in memory: one Triton pass into ``out`` (`RowStatistics`
-    rows). ``ids`` /
-    ``safe_labels``: int64, invalid entries and ignored rows -> 0. Ids and labels this rank
-    does not own read 0."""
+    rows). ``ids`` / ``safe_labels``: int64, invalid entries and ignored rows -> 0. Ids and
+    labels this rank does not own read 0."""
     row_statistics, _ = _statistics_kernel()
     row_statistics(logits, bias, width, options.temperature, out, ids, safe_labels, column_start=column_start)
     return _ChunkStats(out.at_ids, out.at_label, out.lse, out.lse_tempered, out.top1, out.best, ids, safe_labels)
@@ -168,9 +167,9 @@ def _gradient_plan(stats: _ChunkStats, grads, teacher_logprobs, options: Diverge
         coef, coef_tempered = coef + coef_tempered, None
     with_label = grads.at_label is not None
     columns, values = gradient_plan(
-        teacher_logprobs.contiguous(), grads.at_ids.float().contiguous(), stats.ids, stats.at_ids, stats.lse, stats.lse_tempered,
-        coef, coef_tempered, stats.labels if with_label else None, stats.at_label if with_label else None,
-        grads.at_label if with_label else None, options.temperature)
+        teacher_logprobs.contiguous(), grads.at_ids.float().contiguous(), stats.ids, stats.at_ids, stats.lse,
+        stats.lse_tempered, coef, coef_tempered, stats.labels if with_label else None,
+        stats.at_label if with_label else None, grads.at_label if with_label else None, options.temperature)
     return _GradientPlan(coef, coef_tempered, stats.lse, stats.lse_tempered, columns, values)
 
 
@@ -346,6 +345,7 @@ class LinearTopKDivergence(torch.autograd.Function):
                 options: DivergenceOptions, vocab_size: int, chunk_rows, lean: bool, with_metrics: bool, shard):
         student_pass = _ChunkedStudentPass(teacher_logprobs, teacher_indices, labels, options, vocab_size, shard)
         needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2])
+
         def weigh_rows():
             return _row_weight(hidden.shape[0], student_pass.counted, options, num_tokens, hidden.device)
 

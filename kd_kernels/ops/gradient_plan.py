@@ -51,9 +51,9 @@ def _gradient_plan_kernel(teacher_ptr, grad_ids_ptr, ids_ptr, at_ids_ptr, lse_pt
 
 
 def gradient_plan(teacher_logprobs: torch.Tensor, grad_ids: torch.Tensor, ids: torch.Tensor, at_ids: torch.Tensor,
-                  lse: torch.Tensor, lse_tempered: torch.Tensor, coef: torch.Tensor, coef_tempered: Optional[torch.Tensor],
-                  labels: Optional[torch.Tensor], at_label: Optional[torch.Tensor],
-                  label_grad: Optional[torch.Tensor], temperature: float):
+                  lse: torch.Tensor, lse_tempered: torch.Tensor, coef: torch.Tensor,
+                  coef_tempered: Optional[torch.Tensor], labels: Optional[torch.Tensor],
+                  at_label: Optional[torch.Tensor], label_grad: Optional[torch.Tensor], temperature: float):
     """Columns ``[R, M]`` int64 and float32 values ``[R, M]`` (M = k, + 1 with labels).
 
     teacher_logprobs ``[R, k]`` (its finite entries are the valid ones); grad_ids ``[R, k]``
