@@ -10,7 +10,6 @@ usage: python benchmarks/bench_topk_divergence.py [--shapes S1,...] [--ours-only
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import sys
 
@@ -49,29 +48,13 @@ def eager_kd_ce(hidden, weight, teacher_logprobs, teacher_indices, labels):
 _compiled_eager = torch.compile(eager_kd_ce)
 
 
-@contextlib.contextmanager
-def environment_set(variables: dict):
-    """The kernels' switches read from the environment at each call (set for the call only)."""
-    before = {name: os.environ.get(name) for name in variables}
-    os.environ.update(variables)
-    try:
-        yield
-    finally:
-        for name, value in before.items():
-            if value is None:
-                del os.environ[name]
-            else:
-                os.environ[name] = value
-
-
 def providers(teacher, labels, teacher_dense):
-    def ours(env=None, **options):
+    def ours(**options):
         def run(hidden, weight):
-            with environment_set(env or {}):
-                loss = kd.topk_divergence(hidden, weight, teacher, labels, ce_weight=1.0, check_values=False,
-                                          backend="triton", **options)
-                if hidden.requires_grad:
-                    loss.backward()
+            loss = kd.topk_divergence(hidden, weight, teacher, labels, ce_weight=1.0, check_values=False,
+                                      backend="triton", **options)
+            if hidden.requires_grad:
+                loss.backward()
         return run
 
     def floor(hidden, weight):
@@ -180,11 +163,6 @@ def bench_shape(name, n, h, v, k, extra_variants, only_ours=False):
                              labels[:2048])
     print(f"bf16 accuracy vs float64 reference (2048 rows): {accuracy}")
     for variant, options in extra_variants:
-        if "env" in options:
-            with environment_set(options["env"]):
-                accuracy[variant] = bf16_accuracy(hidden[:2048], weight, kd.TopK(
-                    teacher.logprobs[:2048], teacher.indices[:2048], None, 1.0), labels[:2048])
-            print(f"bf16 accuracy, {variant}: {accuracy[variant]}")
         if "chunk_rows" in options:  # as many chunks on 2048 rows as on the n rows: as many bf16 dW additions
             chunk_rows = max(1, options["chunk_rows"] * 2048 // n)
             accuracy[variant] = bf16_accuracy(hidden[:2048], weight, kd.TopK(teacher.logprobs[:2048],

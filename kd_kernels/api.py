@@ -85,8 +85,8 @@ def teacher_topk(hidden: torch.Tensor, weight: torch.Tensor, k: int = 64, *, tem
             plus ~16 MiB for merging slices, whatever N and V; one matmul and one merge per tile.
         fused: the top-k chosen in the epilogue of a Triton matmul (triton backend): no logits in
             memory at all, ``N · S · C · 8`` bytes of candidates (S vocab splits, C ≥ k + 128);
-            k <= 256.
-            Not yet measured on a GPU (benchmarks/NOTES.md); off by default.
+            k <= 256. Exact, but slow: 2.9–4.1× the bare matmul at k = 64 on an H200, against
+            1.16× for the default schedule (benchmarks/RESULTS.md); off by default.
     Returns:
         `TopK` with ``logprobs [N, k]``, ``indices [N, k]`` int32, ``lse [N]`` float32.
     """
