@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import kd_kernels as kd  # noqa: E402
-from harness import environment, llm_like_hidden, peak_extra_gib, time_ms, write_json  # noqa: E402
+from harness import environment, llm_like_hidden, peak_extra_gib, time_interleaved_ms, time_ms, write_json  # noqa: E402
 from shapes import STUDENT_SHAPES  # noqa: E402
 
 
@@ -103,7 +103,8 @@ def providers(teacher, labels, teacher_dense):
     return table, ours
 
 
-def measure(fn, hidden_pool, weight, n, h, v, with_grad):
+def timed_call(fn, hidden_pool, weight, with_grad):
+    """(call, setup) for the harness: each call on fresh leaves (the pool's hidden states in turn)."""
     counter = [0]
 
     def setup():
@@ -120,13 +121,18 @@ def measure(fn, hidden_pool, weight, n, h, v, with_grad):
             with torch.no_grad():
                 fn(hidden, w)
 
+    return call, setup
+
+
+def measure(fn, hidden_pool, weight, n, h, v, with_grad):
+    call, setup = timed_call(fn, hidden_pool, weight, with_grad)
     median, low, high = time_ms(call, setup)
     keep = (n * h + v * h) * 2 if with_grad else 0
     memory = peak_extra_gib(call, setup, keep_bytes=keep)
     return median, low, high, memory
 
 
-def bench_shape(name, n, h, v, k, extra_variants, only_ours=False):
+def bench_shape(name, n, h, v, k, extra_variants, only_ours=False, interleaved=0):
     torch.manual_seed(0)
     weight = (torch.randn(v, h, device="cuda") * 0.02).to(torch.bfloat16)
     hidden, entropy, scale = llm_like_hidden(n, h, weight)
@@ -159,6 +165,17 @@ def bench_shape(name, n, h, v, k, extra_variants, only_ours=False):
         row["x_floor"] = row["fwd_bwd_ms"] / floor_ms
         print(f"| {row['provider']} | {row['fwd_ms']:.1f} | {row['fwd_bwd_ms']:.1f} ({row['fwd_bwd_p20']:.1f}–"
               f"{row['fwd_bwd_p80']:.1f}) | {row['x_floor']:.2f} | {row['tflops']:.0f} | {row['peak_extra_gib']:.3f} |")
+    interleaved_rows = None
+    if interleaved:
+        calls = {label: timed_call(table[label], hidden_pool, weight, True)
+                 for label in ("floor: 3 bf16 matmuls", "ours fast (forward_kl + CE)", "ours lean (lean=True)")}
+        summary, ratios = time_interleaved_ms(calls, warmup=3, repeats=interleaved)
+        print(f"interleaved fwd+bwd ({interleaved} repetitions, each call in turn):")
+        print("| provider | ms (p20–p80) | × floor (median of per-repetition ratios) |")
+        print("| --- | --- | --- |")
+        for label, (median, low, high) in summary.items():
+            print(f"| {label} | {median:.2f} ({low:.2f}–{high:.2f}) | {ratios[label]:.3f} |")
+        interleaved_rows = {label: dict(ms=summary[label], x_floor=ratios[label]) for label in calls}
     accuracy = bf16_accuracy(hidden[:2048], weight, kd.TopK(teacher.logprobs[:2048], teacher.indices[:2048], None, 1.0),
                              labels[:2048])
     print(f"bf16 accuracy vs float64 reference (2048 rows): {accuracy}")
@@ -170,7 +187,7 @@ def bench_shape(name, n, h, v, k, extra_variants, only_ours=False):
                                               labels[:2048], chunk_rows=chunk_rows)
             print(f"bf16 accuracy, {variant} ({chunk_rows} of 2048 rows a chunk): {accuracy[variant]}")
     return dict(shape=name, n=n, h=h, v=v, k=k, entropy=entropy, teacher_entropy=teacher_entropy, rows=rows,
-                accuracy=accuracy)
+                interleaved=interleaved_rows, accuracy=accuracy)
 
 
 def bf16_accuracy(hidden, weight, teacher, labels, **ours):
@@ -198,6 +215,8 @@ def main():
     parser.add_argument("--ours-only", action="store_true", help="only ours and the floor (same run), no baselines")
     parser.add_argument("--ks", default="64,1024", help="k values at S1 (other shapes: k = 64)")
     parser.add_argument("--variants", default="", help="comma-separated parts of the S1 variants' names (default: all)")
+    parser.add_argument("--interleaved", type=int, default=0, metavar="REPEATS",
+                        help="also time the floor, ours fast and ours lean in turn within each repetition")
     args = parser.parse_args()
     env = environment()
     print(f"environment: {env}")
@@ -216,7 +235,8 @@ def main():
                      if any(part in label for part in args.variants.split(","))]
         ks = [int(k) for k in args.ks.split(",")] if name.startswith("S1") else [64]
         if 64 in ks:
-            results.append(bench_shape(name, n, h, v, 64, extra, only_ours=args.ours_only))
+            results.append(bench_shape(name, n, h, v, 64, extra, only_ours=args.ours_only,
+                                       interleaved=args.interleaved if name.startswith("S1") else 0))
         if 1024 in ks:
             results.append(bench_shape(name + " k=1024", n, h, v, 1024,
                                        [("adaptive_kl renormalized", dict(divergence="adaptive_kl"))], only_ours=True))

@@ -28,6 +28,31 @@ def time_ms(fn, setup=None, warmup=3, repeats=10):
     return statistics.median(times), times[len(times) // 5], times[(4 * len(times)) // 5]
 
 
+def time_interleaved_ms(calls, warmup=2, repeats=15):
+    """``{name: (fn, setup)}`` timed in turn within each repetition (so drifts of the clocks or
+    the power state fall on every call alike) -> ``{name: (median, p20, p80)}`` in ms, plus
+    ``{name: median of the per-repetition ratio to the first call}``."""
+    times = {name: [] for name in calls}
+    for index in range(warmup + repeats):
+        for name, (fn, setup) in calls.items():
+            args = setup() if setup else ()
+            torch.cuda.synchronize()
+            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn(*args)
+            stop.record()
+            torch.cuda.synchronize()
+            if index >= warmup:
+                times[name].append(start.elapsed_time(stop))
+    first = next(iter(calls))
+    ratios = {name: statistics.median(t / f for t, f in zip(times[name], times[first])) for name in calls}
+    summary = {}
+    for name, values in times.items():
+        ordered = sorted(values)
+        summary[name] = (statistics.median(ordered), ordered[len(ordered) // 5], ordered[(4 * len(ordered)) // 5])
+    return summary, ratios
+
+
 def peak_extra_gib(fn, setup=None, keep_bytes=0):
     """Peak memory during ``fn()`` beyond what was allocated before it and ``keep_bytes``
     (the outputs every provider must produce, e.g. gradients), in GiB."""
