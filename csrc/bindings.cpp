@@ -41,7 +41,7 @@ kd_kernels::LogitsDtype logits_dtype(const at::Tensor& logits) {
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> topk_candidates(const at::Tensor& logits, int64_t k,
-                                                               double temperature, int64_t width, int64_t blocks) {
+                                                               double temperature, int64_t width) {
   if (!logits.is_cuda()) fail_value("logits: expected a CUDA tensor, got one on " + logits.device().str());
   if (logits.dim() != 2) fail_value("logits: expected 2 dimensions [rows, columns], got shape " + shape_of(logits));
   const auto dtype = logits_dtype(logits);
@@ -60,9 +60,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> topk_candidates(const at::Tensor&
   if (!std::isfinite(temperature) || temperature <= 0) {
     fail_value("temperature: expected a finite value > 0, got " + std::to_string(temperature));
   }
-  if (blocks < 0 || blocks > std::numeric_limits<int32_t>::max()) {
-    fail_value("blocks: expected 0 (two per SM) or a positive block count below 2^31, got " + std::to_string(blocks));
-  }
   const c10::cuda::CUDAGuard guard(logits.device());
   const int64_t rows = logits.size(0);
   const auto float_options = logits.options().dtype(at::kFloat);
@@ -72,7 +69,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> topk_candidates(const at::Tensor&
   const int64_t row_stride = rows > 1 ? logits.stride(0) : logits.size(1);
   const cudaError_t status = kd_kernels::launch_topk_candidates(
       dtype, logits.data_ptr(), rows, row_stride, width, k, static_cast<float>(temperature),
-      values.data_ptr<float>(), indices.data_ptr<int32_t>(), lse.data_ptr<float>(), blocks,
+      values.data_ptr<float>(), indices.data_ptr<int32_t>(), lse.data_ptr<float>(),
       c10::cuda::getCurrentCUDAStream().stream());
   if (status != cudaSuccess) {
     throw std::runtime_error(std::string("topk_candidates: CUDA launch failed: ") + cudaGetErrorString(status));
@@ -88,8 +85,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("topk_candidates", &topk_candidates,
              "Top-k of each logits row over its first `width` columns: (values [rows, k] float32 = logits / "
              "temperature, descending, lower column first on ties, -inf past width; indices [rows, k] int32; "
-             "lse [rows] float32 = logsumexp(logits[:, :width] / temperature)). `blocks` persistent thread blocks "
-             "(0: two per SM) take the rows in turn.",
-             pybind11::arg("logits"), pybind11::arg("k"), pybind11::arg("temperature"), pybind11::arg("width"),
-             pybind11::arg("blocks") = 0);
+             "lse [rows] float32 = logsumexp(logits[:, :width] / temperature)).",
+             pybind11::arg("logits"), pybind11::arg("k"), pybind11::arg("temperature"), pybind11::arg("width"));
 }

@@ -460,7 +460,7 @@ topk_candidates_kernel(const T* __restrict__ logits, int64_t rows, int64_t row_s
 
 template <typename T>
 cudaError_t launch(const void* logits, int64_t rows, int64_t row_stride, int64_t width, int64_t k, float temperature,
-                   float* values, int32_t* indices, float* lse, int64_t blocks, cudaStream_t stream) {
+                   float* values, int32_t* indices, float* lse, cudaStream_t stream) {
   if (rows == 0) return cudaSuccess;
   // KD_KERNELS_TOPK_PIPELINE=0 / 1 overrides the default (benchmarks compare the two)
   const char* choice = std::getenv("KD_KERNELS_TOPK_PIPELINE");
@@ -473,9 +473,9 @@ cudaError_t launch(const void* logits, int64_t rows, int64_t row_stride, int64_t
   cudaError_t status = cudaGetDevice(&device);
   if (status == cudaSuccess) status = cudaDeviceGetAttribute(&processors, cudaDevAttrMultiProcessorCount, device);
   if (status != cudaSuccess) return status;
-  // persistent blocks, two per SM unless told: a block carries the previous row's threshold to the next
-  const int64_t grid = std::min<int64_t>(rows, blocks > 0 ? blocks : 2 * static_cast<int64_t>(processors));
-  topk_candidates_kernel<T><<<static_cast<unsigned int>(grid), kThreads, shared_bytes, stream>>>(
+  // persistent blocks, two per SM: a block carries the previous row's threshold to the next
+  const int64_t blocks = std::min<int64_t>(rows, 2 * static_cast<int64_t>(processors));
+  topk_candidates_kernel<T><<<static_cast<unsigned int>(blocks), kThreads, shared_bytes, stream>>>(
       static_cast<const T*>(logits), rows, row_stride, static_cast<int>(width), static_cast<int>(k), temperature,
       pipelined, values, indices, lse);
   return cudaGetLastError();
@@ -485,15 +485,14 @@ cudaError_t launch(const void* logits, int64_t rows, int64_t row_stride, int64_t
 
 cudaError_t launch_topk_candidates(LogitsDtype dtype, const void* logits, int64_t rows, int64_t row_stride,
                                    int64_t width, int64_t k, float temperature, float* values, int32_t* indices,
-                                   float* lse, int64_t blocks, cudaStream_t stream) {
+                                   float* lse, cudaStream_t stream) {
   switch (dtype) {
     case LogitsDtype::kFloat32:
-      return launch<float>(logits, rows, row_stride, width, k, temperature, values, indices, lse, blocks, stream);
+      return launch<float>(logits, rows, row_stride, width, k, temperature, values, indices, lse, stream);
     case LogitsDtype::kFloat16:
-      return launch<__half>(logits, rows, row_stride, width, k, temperature, values, indices, lse, blocks, stream);
+      return launch<__half>(logits, rows, row_stride, width, k, temperature, values, indices, lse, stream);
     case LogitsDtype::kBFloat16:
-      return launch<__nv_bfloat16>(logits, rows, row_stride, width, k, temperature, values, indices, lse, blocks,
-                                   stream);
+      return launch<__nv_bfloat16>(logits, rows, row_stride, width, k, temperature, values, indices, lse, stream);
   }
   return cudaErrorInvalidValue;
 }

@@ -17,11 +17,9 @@ constexpr int kMaxTopK = 1024;
 //       column first among equal values; -inf past min(k, width);
 //   indices [rows, k] int32: their columns (0 past min(k, width));
 //   lse [rows] float32: logsumexp(logits[:width] / temperature).
-// `blocks` persistent thread blocks take the rows in turn (0: two per SM; fewer leave SMs to
-// work running beside the kernel, e.g. the next chunk's lm_head matmul).
-// Requires 1 <= k <= kMaxTopK, 1 <= width < 2^31, temperature > 0, blocks >= 0.
+// Requires 1 <= k <= kMaxTopK, 1 <= width < 2^31, temperature > 0.
 cudaError_t launch_topk_candidates(LogitsDtype dtype, const void* logits, int64_t rows, int64_t row_stride,
                                    int64_t width, int64_t k, float temperature, float* values, int32_t* indices,
-                                   float* lse, int64_t blocks, cudaStream_t stream);
+                                   float* lse, cudaStream_t stream);
 
 }  // namespace kd_kernels

@@ -31,23 +31,21 @@ LEAN_MERGE_BYTES = 16 << 20  # the lean merge's buffers, about
 LEAN_MAX_ROWS = 1024
 
 
-def _cuda_candidates(logits: torch.Tensor, k: int, temperature: float, width: int, column_start: int,
-                     blocks: int = 0):
+def _cuda_candidates(logits: torch.Tensor, k: int, temperature: float, width: int, column_start: int):
     from .ops.topk_candidates import topk_candidates
 
-    values, columns, lse_tempered = topk_candidates(logits, k, temperature, width, blocks)
+    values, columns, lse_tempered = topk_candidates(logits, k, temperature, width)
     return values, columns.long() + column_start, lse_tempered
 
 
 def _chunk_candidates(logits: torch.Tensor, bias: Optional[torch.Tensor], k: int, temperature: float, width: int,
-                      column_start: int = 0, select: str = "triton", blocks: int = 0):
+                      column_start: int = 0, select: str = "triton"):
     """Top-k candidates of the first ``width`` columns of a logits chunk: tempered values
-    ``[R, k]`` float32 (-inf / id 0 past ``width``), int64 global ids, and lse ``[R]``.
-    ``blocks``: thread blocks of the CUDA selection (0: the whole GPU)."""
+    ``[R, k]`` float32 (-inf / id 0 past ``width``), int64 global ids, and lse ``[R]``."""
     if select == "cuda":
         if bias is not None:  # the chunk is our own float32 buffer: add in place
             logits[:, :width] += bias[:width].float()
-        return _cuda_candidates(logits, k, temperature, width, column_start, blocks)
+        return _cuda_candidates(logits, k, temperature, width, column_start)
     from .ops.topk_threshold import threshold_topk
 
     existing = logits[:, :width]
@@ -93,51 +91,6 @@ def teacher_topk(hidden: torch.Tensor, weight: torch.Tensor, k: int, temperature
         chunk = lm_head_logits_fp32(hidden[start:stop], weight, logits[:stop - start])
         values[start:stop], indices[start:stop], lse[start:stop] = _chunk_candidates(chunk, bias, k, temperature,
                                                                                      width, column_start, select)
-    return _finish(values, indices, lse, k, temperature, shard)
-
-
-def teacher_topk_overlapped(hidden: torch.Tensor, weight: torch.Tensor, k: int, temperature: float,
-                            vocab_size: int, bias: Optional[torch.Tensor] = None, chunk_rows: Optional[int] = None,
-                            shard=None, select_sms: int = 8) -> TopK:
-    """`teacher_topk` with the CUDA selection of chunk i running beside the matmul of chunk
-    i + 1: the matmuls go to a high-priority stream with cuBLAS told to leave ``select_sms`` SMs
-    free (its SM carveout), the selection runs on those SMs (two blocks each) from the other
-    of two float32 buffers. The selection is memory-bound and the matmul compute-bound, so a
-    few SMs of HBM bandwidth hide it; the last chunk's selection takes the whole GPU.
-    Memory: two buffers of ``chunk_rows · V · 4`` bytes (~0.6 GiB each by default)."""
-    num_rows = hidden.shape[0]
-    width, column_start = (vocab_size, 0) if shard is None else (shard.existing, shard.vocab_start)
-    chunk_rows = chunk_rows or max(1, min(num_rows, DEFAULT_CHUNK_BYTES // 2 // (4 * weight.shape[0])))
-    starts = list(range(0, num_rows, chunk_rows))
-    buffers = [torch.empty(min(chunk_rows, num_rows), weight.shape[0], dtype=torch.float32, device=hidden.device)
-               for _ in range(min(2, len(starts)))]
-    values = torch.empty(num_rows, k, dtype=torch.float32, device=hidden.device)
-    indices = torch.empty(num_rows, k, dtype=torch.int32, device=hidden.device)  # ids < 2^31
-    lse = torch.empty(num_rows, dtype=torch.float32, device=hidden.device)
-    select_stream = torch.cuda.current_stream(hidden.device)
-    # high priority: when a matmul and a selection are both ready, the matmul's blocks go first
-    matmul_stream = torch.cuda.Stream(hidden.device, priority=-1)
-    matmul_stream.wait_stream(select_stream)
-    buffer_free = [None, None]
-    carveout = torch._C._get_sm_carveout_experimental()
-    try:
-        for index, start in enumerate(starts):
-            stop = min(start + chunk_rows, num_rows)
-            logits = buffers[index % 2][:stop - start]
-            with torch.cuda.stream(matmul_stream):
-                if buffer_free[index % 2] is not None:
-                    matmul_stream.wait_event(buffer_free[index % 2])
-                # the first matmul has no selection beside it
-                torch._C._set_sm_carveout_experimental(select_sms if index > 0 else carveout)
-                lm_head_logits_fp32(hidden[start:stop], weight, logits)
-                matmul_done = matmul_stream.record_event()
-            select_stream.wait_event(matmul_done)
-            last = index == len(starts) - 1
-            values[start:stop], indices[start:stop], lse[start:stop] = _chunk_candidates(
-                logits, bias, k, temperature, width, column_start, "cuda", blocks=0 if last else 2 * select_sms)
-            buffer_free[index % 2] = select_stream.record_event()
-    finally:
-        torch._C._set_sm_carveout_experimental(carveout)
     return _finish(values, indices, lse, k, temperature, shard)
 
 

@@ -106,34 +106,6 @@ def test_from_hidden_matches_reference(dtype, k):
     check_teacher_topk(lean, expected, 1e-4, exact_logits, 2.0, 151_900)
 
 
-@pytest.mark.parametrize("k", [8, 64])
-def test_overlapped_chunks_match_reference(k):
-    """The selection of chunk i beside the matmul of chunk i + 1 (two buffers, SM carveout, a
-    few blocks): the reference's top-k, and the plain path's bits (the same kernels)."""
-    from kd_kernels import teacher_chunked as chunked
-
-    generator = torch.Generator(device="cuda").manual_seed(k)
-    hidden = (0.2 * torch.randn(1000, 4096, device="cuda", generator=generator)).to(torch.bfloat16)
-    weight = (torch.randn(151_936, 4096, device="cuda", generator=generator) * 0.02).to(torch.bfloat16)
-    bias = (0.5 * torch.randn(151_936, device="cuda", generator=generator)).to(torch.bfloat16)
-    top = chunked.teacher_topk_overlapped(hidden, weight, k, 2.0, 151_900, bias, chunk_rows=300, select_sms=4)
-    expected = reference.teacher_topk(hidden, weight, k, 2.0, 151_900, bias)
-    check_teacher_topk(top, expected, 1e-4, reference.lm_head_logits(hidden, weight, bias), 2.0, 151_900)
-    plain = chunked.teacher_topk(hidden, weight, k, 2.0, 151_900, bias, chunk_rows=300, select="cuda")
-    assert torch.equal(top.indices, plain.indices) and torch.equal(top.logprobs, plain.logprobs)
-    assert torch._C._get_sm_carveout_experimental() is None  # restored
-
-
-def test_fewer_blocks_give_the_same_bits():
-    logits = _llm_like_logits(301, 151_936, torch.bfloat16, seed=4)
-    whole = _extension().topk_candidates(logits, 64, 2.0, 151_900)
-    for blocks in (1, 3, 1000):
-        assert all(torch.equal(a, b) for a, b in zip(whole, _extension().topk_candidates(logits, 64, 2.0, 151_900,
-                                                                                           blocks)))
-    with pytest.raises(ValueError, match="blocks: expected 0"):
-        _extension().topk_candidates(logits, 64, 2.0, 151_900, -1)
-
-
 def test_auto_takes_cuda_and_reports_it():
     assert kd.available_backends()["cuda"].startswith("available")
     from kd_kernels.backends import CUDA_MAX_TOPK, resolve_backend

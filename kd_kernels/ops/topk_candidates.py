@@ -15,11 +15,9 @@ def load_extension():
     return _C
 
 
-def topk_candidates(logits: torch.Tensor, k: int, temperature: float, width: int, blocks: int = 0):
+def topk_candidates(logits: torch.Tensor, k: int, temperature: float, width: int):
     """logits ``[R, ≥ width]`` bf16 / fp16 / fp32 on CUDA, columns contiguous ->
     (values ``[R, k]`` float32 = top logits / τ, descending, lower column first on ties,
     -inf past ``width``; columns ``[R, k]`` int32, 0 past ``width``; lse ``[R]`` float32 of
-    ``logits[:, :width] / τ``). Two reads of each row; nothing of size V is allocated.
-    ``blocks`` persistent thread blocks take the rows in turn (0: two per SM; fewer leave the
-    other SMs to work running beside it)."""
-    return load_extension().topk_candidates(logits, k, float(temperature), width, blocks)
+    ``logits[:, :width] / τ``). Two reads of each row; nothing of size V is allocated."""
+    return load_extension().topk_candidates(logits, k, float(temperature), width)
