@@ -12,7 +12,7 @@
 //   pass 2  only when this row's T is below that floor (or the buffer overflowed): append
 //           every element >= T instead.
 // The buffer (~1-3 k elements on LLM logits) is sorted by (value desc, column asc) and the
-// first k written. Rows where more than 8192 elements reach T (massive ties, adversarial
+// first k written; when pass 1 collected it, the elements below T are dropped first (a smaller sort). Rows where more than 8192 elements reach T (massive ties, adversarial
 // orders) take an exact slow path: bisection on the value to the k-th largest, then an
 // in-order collection that keeps the lowest columns among ties.
 #include <cooperative_groups.h>
@@ -36,6 +36,7 @@ constexpr int kThreads = 512;
 constexpr int kWarps = kThreads / 32;
 constexpr int kSamplesPerThread = 8;
 constexpr bool kPipelineDefault = true;  // the cp.async pass 1 for 16-bit logits: +1-3 points of copy bandwidth (NOTES)
+constexpr bool kFilterDefault = false;   // drop pass-1 candidates below T before the sort (being measured)
 constexpr int kCapacity = 8192;  // candidates in dynamic shared memory (64 KiB), a power of two
 static_assert(kCapacity >= 8 * kMaxTopK, "the candidate buffer must hold several times k");
 // 16-byte loads in flight per thread: 16 elements per thread per step whatever the dtype
@@ -368,7 +369,7 @@ __device__ int collect_exact(const T* row, int width, int k, uint32_t low, uint3
 template <typename T>
 __global__ void __launch_bounds__(kThreads, 2)
 topk_candidates_kernel(const T* __restrict__ logits, int64_t rows, int64_t row_stride, int width, int k,
-                       float temperature, bool pipelined,
+                       float temperature, bool pipelined, bool filter,
                        float* __restrict__ values, int32_t* __restrict__ indices, float* __restrict__ lse) {
   extern __shared__ uint64_t buffer[];  // kCapacity entries, then (16-bit logits) the pipeline's stages
   __shared__ unsigned int count;
@@ -437,17 +438,37 @@ topk_candidates_kernel(const T* __restrict__ logits, int64_t rows, int64_t row_s
         __syncthreads();
       }
     }
+    uint64_t* candidates = buffer;
+    if (filter && collected && found <= kCapacity / 2) {
+      // pass 1 collected from a floor below T: only the elements >= T (at least k, all of the
+      // top k, every tie of the k-th value among them) go to the sort, in the upper half
+      if (threadIdx.x == 0) count = 0;
+      __syncthreads();
+      candidates = buffer + kCapacity / 2;
+      for (int i = threadIdx.x; i < found; i += blockDim.x) {
+        const uint64_t entry = buffer[i];
+        const bool keep = static_cast<uint32_t>(entry >> 32) >= threshold;
+        if (keep) {
+          cg::coalesced_group keeping = cg::coalesced_threads();
+          unsigned int base = 0;
+          if (keeping.thread_rank() == 0) base = atomicAdd(&count, keeping.size());
+          candidates[keeping.shfl(base, 0) + keeping.thread_rank()] = entry;
+        }
+      }
+      __syncthreads();
+      found = static_cast<int>(count);
+    }
     const int size = next_power_of_two(found);
-    for (int i = found + threadIdx.x; i < size; i += blockDim.x) buffer[i] = 0;
+    for (int i = found + threadIdx.x; i < size; i += blockDim.x) candidates[i] = 0;
     __syncthreads();
-    sort_descending(buffer, size);
+    sort_descending(candidates, size);
 
     const int valid = min(k, found);
     for (int j = threadIdx.x; j < k; j += blockDim.x) {
       float value = -INFINITY;
       int32_t column = 0;
       if (j < valid) {
-        const uint64_t entry = buffer[j];
+        const uint64_t entry = candidates[j];
         value = __fdiv_rn(key_value(static_cast<uint32_t>(entry >> 32)), temperature);
         column = static_cast<int32_t>(~static_cast<uint32_t>(entry));
       }
@@ -465,6 +486,9 @@ cudaError_t launch(const void* logits, int64_t rows, int64_t row_stride, int64_t
   // KD_KERNELS_TOPK_PIPELINE=0 / 1 overrides the default (benchmarks compare the two)
   const char* choice = std::getenv("KD_KERNELS_TOPK_PIPELINE");
   const bool pipelined = sizeof(T) == 2 && (choice ? choice[0] == '1' : kPipelineDefault);
+  // KD_KERNELS_TOPK_FILTER=0 / 1 overrides whether pass-1 candidates below T are dropped before the sort
+  const char* filter_choice = std::getenv("KD_KERNELS_TOPK_FILTER");
+  const bool filter = filter_choice ? filter_choice[0] == '1' : kFilterDefault;
   const int shared_bytes = kCapacity * sizeof(uint64_t) + (pipelined ? kStages * kThreads * 16 : 0);
   const cudaError_t attribute = cudaFuncSetAttribute(topk_candidates_kernel<T>,
                                                      cudaFuncAttributeMaxDynamicSharedMemorySize, shared_bytes);
@@ -477,7 +501,7 @@ cudaError_t launch(const void* logits, int64_t rows, int64_t row_stride, int64_t
   const int64_t blocks = std::min<int64_t>(rows, 2 * static_cast<int64_t>(processors));
   topk_candidates_kernel<T><<<static_cast<unsigned int>(blocks), kThreads, shared_bytes, stream>>>(
       static_cast<const T*>(logits), rows, row_stride, static_cast<int>(width), static_cast<int>(k), temperature,
-      pipelined, values, indices, lse);
+      pipelined, filter, values, indices, lse);
   return cudaGetLastError();
 }
 
