@@ -1,0 +1,55 @@
+"""A/B of a switch of the CUDA top-k kernel (an environment variable it reads per launch), the
+two settings timed in turn within each repetition (so the card's clock and power state falls
+on both alike), from bf16 and fp32 logits in memory at the teacher shapes, with a device copy
+of the bf16 logits in the same rotation for the bandwidth reference.
+
+usage: python benchmarks/teacher_select_ab.py --switch KD_KERNELS_TOPK_FILTER [--ks 8,64,1024]
+"""
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import kd_kernels as kd  # noqa: E402
+from bench_teacher_topk import TEMPERATURE, with_env  # noqa: E402
+from harness import environment, llm_like_hidden, time_interleaved_ms  # noqa: E402
+from shapes import TEACHER_SHAPES  # noqa: E402
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--switch", required=True, help="environment variable the kernel reads: 0 = A, 1 = B")
+    parser.add_argument("--ks", default="8,64,1024")
+    parser.add_argument("--repeats", type=int, default=15)
+    args = parser.parse_args()
+    print(f"environment: {environment()}")
+    print("| shape | logits | k | A (0) ms | B (1) ms | B / A (median of pairs) | A % of copy | B % of copy |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for name, n, h, v in TEACHER_SHAPES:
+        weight = (torch.randn(v, h, device="cuda") * 0.02).to(torch.bfloat16)
+        hidden, _, _ = llm_like_hidden(n, h, weight)
+        logits_bf16 = hidden @ weight.T
+        del hidden, weight
+        for dtype in (torch.bfloat16, torch.float32):
+            logits = logits_bf16 if dtype == torch.bfloat16 else logits_bf16.float()
+            for k in [int(x) for x in args.ks.split(",")]:
+                def select(choice, k=k, logits=logits):
+                    return lambda: with_env(args.switch, choice, lambda: kd.teacher_topk_from_logits(
+                        logits, k=k, temperature=TEMPERATURE, backend="cuda"))
+                calls = {"A": (select("0"), None), "B": (select("1"), None),
+                         "copy": (lambda: logits_bf16.clone(), None)}
+                summary, ratios = time_interleaved_ms(calls, warmup=2, repeats=args.repeats)
+                copy_gbs = 2 * logits_bf16.numel() * 2 / summary["copy"][0] / 1e6
+                share = {label: logits.numel() * logits.element_size() / summary[label][0] / 1e6 / copy_gbs
+                         for label in ("A", "B")}
+                print(f"| {name} | {str(dtype)[6:]} | {k} | {summary['A'][0]:.3f} | {summary['B'][0]:.3f} | "
+                      f"{ratios['B']:.3f} | {100 * share['A']:.1f} | {100 * share['B']:.1f} |", flush=True)
+        logits = logits_bf16 = None  # frees them before the next shape
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
