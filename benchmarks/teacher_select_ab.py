@@ -3,7 +3,7 @@ two settings timed in turn within each repetition (so the card's clock and power
 on both alike), from bf16 and fp32 logits in memory at the teacher shapes, with a device copy
 of the bf16 logits in the same rotation for the bandwidth reference.
 
-usage: python benchmarks/teacher_select_ab.py --switch KD_KERNELS_TOPK_FILTER [--ks 8,64,1024]
+usage: python benchmarks/teacher_select_ab.py --switch KD_KERNELS_TOPK_FILTER [--values 0,1] [--ks 8,64,1024]
 """
 import argparse
 import os
@@ -21,12 +21,14 @@ from shapes import TEACHER_SHAPES  # noqa: E402
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--switch", required=True, help="environment variable the kernel reads: 0 = A, 1 = B")
+    parser.add_argument("--switch", required=True, help="environment variable the kernel reads")
+    parser.add_argument("--values", default="0,1", help="its values for A and B")
     parser.add_argument("--ks", default="8,64,1024")
     parser.add_argument("--repeats", type=int, default=15)
     args = parser.parse_args()
-    print(f"environment: {environment()}")
-    print("| shape | logits | k | A (0) ms | B (1) ms | B / A (median of pairs) | A % of copy | B % of copy |")
+    value_a, value_b = args.values.split(",")
+    print(f"environment: {environment()}; A: {args.switch}={value_a}, B: {args.switch}={value_b}")
+    print("| shape | logits | k | A ms | B ms | B / A (median of pairs) | A % of copy | B % of copy |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for name, n, h, v in TEACHER_SHAPES:
         weight = (torch.randn(v, h, device="cuda") * 0.02).to(torch.bfloat16)
@@ -39,7 +41,7 @@ def main():
                 def select(choice, k=k, logits=logits):
                     return lambda: with_env(args.switch, choice, lambda: kd.teacher_topk_from_logits(
                         logits, k=k, temperature=TEMPERATURE, backend="cuda"))
-                calls = {"A": (select("0"), None), "B": (select("1"), None),
+                calls = {"A": (select(value_a), None), "B": (select(value_b), None),
                          "copy": (lambda: logits_bf16.clone(), None)}
                 summary, ratios = time_interleaved_ms(calls, warmup=2, repeats=args.repeats)
                 copy_gbs = 2 * logits_bf16.numel() * 2 / summary["copy"][0] / 1e6

@@ -75,6 +75,19 @@ def test_dropping_candidates_below_the_threshold_before_the_sort_gives_the_same_
         assert torch.equal(results[1].indices.cpu(), expected.indices.cpu())
 
 
+def test_the_pass_one_margin_changes_no_bit(monkeypatch):
+    """KD_KERNELS_TOPK_MARGIN only decides how often pass 2 runs (0: nearly always)."""
+    logits = _llm_like_logits(1500, 151_936, torch.bfloat16, seed=9)
+    results = []
+    for margin in ("0", "2", "8"):
+        monkeypatch.setenv("KD_KERNELS_TOPK_MARGIN", margin)
+        results.append(kd.teacher_topk_from_logits(logits, k=64, temperature=2.0, backend="cuda"))
+    for other in results[1:]:
+        assert torch.equal(results[0].indices, other.indices) and torch.equal(results[0].logprobs, other.logprobs)
+    check_teacher_topk(results[0], reference.teacher_topk_from_logits(logits, 64, 2.0, 151_936), 1e-5, logits, 2.0,
+                       151_936)
+
+
 def test_unaligned_rows_and_row_stride():
     wide = _llm_like_logits(300, 50_007, torch.bfloat16, seed=3)
     logits = wide[:, 3:50_003]  # rows start off 16-byte boundaries, odd row stride
