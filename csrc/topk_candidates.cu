@@ -32,14 +32,26 @@ namespace cg = cooperative_groups;
 namespace kd_kernels {
 namespace {
 
-constexpr int kThreads = 512;
-constexpr int kWarps = kThreads / 32;
+// Two shapes of the persistent blocks: wide (512 threads, two per SM, 8192 candidates: any k)
+// and narrow (256 threads, four per SM, 4096 candidates: k <= 512), where three blocks of an
+// SM stream while one sorts.
+struct Wide {
+  static constexpr int kThreads = 512, kBlocksPerSM = 2, kCapacity = 8192;
+};
+struct Narrow {
+  static constexpr int kThreads = 256, kBlocksPerSM = 4, kCapacity = 4096;
+};
+constexpr bool kNarrowDefault = false;  // being measured
 constexpr int kSamplesPerThread = 8;
 constexpr bool kPipelineDefault = true;  // the cp.async pass 1 for 16-bit logits: +1-3 points of copy bandwidth (NOTES)
 constexpr bool kFilterDefault = true;  // drop pass-1 candidates below T before the sort: 1-5 % faster (NOTES)
-constexpr float kMarginDefault = 2.f;  // the pass-1 floor: previous T - this x the mean row-to-row move of T
-constexpr int kCapacity = 8192;  // candidates in dynamic shared memory (64 KiB), a power of two
-static_assert(kCapacity >= 8 * kMaxTopK, "the candidate buffer must hold several times k");
+// the pass-1 floor: the previous row's T minus this many times the mean row-to-row move of T;
+// float32 rows gain from a wider one (fewer second reads), 16-bit ones do not (their pass 1 is
+// bound by instructions, which the extra candidates add to): A/B in NOTES
+template <typename T>
+constexpr float kMarginDefault = sizeof(T) == 4 ? 3.f : 2.f;
+static_assert(Wide::kCapacity >= 8 * kMaxTopK, "the candidate buffer must hold several times k");
+constexpr int kNarrowMaxTopK = Narrow::kCapacity / 8;
 // 16-byte loads in flight per thread: 16 elements per thread per step whatever the dtype
 // (4 for 16-bit types spilled registers under the 64-register bound of 2 blocks per SM)
 template <typename T>
@@ -208,12 +220,13 @@ struct RowScan {
   float floor;  // elements >= floor are appended to the buffer already in this pass
   uint64_t* buffer;
   unsigned int* count;
+  int capacity;
   float max2 = -FLT_MAX;  // finite, so that -inf logits add exp2(-inf) = 0, never NaN
   float sum2 = 0.f;
   float bucket_max[kSamplesPerThread];
 
-  __device__ RowScan(float scale, float floor_, uint64_t* buffer_, unsigned int* count_)
-      : log2e_over_t(scale), floor(floor_), buffer(buffer_), count(count_) {
+  __device__ RowScan(float scale, float floor_, uint64_t* buffer_, unsigned int* count_, int capacity_)
+      : log2e_over_t(scale), floor(floor_), buffer(buffer_), count(count_), capacity(capacity_) {
 #pragma unroll
     for (int j = 0; j < kSamplesPerThread; ++j) bucket_max[j] = -INFINITY;
   }
@@ -238,7 +251,7 @@ struct RowScan {
     for (int j = 0; j < N; ++j) sum2 += exp2f(fmaf(x[j], log2e_over_t, -max2));
     if (pack_max >= floor) {
 #pragma unroll
-      for (int j = 0; j < N; ++j) append_if(x[j] >= floor, order_key(x[j]), first_column + j, buffer, count, kCapacity);
+      for (int j = 0; j < N; ++j) append_if(x[j] >= floor, order_key(x[j]), first_column + j, buffer, count, capacity);
     }
   }
 
@@ -246,7 +259,7 @@ struct RowScan {
     bucket_max[0] = fmaxf(bucket_max[0], x);
     rescale_to(x * log2e_over_t);
     sum2 += exp2f(fmaf(x, log2e_over_t, -max2));
-    append_if(x >= floor, order_key(x), column, buffer, count, kCapacity);
+    append_if(x >= floor, order_key(x), column, buffer, count, capacity);
   }
 };
 
@@ -265,8 +278,9 @@ struct CollectAtLeast {
   float threshold;
   uint64_t* buffer;
   unsigned int* count;
+  int capacity;
   __device__ __forceinline__ void one(float x, int column) {
-    append_if(x >= threshold, order_key(x), column, buffer, count, kCapacity);
+    append_if(x >= threshold, order_key(x), column, buffer, count, capacity);
   }
   template <int N>
   __device__ __forceinline__ void pack(const float (&x)[N], int first_column, int) {
@@ -314,16 +328,20 @@ __device__ __forceinline__ float warp_rank_value(float (&values)[kSamplesPerThre
   return result;
 }
 
-using BlockReduceMaxSum = cub::BlockReduce<MaxSum, kThreads>;
-using BlockReduceCount = cub::BlockReduce<unsigned int, kThreads>;
-using BlockScanCount = cub::BlockScan<int, kThreads>;
+template <int Threads>
+struct BlockPrimitives {
+  using ReduceMaxSum = cub::BlockReduce<MaxSum, Threads>;
+  using ReduceCount = cub::BlockReduce<unsigned int, Threads>;
+  using ScanCount = cub::BlockScan<int, Threads>;
+};
 
-template <typename T>
+template <typename T, int Threads>
 __device__ unsigned int count_at_least(const T* row, int width, uint32_t threshold,
-                                       typename BlockReduceCount::TempStorage& storage, unsigned int* shared) {
+                                       typename BlockPrimitives<Threads>::ReduceCount::TempStorage& storage,
+                                       unsigned int* shared) {
   CountAtLeast counter{threshold};
   visit_row(row, width, counter);
-  const unsigned int total = BlockReduceCount(storage).Sum(counter.n);
+  const unsigned int total = typename BlockPrimitives<Threads>::ReduceCount(storage).Sum(counter.n);
   if (threadIdx.x == 0) *shared = total;
   __syncthreads();
   const unsigned int result = *shared;
@@ -332,23 +350,24 @@ __device__ unsigned int count_at_least(const T* row, int width, uint32_t thresho
 }
 
 // The exact k largest (lower columns first among ties) into buffer[0, k), when more than
-// kCapacity elements reach the sampled threshold. Returns k.
-template <typename T>
+// `capacity` elements reach the sampled threshold. Returns k.
+template <typename T, int Threads>
 __device__ int collect_exact(const T* row, int width, int k, uint32_t low, uint32_t high, uint64_t* buffer,
-                             unsigned int* count, typename BlockReduceCount::TempStorage& reduce_storage,
-                             typename BlockScanCount::TempStorage& scan_storage) {
+                             unsigned int* count, int capacity,
+                             typename BlockPrimitives<Threads>::ReduceCount::TempStorage& reduce_storage,
+                             typename BlockPrimitives<Threads>::ScanCount::TempStorage& scan_storage) {
   // count(key >= low) >= k holds; find the largest such key: the k-th largest value
   while (low < high) {
     const uint32_t mid = low + (high - low + 1) / 2;
-    if (count_at_least(row, width, mid, reduce_storage, count) >= static_cast<unsigned int>(k)) {
+    if (count_at_least<T, Threads>(row, width, mid, reduce_storage, count) >= static_cast<unsigned int>(k)) {
       low = mid;
     } else {
       high = mid - 1;
     }
   }
   const uint32_t kth = low;
-  const int above = (kth == 0xffffffffu) ? 0 : static_cast<int>(count_at_least(row, width, kth + 1, reduce_storage,
-                                                                               count));
+  const int above = (kth == 0xffffffffu) ? 0 : static_cast<int>(count_at_least<T, Threads>(row, width, kth + 1,
+                                                                                             reduce_storage, count));
   const int ties_wanted = k - above;
   if (threadIdx.x == 0) *count = 0;
   __syncthreads();
@@ -358,28 +377,30 @@ __device__ int collect_exact(const T* row, int width, int k, uint32_t low, uint3
     const uint32_t key = column < width ? order_key(to_float(row[column])) : 0u;
     const bool tie = column < width && key == kth;
     int tie_rank = 0, ties_here = 0;
-    BlockScanCount(scan_storage).ExclusiveSum(tie ? 1 : 0, tie_rank, ties_here);
+    typename BlockPrimitives<Threads>::ScanCount(scan_storage).ExclusiveSum(tie ? 1 : 0, tie_rank, ties_here);
     const bool take = (column < width && key > kth) || (tie && ties_seen + tie_rank < ties_wanted);
-    append_if(take, key, column, buffer, count, kCapacity);
+    append_if(take, key, column, buffer, count, capacity);
     ties_seen += ties_here;
     __syncthreads();
   }
   return k;
 }
 
-template <typename T>
-__global__ void __launch_bounds__(kThreads, 2)
+template <typename T, typename Shape>
+__global__ void __launch_bounds__(Shape::kThreads, Shape::kBlocksPerSM)
 topk_candidates_kernel(const T* __restrict__ logits, int64_t rows, int64_t row_stride, int width, int k,
                        float temperature, bool pipelined, bool filter, float margin_factor,
                        float* __restrict__ values, int32_t* __restrict__ indices, float* __restrict__ lse) {
+  constexpr int kCapacity = Shape::kCapacity, kWarps = Shape::kThreads / 32;
+  using Primitives = BlockPrimitives<Shape::kThreads>;
   extern __shared__ uint64_t buffer[];  // kCapacity entries, then (16-bit logits) the pipeline's stages
   __shared__ unsigned int count;
   __shared__ unsigned int threshold_key;
   __shared__ unsigned int max_key;
   __shared__ union {
-    typename BlockReduceMaxSum::TempStorage max_sum;
-    typename BlockReduceCount::TempStorage count;
-    typename BlockScanCount::TempStorage scan;
+    typename Primitives::ReduceMaxSum::TempStorage max_sum;
+    typename Primitives::ReduceCount::TempStorage count;
+    typename Primitives::ScanCount::TempStorage scan;
   } storage;
 
   // Rows of one block share a scale: elements >= (the previous row's threshold - margin) are
@@ -399,13 +420,14 @@ topk_candidates_kernel(const T* __restrict__ logits, int64_t rows, int64_t row_s
     float floor = previous_threshold - margin;
     if (!isfinite(floor)) floor = INFINITY;  // nothing to go by: collect in pass 2
 
-    RowScan scan(1.4426950408889634f / temperature, floor, buffer, &count);
+    RowScan scan(1.4426950408889634f / temperature, floor, buffer, &count, kCapacity);
     if (sizeof(T) == 2 && pipelined) {
       visit_row_pipelined(row, width, scan, reinterpret_cast<Pack<T>*>(buffer + kCapacity));
     } else {
       visit_row(row, width, scan);
     }
-    const MaxSum total = BlockReduceMaxSum(storage.max_sum).Reduce(MaxSum{scan.max2, scan.sum2}, CombineMaxSum());
+    const MaxSum total =
+        typename Primitives::ReduceMaxSum(storage.max_sum).Reduce(MaxSum{scan.max2, scan.sum2}, CombineMaxSum());
     if (threadIdx.x == 0) lse[r] = (total.max2 + log2f(total.sum2)) * 0.6931471805599453f;
     float thread_max = scan.bucket_max[0];
 #pragma unroll
@@ -429,13 +451,14 @@ topk_candidates_kernel(const T* __restrict__ logits, int64_t rows, int64_t row_s
     if (!collected) {
       if (threadIdx.x == 0) count = 0;
       __syncthreads();
-      CollectAtLeast collect{threshold_value, buffer, &count};
+      CollectAtLeast collect{threshold_value, buffer, &count, kCapacity};
       visit_row(row, width, collect);
       __syncthreads();
       found = static_cast<int>(count);
       if (found > kCapacity) {
         __syncthreads();
-        found = collect_exact(row, width, k, threshold, max_key, buffer, &count, storage.count, storage.scan);
+        found = collect_exact<T, Shape::kThreads>(row, width, k, threshold, max_key, buffer, &count, kCapacity,
+                                                  storage.count, storage.scan);
         __syncthreads();
       }
     }
@@ -480,33 +503,60 @@ topk_candidates_kernel(const T* __restrict__ logits, int64_t rows, int64_t row_s
   }
 }
 
+// The switches the launcher reads from the environment (benchmarks compare their settings;
+// none changes a result bit): KD_KERNELS_TOPK_PIPELINE, _FILTER, _NARROW = 0 / 1 and
+// _MARGIN = x override the defaults above.
+struct Switches {
+  bool pipelined, filter, narrow;
+  float margin_factor;
+};
+
+bool switch_on(const char* name, bool fallback) {
+  const char* choice = std::getenv(name);
+  return choice ? choice[0] == '1' : fallback;
+}
+
 template <typename T>
-cudaError_t launch(const void* logits, int64_t rows, int64_t row_stride, int64_t width, int64_t k, float temperature,
-                   float* values, int32_t* indices, float* lse, cudaStream_t stream) {
-  if (rows == 0) return cudaSuccess;
-  // KD_KERNELS_TOPK_PIPELINE=0 / 1 overrides the default (benchmarks compare the two)
-  const char* choice = std::getenv("KD_KERNELS_TOPK_PIPELINE");
-  const bool pipelined = sizeof(T) == 2 && (choice ? choice[0] == '1' : kPipelineDefault);
-  // KD_KERNELS_TOPK_FILTER=0 / 1 overrides whether pass-1 candidates below T are dropped before the sort
-  const char* filter_choice = std::getenv("KD_KERNELS_TOPK_FILTER");
-  const bool filter = filter_choice ? filter_choice[0] == '1' : kFilterDefault;
-  // KD_KERNELS_TOPK_MARGIN=x overrides the margin factor (a speed knob: the result never depends on it)
-  const char* margin_choice = std::getenv("KD_KERNELS_TOPK_MARGIN");
-  const float margin_factor = margin_choice ? std::strtof(margin_choice, nullptr) : kMarginDefault;
-  const int shared_bytes = kCapacity * sizeof(uint64_t) + (pipelined ? kStages * kThreads * 16 : 0);
-  const cudaError_t attribute = cudaFuncSetAttribute(topk_candidates_kernel<T>,
+Switches read_switches(int64_t k) {
+  const char* margin = std::getenv("KD_KERNELS_TOPK_MARGIN");
+  return {sizeof(T) == 2 && switch_on("KD_KERNELS_TOPK_PIPELINE", kPipelineDefault),
+          switch_on("KD_KERNELS_TOPK_FILTER", kFilterDefault),
+          k <= kNarrowMaxTopK && switch_on("KD_KERNELS_TOPK_NARROW", kNarrowDefault),
+          margin ? std::strtof(margin, nullptr) : kMarginDefault<T>};
+}
+
+template <typename T, typename Shape>
+cudaError_t launch_shape(const void* logits, int64_t rows, int64_t row_stride, int64_t width, int64_t k,
+                         float temperature, const Switches& switches, float* values, int32_t* indices, float* lse,
+                         cudaStream_t stream) {
+  const int shared_bytes =
+      Shape::kCapacity * sizeof(uint64_t) + (switches.pipelined ? kStages * Shape::kThreads * 16 : 0);
+  const cudaError_t attribute = cudaFuncSetAttribute(topk_candidates_kernel<T, Shape>,
                                                      cudaFuncAttributeMaxDynamicSharedMemorySize, shared_bytes);
   if (attribute != cudaSuccess) return attribute;
   int device = 0, processors = 0;
   cudaError_t status = cudaGetDevice(&device);
   if (status == cudaSuccess) status = cudaDeviceGetAttribute(&processors, cudaDevAttrMultiProcessorCount, device);
   if (status != cudaSuccess) return status;
-  // persistent blocks, two per SM: a block carries the previous row's threshold to the next
-  const int64_t blocks = std::min<int64_t>(rows, 2 * static_cast<int64_t>(processors));
-  topk_candidates_kernel<T><<<static_cast<unsigned int>(blocks), kThreads, shared_bytes, stream>>>(
+  // persistent blocks filling the SMs: a block carries the previous row's threshold to the next
+  const int64_t blocks = std::min<int64_t>(rows, Shape::kBlocksPerSM * static_cast<int64_t>(processors));
+  topk_candidates_kernel<T, Shape><<<static_cast<unsigned int>(blocks), Shape::kThreads, shared_bytes, stream>>>(
       static_cast<const T*>(logits), rows, row_stride, static_cast<int>(width), static_cast<int>(k), temperature,
-      pipelined, filter, margin_factor, values, indices, lse);
+      switches.pipelined, switches.filter, switches.margin_factor, values, indices, lse);
   return cudaGetLastError();
+}
+
+template <typename T>
+cudaError_t launch(const void* logits, int64_t rows, int64_t row_stride, int64_t width, int64_t k, float temperature,
+                   float* values, int32_t* indices, float* lse, cudaStream_t stream) {
+  if (rows == 0) return cudaSuccess;
+  const Switches switches = read_switches<T>(k);
+  if (switches.narrow) {
+    return launch_shape<T, Narrow>(logits, rows, row_stride, width, k, temperature, switches, values, indices, lse,
+                                   stream);
+  }
+  return launch_shape<T, Wide>(logits, rows, row_stride, width, k, temperature, switches, values, indices, lse,
+                               stream);
 }
 
 }  // namespace

@@ -56,16 +56,18 @@ def test_pass_one_through_registers_or_the_cp_async_pipeline_gives_the_same_bits
     assert torch.equal(results[0].logprobs, results[1].logprobs) and torch.equal(results[0].lse, results[1].lse)
 
 
-@pytest.mark.parametrize("k", [8, 64, 1024])
+@pytest.mark.parametrize("switch", ["KD_KERNELS_TOPK_FILTER", "KD_KERNELS_TOPK_NARROW"])
+@pytest.mark.parametrize("k", [8, 64, 512, 1024])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_dropping_candidates_below_the_threshold_before_the_sort_gives_the_same_bits(dtype, k, monkeypatch):
-    """KD_KERNELS_TOPK_FILTER only changes how many candidates are sorted: the reference's top-k
-    either way, bit for bit the same (ties of the k-th value included: rows of few levels)."""
+def test_speed_switches_give_the_same_bits(dtype, k, switch, monkeypatch):
+    """The kernel's speed switches (candidates below T dropped before the sort; narrow blocks,
+    four per SM, for k <= 512) change no bit: the reference's top-k either way, ties of the
+    k-th value included (rows of few levels)."""
     logits = _llm_like_logits(2000, 151_936, dtype, seed=k)
     logits[-300:] = logits[-300:].round()  # heavy ties around the k-th value
     results = []
     for choice in ("0", "1"):
-        monkeypatch.setenv("KD_KERNELS_TOPK_FILTER", choice)
+        monkeypatch.setenv(switch, choice)
         results.append(kd.teacher_topk_from_logits(logits, k=k, temperature=2.0, backend="cuda"))
     assert torch.equal(results[0].indices, results[1].indices)
     assert torch.equal(results[0].logprobs, results[1].logprobs) and torch.equal(results[0].lse, results[1].lse)
