@@ -89,15 +89,6 @@ def bench_shape(name, n, h, v, ks, only=None):
             "ours from bf16 logits (cuda, register pass 1 forced)": lambda: with_env(
                 "KD_KERNELS_TOPK_PIPELINE", "0",
                 lambda: kd.teacher_topk_from_logits(logits_bf16, k=k, temperature=TEMPERATURE, backend="cuda")),
-            "ours from bf16 logits (cuda, filter)": lambda: with_env(
-                "KD_KERNELS_TOPK_FILTER", "1",
-                lambda: kd.teacher_topk_from_logits(logits_bf16, k=k, temperature=TEMPERATURE, backend="cuda")),
-            "ours from fp32 logits (cuda, filter)": lambda: with_env(
-                "KD_KERNELS_TOPK_FILTER", "1",
-                lambda: kd.teacher_topk_from_logits(logits_fp32, k=k, temperature=TEMPERATURE, backend="cuda")),
-            "ours from hidden (cuda, filter)": lambda: with_env(
-                "KD_KERNELS_TOPK_FILTER", "1",
-                lambda: kd.teacher_topk(hidden, weight, k=k, temperature=TEMPERATURE, backend="cuda")),
             "ours from bf16 logits (triton)": lambda: kd.teacher_topk_from_logits(
                 logits_bf16, k=k, temperature=TEMPERATURE, backend="triton"),
             "ours from fp32 logits (cuda)": lambda: kd.teacher_topk_from_logits(

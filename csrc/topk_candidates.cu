@@ -1,5 +1,5 @@
-// Persistent thread blocks, two per SM (one's sorts overlap the other's reads), rows taken
-// in turn; each row read once in the common case:
+// Persistent thread blocks, two or four per SM (one's sorts overlap the others' reads), rows
+// taken in turn; each row read once in the common case:
 //   pass 1  per 16-byte pack: the running max / sum-exp at the temperature (one rescale per
 //           pack, one exp per element), and per thread 8 interleaved bucket maxima; each warp
 //           then takes the ceil(k / warps)-th largest of its maxima, and the smallest of those
@@ -41,7 +41,11 @@ struct Wide {
 struct Narrow {
   static constexpr int kThreads = 256, kBlocksPerSM = 4, kCapacity = 4096;
 };
-constexpr bool kNarrowDefault = false;  // being measured
+// 16-bit rows are bound by instructions (twice the elements per byte), so the serial work of
+// each row hides better behind three streaming blocks than behind one: 5-13 % faster there;
+// float32 rows are bound by HBM and gain nothing consistent (A/B in turn, NOTES)
+template <typename T>
+constexpr bool kNarrowDefault = sizeof(T) == 2;
 constexpr int kSamplesPerThread = 8;
 constexpr bool kPipelineDefault = true;  // the cp.async pass 1 for 16-bit logits: +1-3 points of copy bandwidth (NOTES)
 constexpr bool kFilterDefault = true;  // drop pass-1 candidates below T before the sort: 1-5 % faster (NOTES)
@@ -521,7 +525,7 @@ Switches read_switches(int64_t k) {
   const char* margin = std::getenv("KD_KERNELS_TOPK_MARGIN");
   return {sizeof(T) == 2 && switch_on("KD_KERNELS_TOPK_PIPELINE", kPipelineDefault),
           switch_on("KD_KERNELS_TOPK_FILTER", kFilterDefault),
-          k <= kNarrowMaxTopK && switch_on("KD_KERNELS_TOPK_NARROW", kNarrowDefault),
+          k <= kNarrowMaxTopK && switch_on("KD_KERNELS_TOPK_NARROW", kNarrowDefault<T>),
           margin ? std::strtof(margin, nullptr) : kMarginDefault<T>};
 }
 

@@ -61,8 +61,9 @@ def test_pass_one_through_registers_or_the_cp_async_pipeline_gives_the_same_bits
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_speed_switches_give_the_same_bits(dtype, k, switch, monkeypatch):
     """The kernel's speed switches (candidates below T dropped before the sort; narrow blocks,
-    four per SM, for k <= 512) change no bit: the reference's top-k either way, ties of the
-    k-th value included (rows of few levels)."""
+    four per SM, for k <= 512) give the reference's top-k either way, ties of the k-th value
+    included (rows of few levels): the same ids, and the same bits where the block shape is
+    the same (narrow blocks sum the logsumexp in another order: float32 rounding apart)."""
     logits = _llm_like_logits(2000, 151_936, dtype, seed=k)
     logits[-300:] = logits[-300:].round()  # heavy ties around the k-th value
     results = []
@@ -70,7 +71,11 @@ def test_speed_switches_give_the_same_bits(dtype, k, switch, monkeypatch):
         monkeypatch.setenv(switch, choice)
         results.append(kd.teacher_topk_from_logits(logits, k=k, temperature=2.0, backend="cuda"))
     assert torch.equal(results[0].indices, results[1].indices)
-    assert torch.equal(results[0].logprobs, results[1].logprobs) and torch.equal(results[0].lse, results[1].lse)
+    if switch == "KD_KERNELS_TOPK_NARROW":
+        assert torch.allclose(results[0].lse, results[1].lse, rtol=1e-6, atol=0)
+        assert torch.allclose(results[0].logprobs, results[1].logprobs, rtol=0, atol=1e-5)
+    else:
+        assert torch.equal(results[0].logprobs, results[1].logprobs) and torch.equal(results[0].lse, results[1].lse)
     expected = reference.teacher_topk_from_logits(logits, k, 2.0, 151_936)
     check_teacher_topk(results[1], expected, 1e-5, logits, 2.0, 151_936)
     if dtype != torch.float32:
