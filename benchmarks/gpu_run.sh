@@ -3,7 +3,8 @@
 # below, each under its own time limit; logs and JSON under $OUT (8 files at most come back).
 # usage (device tool): source .devpkgs/device-env.sh && [FLAGS] bash benchmarks/gpu_run.sh
 #   BUILD_CUDA=1   build kd_kernels._C with the documented command and use it in place
-#   RUN_TESTS=1    pytest -m "$TEST_MARKERS" (default "gpu or interpret") $TEST_PATHS (default tests/)
+#   RUN_TESTS=1    pytest -m "$TEST_MARKERS" (default "gpu") $TEST_PATHS (default tests/); not "interpret":
+#                  the image's numpy 2.4 breaks the Triton 3.6 interpreter (CI pins numpy<2.4)
 #   RUN_QUALITY=0  benchmarks/bench_e2e.py: distilled vs CE-only student at the GPU defaults
 #   RUN_BENCH=1    benchmarks/bench_topk_divergence.py $BENCH_ARGS (the student)
 #   RUN_TEACHER=0  benchmarks/bench_teacher_topk.py $TEACHER_ARGS
@@ -20,7 +21,7 @@ if [ "${BUILD_CUDA:-1}" = 1 ]; then
   [ -n "$so" ] && cp "$so" kd_kernels/ && echo "built $so"
 fi
 if [ "${RUN_TESTS:-1}" = 1 ]; then
-  timeout "${TESTS_TIMEOUT:-400}" python -m pytest -q -m "${TEST_MARKERS:-gpu or interpret}" ${TEST_PATHS:-tests/} \
+  timeout "${TESTS_TIMEOUT:-400}" python -m pytest -q -m "${TEST_MARKERS:-gpu}" ${TEST_PATHS:-tests/} \
     > "$OUT/tests.log" 2>&1
   tail -4 "$OUT/tests.log"
 fi
