@@ -132,7 +132,9 @@ def measure(fn, hidden_pool, weight, n, h, v, with_grad):
     return median, low, high, memory
 
 
-def bench_shape(name, n, h, v, k, extra_variants, only_ours=False, interleaved=0):
+def student_problem(n, h, v, k):
+    """The benchmark's inputs: a bf16 lm_head, two LLM-like hidden-state sets, the teacher's
+    top-k (and its dense inputs for Liger), labels with 5 % ignored, the student's entropy."""
     torch.manual_seed(0)
     weight = (torch.randn(v, h, device="cuda") * 0.02).to(torch.bfloat16)
     hidden, entropy, scale = llm_like_hidden(n, h, weight)
@@ -140,7 +142,16 @@ def bench_shape(name, n, h, v, k, extra_variants, only_ours=False, interleaved=0
     teacher, teacher_hidden, teacher_weight, teacher_entropy = teacher_topk_dense(n, h, v, k)
     labels = torch.randint(0, v, (n,), device="cuda")
     labels[torch.rand(n, device="cuda") < 0.05] = -100
-    table, ours = providers(teacher, labels, (teacher_hidden, teacher_weight))
+    return dict(weight=weight, hidden_pool=hidden_pool, entropy=entropy, scale=scale, teacher=teacher,
+                teacher_dense=(teacher_hidden, teacher_weight), teacher_entropy=teacher_entropy, labels=labels)
+
+
+def bench_shape(name, n, h, v, k, extra_variants, only_ours=False, interleaved=0):
+    problem = student_problem(n, h, v, k)
+    weight, hidden_pool, teacher, labels = (problem[key] for key in ("weight", "hidden_pool", "teacher", "labels"))
+    hidden, entropy, scale, teacher_entropy = hidden_pool[0], problem["entropy"], problem["scale"], \
+        problem["teacher_entropy"]
+    table, ours = providers(teacher, labels, problem["teacher_dense"])
     if only_ours:
         table = {label: fn for label, fn in table.items() if label.startswith(("floor", "ours"))}
     print(f"\n## {name}: N={n} H={h} V={v} k={k}; student entropy {entropy:.2f} nats (hidden × {scale:.2f}), "

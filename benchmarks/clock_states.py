@@ -15,25 +15,17 @@ import sys
 import tempfile
 import time
 
-import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench_topk_divergence import providers, teacher_topk_dense, timed_call  # noqa: E402
-from harness import environment, llm_like_hidden  # noqa: E402
+from bench_topk_divergence import providers, student_problem, timed_call  # noqa: E402
+from harness import elapsed_ms, environment  # noqa: E402
 
 N, H, V, K = 8192, 2048, 151_936, 64
 
 
 def timed(call, setup):
-    args = setup()
-    torch.cuda.synchronize()
-    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    call(*args)
-    stop.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(stop)
+    return elapsed_ms(call, setup())
 
 
 def clock_log():
@@ -60,14 +52,9 @@ def samples_between(path, begin, end):
 
 def main():
     print(f"environment: {environment()}")
-    torch.manual_seed(0)
-    weight = (torch.randn(V, H, device="cuda") * 0.02).to(torch.bfloat16)
-    hidden, _, _ = llm_like_hidden(N, H, weight)
-    pool = [hidden, llm_like_hidden(N, H, weight, seed=7)[0]]
-    teacher, teacher_hidden, teacher_weight, _ = teacher_topk_dense(N, H, V, K)
-    labels = torch.randint(0, V, (N,), device="cuda")
-    labels[torch.rand(N, device="cuda") < 0.05] = -100
-    table, _ = providers(teacher, labels, (teacher_hidden, teacher_weight))
+    problem = student_problem(N, H, V, K)
+    weight, pool = problem["weight"], problem["hidden_pool"]
+    table, _ = providers(problem["teacher"], problem["labels"], problem["teacher_dense"])
     calls = {"floor": timed_call(table["floor: 3 bf16 matmuls"], pool, weight, True),
              "ours fast": timed_call(table["ours fast (forward_kl + CE)"], pool, weight, True)}
     for call, setup in calls.values():

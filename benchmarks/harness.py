@@ -11,19 +11,24 @@ import subprocess
 import torch
 
 
+def elapsed_ms(fn, args=()):
+    """``fn(*args)`` from a synchronized start, timed by device events, in ms."""
+    torch.cuda.synchronize()
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn(*args)
+    stop.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(stop)
+
+
 def time_ms(fn, setup=None, warmup=3, repeats=10):
     """Median and (p20, p80) of ``fn()`` in ms over ``repeats`` runs; ``setup()`` runs untimed before each."""
     times = []
     for index in range(warmup + repeats):
-        args = setup() if setup else ()
-        torch.cuda.synchronize()
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn(*args)
-        stop.record()
-        torch.cuda.synchronize()
+        elapsed = elapsed_ms(fn, setup() if setup else ())
         if index >= warmup:
-            times.append(start.elapsed_time(stop))
+            times.append(elapsed)
     times.sort()
     return statistics.median(times), times[len(times) // 5], times[(4 * len(times)) // 5]
 
@@ -35,15 +40,9 @@ def time_interleaved_ms(calls, warmup=2, repeats=15):
     times = {name: [] for name in calls}
     for index in range(warmup + repeats):
         for name, (fn, setup) in calls.items():
-            args = setup() if setup else ()
-            torch.cuda.synchronize()
-            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn(*args)
-            stop.record()
-            torch.cuda.synchronize()
+            elapsed = elapsed_ms(fn, setup() if setup else ())
             if index >= warmup:
-                times[name].append(start.elapsed_time(stop))
+                times[name].append(elapsed)
     first = next(iter(calls))
     ratios = {name: statistics.median(t / f for t, f in zip(times[name], times[first])) for name in calls}
     summary = {}
