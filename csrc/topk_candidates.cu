@@ -14,8 +14,9 @@
 // The buffer (~1-3 k elements on LLM logits) is sorted by (value desc, column asc) and the
 // first k written; when pass 1 collected it, the elements below T are dropped first (a
 // smaller sort). Rows where more elements reach T than the buffer holds (8192 in wide blocks,
-// 4096 in narrow ones: massive ties, adversarial orders) take an exact slow path: bisection on the value to the k-th largest, then an
-// in-order collection that keeps the lowest columns among ties.
+// 4096 in narrow ones: massive ties, adversarial orders) take an exact slow path: bisection
+// on the value to the k-th largest, then an in-order collection that keeps the lowest columns
+// among ties.
 #include <cooperative_groups.h>
 #include <cub/block/block_reduce.cuh>
 #include <cub/block/block_scan.cuh>
