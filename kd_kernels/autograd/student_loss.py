@@ -403,7 +403,7 @@ class LogitsTopKDivergence(torch.autograd.Function):
         student_pass, stats = ctx.student_pass, ctx.stats
         options = student_pass.options
         row_weight = grad_loss.float() if options.reduction == "none" else ctx.row_weight * grad_loss.float()
-        teacher_logprobs, teacher_indices, valid, labels, counted = student_pass.rows(0, logits.shape[0])
+        teacher_logprobs, teacher_indices, _, _, counted = student_pass.rows(0, logits.shape[0])
         *_, grads = student_pass.support(stats, teacher_logprobs, teacher_indices, counted, row_weight)
         grad_logits = torch.empty_like(logits, memory_format=torch.contiguous_format)
         _write_logit_gradient(logits, None, _gradient_plan(stats, grads, teacher_logprobs, options), options,
