@@ -10,6 +10,7 @@ usage: python benchmarks/bench_topk_divergence.py [--shapes S1,...] [--ours-only
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 
@@ -132,9 +133,22 @@ def measure(fn, hidden_pool, weight, n, h, v, with_grad):
     return median, low, high, memory
 
 
-def student_problem(n, h, v, k):
-    """The benchmark's inputs: a bf16 lm_head, two LLM-like hidden-state sets, the teacher's
-    top-k (and its dense inputs for Liger), labels with 5 % ignored, the student's entropy."""
+@dataclasses.dataclass
+class StudentProblem:
+    """The benchmark's inputs: a bf16 lm_head, two LLM-like hidden-state sets (and the student's
+    entropy and hidden scale), the teacher's top-k (its dense hidden and weight for Liger, its
+    entropy), labels with 5 % ignored."""
+    weight: torch.Tensor
+    hidden_pool: list
+    entropy: float
+    scale: float
+    teacher: kd.TopK
+    teacher_dense: tuple
+    teacher_entropy: float
+    labels: torch.Tensor
+
+
+def student_problem(n, h, v, k) -> StudentProblem:
     torch.manual_seed(0)
     weight = (torch.randn(v, h, device="cuda") * 0.02).to(torch.bfloat16)
     hidden, entropy, scale = llm_like_hidden(n, h, weight)
@@ -142,19 +156,18 @@ def student_problem(n, h, v, k):
     teacher, teacher_hidden, teacher_weight, teacher_entropy = teacher_topk_dense(n, h, v, k)
     labels = torch.randint(0, v, (n,), device="cuda")
     labels[torch.rand(n, device="cuda") < 0.05] = -100
-    return dict(weight=weight, hidden_pool=hidden_pool, entropy=entropy, scale=scale, teacher=teacher,
-                teacher_dense=(teacher_hidden, teacher_weight), teacher_entropy=teacher_entropy, labels=labels)
+    return StudentProblem(weight, hidden_pool, entropy, scale, teacher, (teacher_hidden, teacher_weight),
+                          teacher_entropy, labels)
 
 
 def bench_shape(name, n, h, v, k, extra_variants, only_ours=False, interleaved=0):
     problem = student_problem(n, h, v, k)
-    weight, hidden_pool, teacher, labels = (problem[key] for key in ("weight", "hidden_pool", "teacher", "labels"))
-    hidden, entropy, scale, teacher_entropy = hidden_pool[0], problem["entropy"], problem["scale"], \
-        problem["teacher_entropy"]
-    table, ours = providers(teacher, labels, problem["teacher_dense"])
+    weight, hidden_pool, teacher, labels = problem.weight, problem.hidden_pool, problem.teacher, problem.labels
+    hidden, entropy, teacher_entropy = hidden_pool[0], problem.entropy, problem.teacher_entropy
+    table, ours = providers(teacher, labels, problem.teacher_dense)
     if only_ours:
         table = {label: fn for label, fn in table.items() if label.startswith(("floor", "ours"))}
-    print(f"\n## {name}: N={n} H={h} V={v} k={k}; student entropy {entropy:.2f} nats (hidden × {scale:.2f}), "
+    print(f"\n## {name}: N={n} H={h} V={v} k={k}; student entropy {entropy:.2f} nats (hidden × {problem.scale:.2f}), "
           f"teacher {teacher_entropy:.2f}")
     flops = 6 * n * h * v
     rows = []

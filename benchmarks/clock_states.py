@@ -53,8 +53,8 @@ def samples_between(path, begin, end):
 def main():
     print(f"environment: {environment()}")
     problem = student_problem(N, H, V, K)
-    weight, pool = problem["weight"], problem["hidden_pool"]
-    table, _ = providers(problem["teacher"], problem["labels"], problem["teacher_dense"])
+    weight, pool = problem.weight, problem.hidden_pool
+    table, _ = providers(problem.teacher, problem.labels, problem.teacher_dense)
     calls = {"floor": timed_call(table["floor: 3 bf16 matmuls"], pool, weight, True),
              "ours fast": timed_call(table["ours fast (forward_kl + CE)"], pool, weight, True)}
     for call, setup in calls.values():

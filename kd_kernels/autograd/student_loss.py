@@ -201,12 +201,8 @@ class _ChunkedStudentPass:
     # The per-row inputs below are made once for all rows (not per chunk: each small op is a
     # launch and a gap on the device) and on first use, after the first chunk's matmul is queued.
     @functools.cached_property
-    def valid(self) -> torch.Tensor:
-        return torch.isfinite(self.teacher_logprobs)
-
-    @functools.cached_property
     def safe_ids(self) -> torch.Tensor:
-        return torch.where(self.valid, self.teacher_indices.long(), 0)
+        return torch.where(torch.isfinite(self.teacher_logprobs), self.teacher_indices.long(), 0)
 
     @functools.cached_property
     def safe_labels(self) -> Optional[torch.Tensor]:
@@ -234,14 +230,13 @@ class _ChunkedStudentPass:
             teacher_indices, counted, self.options, self.vocab_size, row_weight)
 
     def rows(self, start, stop):
-        labels = None if self.labels is None else self.labels[start:stop]
-        return (self.teacher_logprobs[start:stop], self.teacher_indices[start:stop], self.valid[start:stop], labels,
-                self.counted[start:stop])
+        """(teacher log-probs, teacher ids, counted-row mask) of rows [start, stop)."""
+        return self.teacher_logprobs[start:stop], self.teacher_indices[start:stop], self.counted[start:stop]
 
     def step(self, stats: "_ChunkStats", start, stop, row_weight, metrics):
         """Loss math of rows [start, stop) from their statistics: (per-row loss, gradients
         w.r.t. the statistics if ``row_weight`` is given). Adds metric sums into ``metrics``."""
-        teacher_logprobs, teacher_indices, valid, labels, counted = self.rows(start, stop)
+        teacher_logprobs, teacher_indices, counted = self.rows(start, stop)
         per_row, kd, ce, row_stats, grads = self.support(stats, teacher_logprobs, teacher_indices, counted,
                                                          None if row_weight is None else row_weight[start:stop])
         if metrics is not None:
@@ -403,7 +398,7 @@ class LogitsTopKDivergence(torch.autograd.Function):
         student_pass, stats = ctx.student_pass, ctx.stats
         options = student_pass.options
         row_weight = grad_loss.float() if options.reduction == "none" else ctx.row_weight * grad_loss.float()
-        teacher_logprobs, teacher_indices, _, _, counted = student_pass.rows(0, logits.shape[0])
+        teacher_logprobs, teacher_indices, counted = student_pass.rows(0, logits.shape[0])
         *_, grads = student_pass.support(stats, teacher_logprobs, teacher_indices, counted, row_weight)
         grad_logits = torch.empty_like(logits, memory_format=torch.contiguous_format)
         _write_logit_gradient(logits, None, _gradient_plan(stats, grads, teacher_logprobs, options), options,
