@@ -44,7 +44,7 @@ struct Narrow {
   static constexpr int kThreads = 256, kBlocksPerSM = 4, kCapacity = 4096;
 };
 // 16-bit rows are bound by instructions (twice the elements per byte), so the serial work of
-// each row hides better behind three streaming blocks than behind one: 5-13 % faster there;
+// each row hides better behind three streaming blocks than behind one: 4-13 % faster there;
 // float32 rows are bound by HBM and gain nothing consistent (A/B in turn, NOTES)
 template <typename T>
 constexpr bool kNarrowDefault = sizeof(T) == 2;
