@@ -20,16 +20,21 @@ copy_ms = triton.testing.do_bench(lambda: logits.clone(), return_mode="median")
 nbytes = logits.numel() * 4
 print(f"copy: {2 * nbytes / copy_ms / 1e6:.0f} GB/s (read + write)")
 print("| kernel | BLOCK_V | warps | ms | GB/s |")
-for tempered in (False, True):
+exp_out = torch.empty(rows, columns, device="cuda", dtype=torch.bfloat16)  # not in place: runs repeat
+shift = torch.empty(rows, device="cuda")
+for tempered, write_exp in ((False, False), (True, False), (False, True)):
     for block in (1024, 2048, 4096, 8192):
         for warps in (4, 8, 16):
             def run():
-                _row_statistics_kernel[(rows,)](logits, logits, arg, arg, lse, lse_t, lse_t, arg, lse, lse,
-                                                logits.stride(0), 0, 0, columns, 0, 0, 0.5, HAS_BIAS=False,
-                                                TEMPERED=tempered, HAS_IDS=False, HAS_LABELS=False,
-                                                BLOCK_V=block, BLOCK_K=1, num_warps=warps)
+                _row_statistics_kernel[(rows,)](logits, logits, arg, arg, lse, lse_t, lse_t, arg, lse, lse, exp_out,
+                                                shift, logits.stride(0), 0, 0, exp_out.stride(0), columns, columns,
+                                                0, 0, 0.5, 1.0, HAS_BIAS=False, TEMPERED=tempered, HAS_IDS=False,
+                                                HAS_LABELS=False, WRITE_EXP=write_exp, BLOCK_V=block, BLOCK_K=1,
+                                                SLACK=16.0, num_warps=warps)
             ms = triton.testing.do_bench(run, return_mode="median")
-            print(f"| lse tempered={tempered} | {block} | {warps} | {ms:.3f} | {nbytes / ms / 1e6:.0f} |")
+            moved = nbytes * (1.5 if write_exp else 1.0)
+            name = "lse + exp written" if write_exp else f"lse tempered={tempered}"
+            print(f"| {name} | {block} | {warps} | {ms:.3f} | {moved / ms / 1e6:.0f} |")
 for block in (1024, 2048, 4096, 8192):
     for warps in (4, 8, 16):
         def run():

@@ -39,7 +39,7 @@ def _compare(problem, tolerance, chunk_rows=16, lean=False, **options):
         chunk_rows = None
     leaves = [t.detach().clone().requires_grad_() for t in (hidden, weight, bias)]
     leaves64 = [t.detach().double().requires_grad_() for t in (hidden, weight, bias)]
-    kwargs = dict(temperature=2.0, ce_weight=0.5, vocab_size=200, **options)
+    kwargs = dict(dict(temperature=2.0, ce_weight=0.5, vocab_size=200), **options)
     expected = kd.topk_divergence(leaves64[0], leaves64[1], teacher, labels, bias=leaves64[2], backend="torch", **kwargs)
     got = kd.topk_divergence(leaves[0], leaves[1], teacher, labels, bias=leaves[2], backend="triton",
                              chunk_rows=chunk_rows, lean=lean, **kwargs)
@@ -68,6 +68,34 @@ def test_fp16_inputs(divergence, support):
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 def test_reductions_and_ignored_rows(reduction, ignored):
     _compare(_problem(ignored=ignored, seed=5), 1e-5, reduction=reduction, support="tail")
+
+
+@pytest.mark.parametrize("passes", ["one", "two"])
+@pytest.mark.parametrize("support, temperature, ce_weight", [
+    ("tail", 1.0, 0.5),  # one read, w = 1: CE's and the tail's softmax are one term
+    ("tail", 2.0, 0.0),  # one read, w = 1 / τ: the tail's term alone
+    ("renormalized", 2.0, 0.5),  # one read, w = 1: CE's term alone
+    ("tail", 2.0, 0.5),  # two dense terms: two passes whatever the switch
+])
+def test_one_read_and_two_passes_match_the_reference(monkeypatch, passes, support, temperature, ce_weight):
+    # a bias spike 30 above every other logit at a column no id or label holds, past the
+    # interpreter's first blocks of 64: the one-read pass must move its shift and rescale
+    monkeypatch.setenv("KD_KERNELS_STUDENT_PASSES", passes)
+    hidden, weight, bias, teacher, labels = _problem(seed=11, temperature=temperature)
+    bias = bias.clone()
+    bias[150] = 30.0 + 20.0 / temperature
+    keep = (teacher.indices != 150).all(1) & (labels != 150)
+    problem = (hidden[keep], weight, bias, kd.TopK(teacher.logprobs[keep], teacher.indices[keep], temperature),
+               labels[keep])
+    _compare(problem, 1e-5, support=support, temperature=temperature, ce_weight=ce_weight, divergence="jsd",
+             chunk_rows=8)
+
+
+def test_the_passes_switch_is_checked(monkeypatch):
+    monkeypatch.setenv("KD_KERNELS_STUDENT_PASSES", "three")
+    hidden, weight, _, teacher, labels = _problem(n=4, temperature=1.0)
+    with pytest.raises(ValueError, match="KD_KERNELS_STUDENT_PASSES"):
+        kd.topk_divergence(hidden.requires_grad_(), weight, teacher, labels, vocab_size=200, backend="triton")
 
 
 def test_num_tokens_and_one_chunk_and_beta_endpoints():

@@ -11,6 +11,13 @@ Design (measured reasons in benchmarks/NOTES.md):
   dtype over the float32 logits it reads (same buffer), the k + 1 sparse columns are
   stored on top, then ``dX = dlogits @ W`` and ``dW += dlogitsᵀ @ X``. Backward only
   scales them by the upstream gradient (skipped on the device when it is 1).
+- One read (the default where the dense gradient has one term: not both CE and the tail
+  mode at τ ≠ 1; bf16 / fp32 rows): the statistics pass itself writes
+  ``e = exp((z - shift) · w)`` over the row, so the gradient pass, which read every float32
+  logit a second time, is gone. The gradient is ``diag(s) · e'`` (e' = e with the sparse
+  columns stored as value / s; s = coef · exp(shift · w - lse_w) per row, known after the
+  loss math), so ``dX = diag(s) (e' @ W)`` and ``dW += e'ᵀ @ (diag(s) X)``: two O(R·H)
+  scalings instead of an O(R·V) pass. ``KD_KERNELS_STUDENT_PASSES=two`` forces two passes.
 - For reduction "none" the upstream gradient is per row, so backward recomputes the chunks.
 - Lean schedule (``lean=True``): the same passes in short chunks whose float32 logits stay
   under ``LEAN_CHUNK_BYTES`` (384 rows at V = 151,936): ≤ 256 MiB whatever N, for one
@@ -24,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from typing import Optional
 
 import torch
@@ -82,6 +90,23 @@ def lean_chunk_rows(num_rows: int, num_columns: int) -> int:
     return max(1, min(num_rows, max(LEAN_ROW_MULTIPLE, most)))
 
 
+def one_read_exp_weight(options: DivergenceOptions, has_labels: bool, grad_dtype: torch.dtype) -> Optional[float]:
+    """``w`` of the one-read gradient (module docstring), or None where it does not apply: two
+    dense terms (CE's softmax(z) and the tail mode's softmax(z / τ) at τ ≠ 1), fp16 rows (e'
+    could leave fp16's range), or ``KD_KERNELS_STUDENT_PASSES=two``."""
+    passes = os.environ.get("KD_KERNELS_STUDENT_PASSES", "one")
+    if passes not in ("one", "two"):
+        raise ValueError(f"KD_KERNELS_STUDENT_PASSES: expected 'one' or 'two', got {passes!r}")
+    if passes == "two" or grad_dtype not in (torch.bfloat16, torch.float32):
+        return None
+    # the renormalized support's gradient lives on the ids alone: no dense KD term
+    kd_dense = options.support == "tail" and options.temperature != 1.0
+    if not kd_dense:
+        return 1.0
+    with_ce = has_labels and options.ce_weight != 0.0
+    return None if with_ce else 1.0 / options.temperature
+
+
 def fused_divergence_available(divergence: str) -> bool:
     """Every divergence has the closed-form support kernel (adaptive_kl since its sort-free
     head / tail split); kept as the one switch should one ever need the torch path again."""
@@ -112,17 +137,21 @@ class _ChunkStats:
     best: torch.Tensor  # [C] float32 row maximum (to merge argmaxes across ranks)
     ids: torch.Tensor  # [C, k] int64, invalid entries -> 0
     labels: Optional[torch.Tensor]  # [C] int64, ignored rows -> 0
+    shift: Optional[torch.Tensor] = None  # [C] float32, where the pass wrote exp((z - shift) · w)
 
 
 def _chunk_stats(logits, bias, ids, safe_labels, out, options: DivergenceOptions, width: int,
-                 column_start: int = 0) -> _ChunkStats:
+                 column_start: int = 0, exp_out=None, exp_weight: float = 1.0) -> _ChunkStats:
     """Statistics of rows whose logits (the ``width`` existing columns of this rank, global ids
     from ``column_start``) are all in memory: one Triton pass into ``out`` (`RowStatistics`
-    rows). ``ids`` / ``safe_labels``: int64, invalid entries and ignored rows -> 0. Ids and
-    labels this rank does not own read 0."""
+    rows), which also writes ``exp_out`` when given (`row_statistics`). ``ids`` /
+    ``safe_labels``: int64, invalid entries and ignored rows -> 0. Ids and labels this rank
+    does not own read 0."""
     row_statistics, _ = _statistics_kernel()
-    row_statistics(logits, bias, width, options.temperature, out, ids, safe_labels, column_start=column_start)
-    return _ChunkStats(out.at_ids, out.at_label, out.lse, out.lse_tempered, out.top1, out.best, ids, safe_labels)
+    row_statistics(logits, bias, width, options.temperature, out, ids, safe_labels, column_start=column_start,
+                   exp_out=exp_out, exp_weight=exp_weight)
+    return _ChunkStats(out.at_ids, out.at_label, out.lse, out.lse_tempered, out.top1, out.best, ids, safe_labels,
+                       out.shift if exp_out is not None else None)
 
 
 def _combine_over_ranks(stats: _ChunkStats, shard) -> _ChunkStats:
@@ -155,9 +184,12 @@ class _GradientPlan:
     lse_tempered: torch.Tensor
     columns: torch.Tensor
     values: torch.Tensor
+    row_scale: Optional[torch.Tensor] = None  # [R] float32 s of the one-read form (values divided by it)
+    clear: Optional[torch.Tensor] = None  # [R] int8: rows whose dense part is dropped (s = 0)
 
 
-def _gradient_plan(stats: _ChunkStats, grads, teacher_logprobs, options: DivergenceOptions) -> _GradientPlan:
+def _gradient_plan(stats: _ChunkStats, grads, teacher_logprobs, options: DivergenceOptions,
+                   exp_weight: Optional[float] = None) -> _GradientPlan:
     from ..ops.gradient_plan import gradient_plan
 
     coef = grads.lse if grads.lse is not None else torch.zeros_like(stats.lse)
@@ -166,11 +198,13 @@ def _gradient_plan(stats: _ChunkStats, grads, teacher_logprobs, options: Diverge
     if coef_tempered is not None and options.temperature == 1.0:
         coef, coef_tempered = coef + coef_tempered, None
     with_label = grads.at_label is not None
-    columns, values = gradient_plan(
+    one_read = exp_weight is not None
+    out = gradient_plan(
         teacher_logprobs.contiguous(), grads.at_ids.float().contiguous(), stats.ids, stats.at_ids, stats.lse,
         stats.lse_tempered, coef, coef_tempered, stats.labels if with_label else None,
-        stats.at_label if with_label else None, grads.at_label if with_label else None, options.temperature)
-    return _GradientPlan(coef, coef_tempered, stats.lse, stats.lse_tempered, columns, values)
+        stats.at_label if with_label else None, grads.at_label if with_label else None, options.temperature,
+        stats.shift if one_read else None, exp_weight if one_read else 1.0)
+    return _GradientPlan(coef, coef_tempered, stats.lse, stats.lse_tempered, *out)
 
 
 def _write_logit_gradient(logits, bias, plan: _GradientPlan, options: DivergenceOptions, vocab_size: int,
@@ -214,7 +248,7 @@ class _ChunkedStudentPass:
         _, statistics_type = _statistics_kernel()
         rows, k = self.teacher_logprobs.shape
         return statistics_type.empty(rows, k, self.options.temperature != 1.0, self.labels is not None,
-                                     self.teacher_logprobs.device)
+                                     self.teacher_logprobs.device, shift=True)
 
     @functools.cached_property
     def counted(self) -> torch.Tensor:
@@ -245,11 +279,13 @@ class _ChunkedStudentPass:
                 metrics[index] = metrics[index] + sums[name].float()
         return per_row, grads
 
-    def chunk(self, logits, bias, start, stop, row_weight, metrics):
-        """`step` of rows [start, stop) from their logits ``[stop - start, V]``; also returns the stats."""
+    def chunk(self, logits, bias, start, stop, row_weight, metrics, exp_out=None, exp_weight: float = 1.0):
+        """`step` of rows [start, stop) from their logits ``[stop - start, V]``; also returns the
+        stats. ``exp_out``: see `_chunk_stats`."""
         stats = _chunk_stats(logits, bias, self.safe_ids[start:stop],
                              None if self.safe_labels is None else self.safe_labels[start:stop],
-                             self.stats_rows.rows(start, stop), self.options, self.width, self.column_start)
+                             self.stats_rows.rows(start, stop), self.options, self.width, self.column_start,
+                             exp_out, exp_weight)
         if self.shard is not None:
             stats = _combine_over_ranks(stats, self.shard)
         per_row, grads = self.step(stats, start, stop, row_weight, metrics)
@@ -292,6 +328,11 @@ def _linear_pass(hidden, weight, bias, student_pass: _ChunkedStudentPass, row_we
     if want_grads and needs[1]:  # the first chunk writes it (no rows: nothing will)
         grad_weight = torch.empty_like(weight) if num_rows else torch.zeros_like(weight)
     grad_bias = torch.zeros(num_columns, dtype=torch.float32, device=device) if want_grads and needs[2] else None
+    options = student_pass.options
+    exp_weight = one_read_exp_weight(options, student_pass.labels is not None, hidden.dtype) if want_grads else None
+    scaled_hidden = None  # the hidden rows of dW, times s, in the one-read form
+    if exp_weight is not None and grad_weight is not None:
+        scaled_hidden = torch.empty(min(chunk_rows, num_rows), hidden.shape[1], dtype=hidden.dtype, device=device)
     for start in range(0, num_rows, chunk_rows):
         stop = min(start + chunk_rows, num_rows)
         hidden_chunk = hidden[start:stop]
@@ -299,23 +340,23 @@ def _linear_pass(hidden, weight, bias, student_pass: _ChunkedStudentPass, row_we
         _lm_head_logits_fp32(hidden_chunk, weight, chunk_logits)
         if start == 0 and row_weight is not None:
             row_weight = row_weight()
-        per_row[start:stop], stats, grads = student_pass.chunk(chunk_logits, bias, start, stop,
-                                                               row_weight if want_grads else None, metrics)
-        if not want_grads:
-            continue
         # the gradient row, in the input dtype, overwrites the first bytes of its float32 logits row
         chunk_grad = chunk_logits.view(hidden.dtype)[:, :num_columns]
-        plan = _gradient_plan(stats, grads, student_pass.teacher_logprobs[start:stop], student_pass.options)
-        _write_logit_gradient(chunk_logits, bias, plan, student_pass.options, student_pass.width, chunk_grad,
-                              student_pass.column_start)
-        if grad_hidden is not None:
-            torch.mm(chunk_grad, weight, out=grad_hidden[start:stop])
-        if grad_weight is not None and start == 0:
-            torch.mm(chunk_grad.T, hidden_chunk, out=grad_weight)  # no zero fill and re-read of V·H
-        elif grad_weight is not None:
-            grad_weight.addmm_(chunk_grad.T, hidden_chunk)
-        if grad_bias is not None:
-            grad_bias += chunk_grad.float().sum(0)
+        per_row[start:stop], stats, grads = student_pass.chunk(
+            chunk_logits, bias, start, stop, row_weight if want_grads else None, metrics,
+            chunk_grad if exp_weight is not None else None, exp_weight or 1.0)
+        if not want_grads:
+            continue
+        plan = _gradient_plan(stats, grads, student_pass.teacher_logprobs[start:stop], options, exp_weight)
+        if plan.row_scale is None:
+            _write_logit_gradient(chunk_logits, bias, plan, options, student_pass.width, chunk_grad,
+                                  student_pass.column_start)
+        else:
+            store_columns = _kernels()[2]
+            store_columns(chunk_grad, plan.columns, plan.values, student_pass.column_start,
+                          student_pass.column_start + num_columns, clear=plan.clear)
+        _accumulate_matmul_gradients(chunk_grad, plan.row_scale, hidden_chunk, weight, start,
+                                     grad_hidden, grad_weight, grad_bias, scaled_hidden)
     if grad_hidden is not None and student_pass.shard is not None:
         from ..distributed import all_reduce_sum_
 
@@ -324,6 +365,29 @@ def _linear_pass(hidden, weight, bias, student_pass: _ChunkedStudentPass, row_we
     if callable(row_weight):  # no rows
         row_weight = row_weight()
     return per_row, (None if metrics is None else torch.stack(metrics)), grads, row_weight
+
+
+def _accumulate_matmul_gradients(chunk_grad, row_scale, hidden_chunk, weight, start, grad_hidden, grad_weight,
+                                 grad_bias, scaled_hidden):
+    """dX rows, dW and dBias of one chunk from its logit gradient ``diag(row_scale) · chunk_grad``
+    (row_scale None: the gradient itself). dW is written by the first chunk, added by the others."""
+    from ..ops.scale_rows import scale_rows
+
+    rows = chunk_grad.shape[0]
+    if grad_hidden is not None:
+        grad_rows = grad_hidden[start:start + rows]
+        torch.mm(chunk_grad, weight, out=grad_rows)
+        if row_scale is not None:
+            scale_rows(grad_rows, row_scale, grad_rows)
+    if grad_weight is not None:
+        dw_rows = hidden_chunk if row_scale is None else scale_rows(hidden_chunk, row_scale, scaled_hidden[:rows])
+        if start == 0:
+            torch.mm(chunk_grad.T, dw_rows, out=grad_weight)  # no zero fill and re-read of V·H
+        else:
+            grad_weight.addmm_(chunk_grad.T, dw_rows)
+    if grad_bias is not None:
+        grad_logits = chunk_grad.float()
+        grad_bias += (grad_logits if row_scale is None else grad_logits * row_scale[:, None]).sum(0)
 
 
 def _schedule(hidden, weight, bias, student_pass, row_weight, needs, chunk_rows, lean, with_metrics):

@@ -4,6 +4,13 @@ For columns ``[column_start, column_start + width)`` of each row (z = logits + b
 row, or this rank's shard of it): the logsumexp at temperature 1 and at τ, the maximum and its
 column (lowest on ties), and the values at given global ids and at the label where these
 columns hold them.
+
+Optionally the same read also writes ``exp((z - shift) · w)`` over the row (in place, as a
+bf16/fp16 row over the first half of its float32 row): the dense gradient up to a per-row
+factor, so the gradient needs no second read of the logits (the factor ``coef · exp(shift · w −
+lse_w)`` is applied to dX and to the hidden rows of dW). ``shift`` starts at the largest of the
+gathered values (a lower bound of the row max, so no value overflows) and moves up, rescaling
+what the row has written, only where the row climbs ``SHIFT_SLACK`` nats above it.
 """
 from dataclasses import dataclass
 from typing import Optional
@@ -14,11 +21,16 @@ import triton.language as tl
 
 from .launch import ROW_BLOCK_V, num_warps_for
 
+# exp((z - shift) · w) stays below e^SHIFT_SLACK; above it the row's shift moves up (rare: the
+# shift starts at the largest logit among the teacher ids and the label).
+SHIFT_SLACK = 16.0
+
 
 @dataclass
 class RowStatistics:
     """Float32 ``lse``, ``lse_tempered`` (the same tensor when τ = 1), ``best`` (row max), int64
-    ``top1``, float32 ``at_ids [N, k]`` and ``at_label [N]`` (None without ids / labels)."""
+    ``top1``, float32 ``at_ids [N, k]`` and ``at_label [N]`` (None without ids / labels), float32
+    ``shift [N]`` of the written exponentials (None unless they are written)."""
 
     lse: torch.Tensor
     lse_tempered: torch.Tensor
@@ -26,45 +38,86 @@ class RowStatistics:
     top1: torch.Tensor
     at_ids: Optional[torch.Tensor]
     at_label: Optional[torch.Tensor]
+    shift: Optional[torch.Tensor] = None
 
     def rows(self, start: int, stop: int) -> "RowStatistics":
         """Views of rows [start, stop) (written in place by `row_statistics`)."""
         def part(t):
             return None if t is None else t[start:stop]
         return RowStatistics(part(self.lse), part(self.lse_tempered), part(self.best), part(self.top1),
-                             part(self.at_ids), part(self.at_label))
+                             part(self.at_ids), part(self.at_label), part(self.shift))
 
     @staticmethod
-    def empty(num_rows: int, k: int, tempered: bool, labels: bool, device) -> "RowStatistics":
+    def empty(num_rows: int, k: int, tempered: bool, labels: bool, device, shift: bool = False) -> "RowStatistics":
         lse = torch.full((num_rows,), -float("inf"), device=device)
         return RowStatistics(
             lse=lse, lse_tempered=lse.clone() if tempered else lse, best=lse.clone(),
             top1=torch.zeros(num_rows, dtype=torch.int64, device=device),
             at_ids=torch.zeros(num_rows, k, dtype=torch.float32, device=device) if k else None,
-            at_label=torch.zeros(num_rows, dtype=torch.float32, device=device) if labels else None)
+            at_label=torch.zeros(num_rows, dtype=torch.float32, device=device) if labels else None,
+            shift=torch.zeros(num_rows, dtype=torch.float32, device=device) if shift else None)
 
 
 @triton.jit
 def _row_statistics_kernel(logits_ptr, bias_ptr, ids_ptr, labels_ptr,
-                           lse_ptr, lse_tempered_ptr, best_ptr, top1_ptr, at_ids_ptr, at_label_ptr,
-                           stride_row, stride_ids, stride_at_ids, width, column_start, k, inv_temperature,
+                           lse_ptr, lse_tempered_ptr, best_ptr, top1_ptr, at_ids_ptr, at_label_ptr, exp_ptr,
+                           shift_ptr, stride_row, stride_ids, stride_at_ids, stride_exp, width, num_columns,
+                           column_start, k, inv_temperature, exp_weight,
                            HAS_BIAS: tl.constexpr, TEMPERED: tl.constexpr, HAS_IDS: tl.constexpr,
-                           HAS_LABELS: tl.constexpr, BLOCK_V: tl.constexpr,
-                           BLOCK_K: tl.constexpr):
+                           HAS_LABELS: tl.constexpr, WRITE_EXP: tl.constexpr, BLOCK_V: tl.constexpr,
+                           BLOCK_K: tl.constexpr, SLACK: tl.constexpr):
     row = tl.program_id(0)
     row_ptr = logits_ptr + row.to(tl.int64) * stride_row
+    # the gathers come first: WRITE_EXP overwrites the row
+    shift = tl.load(row_ptr, mask=width > 0, other=0.0).to(tl.float32)  # column 0: any value bounds the max
+    if HAS_BIAS:
+        shift += tl.load(bias_ptr, mask=width > 0, other=0.0).to(tl.float32)
+    if HAS_IDS:
+        k_offsets = tl.arange(0, BLOCK_K)
+        in_k = k_offsets < k
+        local = tl.load(ids_ptr + row.to(tl.int64) * stride_ids + k_offsets, mask=in_k, other=-1) - column_start
+        owned = in_k & (local >= 0) & (local < width)
+        values = tl.load(row_ptr + local, mask=owned, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            values += tl.load(bias_ptr + local, mask=owned, other=0.0).to(tl.float32)
+        tl.store(at_ids_ptr + row.to(tl.int64) * stride_at_ids + k_offsets, values, mask=owned)
+        shift = tl.maximum(shift, tl.max(tl.where(owned, values, float("-inf")), axis=0))
+    if HAS_LABELS:
+        local_label = tl.load(labels_ptr + row) - column_start
+        label_owned = (local_label >= 0) & (local_label < width)
+        label_value = tl.load(row_ptr + local_label, mask=label_owned, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            label_value += tl.load(bias_ptr + local_label, mask=label_owned, other=0.0).to(tl.float32)
+        tl.store(at_label_ptr + row, label_value, mask=label_owned)
+        shift = tl.maximum(shift, tl.where(label_owned, label_value, float("-inf")))
+    if WRITE_EXP:
+        tl.debug_barrier()
+    exp_row = exp_ptr + row.to(tl.int64) * stride_exp
     offsets = tl.arange(0, BLOCK_V)
     # per-lane running max and sums; the temperature shares the max (τ > 0 keeps the order)
     lane_max = tl.full([BLOCK_V], float("-inf"), tl.float32)
     lane_sum = tl.zeros([BLOCK_V], tl.float32)
     lane_sum_tempered = tl.zeros([BLOCK_V], tl.float32)
     lane_arg = tl.zeros([BLOCK_V], tl.int32)
-    for start in range(0, width, BLOCK_V):
+    for start in range(0, num_columns if WRITE_EXP else width, BLOCK_V):
         cols = start + offsets
         inside = cols < width
         z = tl.load(row_ptr + cols, mask=inside, other=float("-inf")).to(tl.float32)
         if HAS_BIAS:
             z += tl.load(bias_ptr + cols, mask=inside, other=0.0).to(tl.float32)
+        if WRITE_EXP:
+            block_max = tl.max(z, axis=0)
+            if (block_max - shift) * exp_weight > SLACK:  # also where the shift is still -inf
+                tl.debug_barrier()
+                factor = tl.exp((shift - block_max) * exp_weight)
+                for done in range(0, start, BLOCK_V):
+                    done_cols = done + offsets
+                    written = tl.load(exp_row + done_cols).to(tl.float32)
+                    tl.store(exp_row + done_cols, (written * factor).to(exp_ptr.dtype.element_ty))
+                shift = block_max
+            value = tl.where(z > float("-inf"), tl.exp((z - shift) * exp_weight), 0.0)
+            tl.debug_barrier()  # every thread has loaded the bytes these stores overwrite
+            tl.store(exp_row + cols, value.to(exp_ptr.dtype.element_ty), mask=cols < num_columns)
         new_max = tl.maximum(lane_max, z)
         # a lane that has seen only -inf keeps max -inf: shift by 0 instead of NaN
         safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
@@ -87,34 +140,28 @@ def _row_statistics_kernel(logits_ptr, bias_ptr, ids_ptr, labels_ptr,
         tl.store(lse_tempered_ptr + row, lse_tempered)
     tl.store(best_ptr + row, row_max)
     tl.store(top1_ptr + row, arg)
-    if HAS_IDS:
-        k_offsets = tl.arange(0, BLOCK_K)
-        in_k = k_offsets < k
-        local = tl.load(ids_ptr + row.to(tl.int64) * stride_ids + k_offsets, mask=in_k, other=-1) - column_start
-        owned = in_k & (local >= 0) & (local < width)
-        values = tl.load(row_ptr + local, mask=owned, other=0.0).to(tl.float32)
-        if HAS_BIAS:
-            values += tl.load(bias_ptr + local, mask=owned, other=0.0).to(tl.float32)
-        tl.store(at_ids_ptr + row.to(tl.int64) * stride_at_ids + k_offsets, values, mask=owned)
-    if HAS_LABELS:
-        local_label = tl.load(labels_ptr + row) - column_start
-        label_owned = (local_label >= 0) & (local_label < width)
-        label_value = tl.load(row_ptr + local_label, mask=label_owned, other=0.0).to(tl.float32)
-        if HAS_BIAS:
-            label_value += tl.load(bias_ptr + local_label, mask=label_owned, other=0.0).to(tl.float32)
-        tl.store(at_label_ptr + row, label_value, mask=label_owned)
+    if WRITE_EXP:
+        tl.store(shift_ptr + row, shift)
 
 
 def row_statistics(logits: torch.Tensor, bias, width: int, temperature: float, out: RowStatistics,
                    ids: Optional[torch.Tensor] = None, labels: Optional[torch.Tensor] = None,
-                   column_start: int = 0) -> RowStatistics:
+                   column_start: int = 0, exp_out: Optional[torch.Tensor] = None,
+                   exp_weight: float = 1.0) -> RowStatistics:
     """logits ``[R, ≥width]`` (unit column stride) of global columns ``[column_start, +width)``,
     bias ``[width]`` or None; ids ``[R, k]`` / labels ``[R]`` int64 global columns (already
     safe: no -1 / ignore_index). Writes and returns ``out`` (``RowStatistics.empty``): ids
-    and labels outside these columns keep its initial values."""
-    rows = logits.shape[0]
+    and labels outside these columns keep its initial values.
+
+    ``exp_out`` ``[R, C]`` (C = logits.shape[1]; bf16/fp16, may alias logits: same storage and
+    start, same row stride in bytes): also written, ``exp((z - out.shift) · exp_weight)`` on the
+    ``width`` existing columns and 0 past them (``out`` made with ``shift=True``)."""
+    rows, num_columns = logits.shape
     tempered = temperature != 1.0
     k = 0 if ids is None else ids.shape[1]
+    write_exp = exp_out is not None
+    if write_exp and out.shift is None:
+        raise ValueError("row_statistics: exp_out needs out.shift (RowStatistics.empty(..., shift=True))")
     if rows:
         _row_statistics_kernel[(rows,)](
             logits, bias if bias is not None else logits, ids if ids is not None else out.top1,
@@ -122,9 +169,11 @@ def row_statistics(logits: torch.Tensor, bias, width: int, temperature: float, o
             out.lse, out.lse_tempered, out.best, out.top1,
             out.at_ids if out.at_ids is not None else out.lse,
             out.at_label if out.at_label is not None else out.lse,
+            exp_out if write_exp else logits, out.shift if write_exp else out.lse,
             logits.stride(0), ids.stride(0) if ids is not None else 0,
-            out.at_ids.stride(0) if out.at_ids is not None else 0, width, column_start, k,
-            1.0 / temperature, HAS_BIAS=bias is not None, TEMPERED=tempered, HAS_IDS=ids is not None,
-            HAS_LABELS=labels is not None, BLOCK_V=ROW_BLOCK_V,
-            BLOCK_K=triton.next_power_of_2(max(k, 1)), num_warps=num_warps_for(ROW_BLOCK_V))
+            out.at_ids.stride(0) if out.at_ids is not None else 0, exp_out.stride(0) if write_exp else 0, width,
+            num_columns, column_start, k, 1.0 / temperature, float(exp_weight), HAS_BIAS=bias is not None,
+            TEMPERED=tempered, HAS_IDS=ids is not None, HAS_LABELS=labels is not None, WRITE_EXP=write_exp,
+            BLOCK_V=ROW_BLOCK_V, BLOCK_K=triton.next_power_of_2(max(k, 1)), SLACK=SHIFT_SLACK,
+            num_warps=num_warps_for(ROW_BLOCK_V))
     return out
