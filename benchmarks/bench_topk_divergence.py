@@ -10,6 +10,7 @@ usage: python benchmarks/bench_topk_divergence.py [--shapes S1,...] [--ours-only
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import sys
@@ -49,13 +50,29 @@ def eager_kd_ce(hidden, weight, teacher_logprobs, teacher_indices, labels):
 _compiled_eager = torch.compile(eager_kd_ce)
 
 
+@contextlib.contextmanager
+def student_passes(passes):
+    """``KD_KERNELS_STUDENT_PASSES`` set to ``passes`` (None: left as it is) inside the block."""
+    before = os.environ.get("KD_KERNELS_STUDENT_PASSES")
+    if passes is not None:
+        os.environ["KD_KERNELS_STUDENT_PASSES"] = passes
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("KD_KERNELS_STUDENT_PASSES", None)
+        else:
+            os.environ["KD_KERNELS_STUDENT_PASSES"] = before
+
+
 def providers(teacher, labels, teacher_dense):
-    def ours(**options):
+    def ours(passes=None, **options):
         def run(hidden, weight):
-            loss = kd.topk_divergence(hidden, weight, teacher, labels, ce_weight=1.0, check_values=False,
-                                      backend="triton", **options)
-            if hidden.requires_grad:
-                loss.backward()
+            with student_passes(passes):
+                loss = kd.topk_divergence(hidden, weight, teacher, labels, ce_weight=1.0, check_values=False,
+                                          backend="triton", **options)
+                if hidden.requires_grad:
+                    loss.backward()
         return run
 
     def floor(hidden, weight):
@@ -210,6 +227,12 @@ def bench_shape(name, n, h, v, k, extra_variants, only_ours=False, interleaved=0
                                                                              teacher.indices[:2048], None, 1.0),
                                               labels[:2048], chunk_rows=chunk_rows)
             print(f"bf16 accuracy, {variant} ({chunk_rows} of 2048 rows a chunk): {accuracy[variant]}")
+        if "passes" in options:
+            with student_passes(options["passes"]):
+                accuracy[variant] = bf16_accuracy(hidden[:2048], weight, kd.TopK(teacher.logprobs[:2048],
+                                                                                 teacher.indices[:2048], None, 1.0),
+                                                  labels[:2048])
+            print(f"bf16 accuracy, {variant}: {accuracy[variant]}")
     return dict(shape=name, n=n, h=h, v=v, k=k, entropy=entropy, teacher_entropy=teacher_entropy, rows=rows,
                 interleaved=interleaved_rows, accuracy=accuracy)
 
@@ -254,6 +277,7 @@ def main():
                 ("forward_kl", "tail"), ("reverse_kl", "renormalized"), ("jsd", "renormalized"), ("jsd", "tail"),
                 ("skewed_forward_kl", "renormalized"), ("adaptive_kl", "renormalized"), ("tvd", "tail"))]
             extra += [(f"fast, chunk_rows={rows}", dict(chunk_rows=rows)) for rows in (256, 384, 512)]
+            extra += [("fast, two passes", dict(passes="two")), ("lean, two passes", dict(lean=True, passes="two"))]
         if args.variants:
             extra = [(label, options) for label, options in extra
                      if any(part in label for part in args.variants.split(","))]
