@@ -23,14 +23,15 @@ print("| kernel | BLOCK_V | warps | ms | GB/s |")
 exp_out = torch.empty(rows, columns, device="cuda", dtype=torch.bfloat16)  # not in place: runs repeat
 shift = torch.empty(rows, device="cuda")
 for tempered, write_exp in ((False, False), (True, False), (False, True)):
-    for block in (1024, 2048, 4096, 8192):
-        for warps in (4, 8, 16):
+    for block in (1024, 2048, 4096, 8192) + ((16384,) if write_exp else ()):
+        for warps in (4, 8, 16) + ((32,) if write_exp else ()):
             def run():
                 _row_statistics_kernel[(rows,)](logits, logits, arg, arg, lse, lse_t, lse_t, arg, lse, lse, exp_out,
                                                 shift, logits.stride(0), 0, 0, exp_out.stride(0), columns, columns,
                                                 0, 0, 0.5, 1.0, HAS_BIAS=False, TEMPERED=tempered, HAS_IDS=False,
-                                                HAS_LABELS=False, WRITE_EXP=write_exp, BLOCK_V=block, BLOCK_K=1,
-                                                SLACK=16.0, num_warps=warps)
+                                                HAS_LABELS=False, WRITE_EXP=write_exp, PLAIN_ONLINE=not write_exp,
+                                                TEMPERED_ONLINE=tempered, BLOCK_V=block, BLOCK_K=1, SLACK=16.0,
+                                                num_warps=warps)
             ms = triton.testing.do_bench(run, return_mode="median")
             moved = nbytes * (1.5 if write_exp else 1.0)
             name = "lse + exp written" if write_exp else f"lse tempered={tempered}"

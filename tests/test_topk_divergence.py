@@ -264,16 +264,18 @@ def test_gpu_real_shape(divergence, support, dtype, tolerance, lean):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype, tolerance", [(torch.bfloat16, 1e-2), (torch.float32, 1e-5)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("support, temperature, ce_weight, scale", [
     ("tail", 1.0, 1.0, 0.1),  # the benchmark's case: one read, w = 1
     ("tail", 2.0, 0.0, 0.1),  # one read, w = 1 / τ
     ("tail", 0.25, 0.0, 3.0),  # logits ~100 at τ = 0.25: the shift moves in most rows
 ])
-def test_gpu_one_read_against_two_passes_and_the_reference(monkeypatch, dtype, tolerance, support, temperature,
-                                                           ce_weight, scale):
-    """Both forms within the tolerance of float64 (bf16: the issue's 1 %), and the one-read
-    form no further from it than 1.25 × the two-pass form's error plus bf16 noise."""
+def test_gpu_one_read_against_two_passes_and_the_reference(monkeypatch, dtype, support, temperature, ce_weight,
+                                                           scale):
+    """Both forms within the tolerance of float64 (bf16: the issue's 1 %; fp32: 1e-5, 1e-4 for
+    logits ~100 at τ = 0.25, whose float32 rounding moves the gradient by ~3e-5 in both forms),
+    and the one-read form no further from it than 1.25 × the two-pass form's error plus noise."""
+    tolerance = 1e-2 if dtype == torch.bfloat16 else 1e-5 if scale < 1 else 1e-4
     torch.backends.cuda.matmul.allow_tf32 = False
     n, h, v, k = 2048, 1024, 151_936, 64
     hidden, weight, _, teacher, labels = _problem(n=n, h=h, v=v, k=k, vocab_size=151_900, dtype=dtype, seed=14,

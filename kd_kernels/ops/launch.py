@@ -8,6 +8,12 @@ import os
 ROW_BLOCK_V = 64 if os.environ.get("TRITON_INTERPRET") == "1" else 2048
 
 
+# The statistics pass that also writes the exponentials (one read): its per-block maximum (does
+# the row's shift move?) is a block-wide reduction, so fewer, wider blocks; see tune_row_kernels.py.
+ONE_READ_BLOCK_V = 64 if os.environ.get("TRITON_INTERPRET") == "1" else 8192
+ONE_READ_WARPS = 16
+
+
 def num_warps_for(block: int) -> int:
     return max(1, min(16, block // 128))
 

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import ROW_BLOCK_V, num_warps_for
+from .launch import ONE_READ_BLOCK_V, ONE_READ_WARPS, ROW_BLOCK_V, num_warps_for
 
 # exp((z - shift) · w) stays below e^SHIFT_SLACK; above it the row's shift moves up (rare: the
 # shift starts at the largest logit among the teacher ids and the label).
@@ -64,8 +64,9 @@ def _row_statistics_kernel(logits_ptr, bias_ptr, ids_ptr, labels_ptr,
                            shift_ptr, stride_row, stride_ids, stride_at_ids, stride_exp, width, num_columns,
                            column_start, k, inv_temperature, exp_weight,
                            HAS_BIAS: tl.constexpr, TEMPERED: tl.constexpr, HAS_IDS: tl.constexpr,
-                           HAS_LABELS: tl.constexpr, WRITE_EXP: tl.constexpr, BLOCK_V: tl.constexpr,
-                           BLOCK_K: tl.constexpr, SLACK: tl.constexpr):
+                           HAS_LABELS: tl.constexpr, WRITE_EXP: tl.constexpr, PLAIN_ONLINE: tl.constexpr,
+                           TEMPERED_ONLINE: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
+                           SLACK: tl.constexpr):
     row = tl.program_id(0)
     row_ptr = logits_ptr + row.to(tl.int64) * stride_row
     # the gathers come first: WRITE_EXP overwrites the row
@@ -94,10 +95,14 @@ def _row_statistics_kernel(logits_ptr, bias_ptr, ids_ptr, labels_ptr,
         tl.debug_barrier()
     exp_row = exp_ptr + row.to(tl.int64) * stride_exp
     offsets = tl.arange(0, BLOCK_V)
-    # per-lane running max and sums; the temperature shares the max (τ > 0 keeps the order)
+    # per-lane running max and sums; the temperature shares the max (τ > 0 keeps the order).
+    # With WRITE_EXP the written values, summed, are one of the two sums (plain at w = 1, the
+    # tempered one at w = 1 / τ): one exp per column where τ = 1. PLAIN_ONLINE /
+    # TEMPERED_ONLINE: the sums still kept by the running max.
     lane_max = tl.full([BLOCK_V], float("-inf"), tl.float32)
     lane_sum = tl.zeros([BLOCK_V], tl.float32)
     lane_sum_tempered = tl.zeros([BLOCK_V], tl.float32)
+    lane_sum_written = tl.zeros([BLOCK_V], tl.float32)  # Σ exp((z - shift) · w)
     lane_arg = tl.zeros([BLOCK_V], tl.int32)
     for start in range(0, num_columns if WRITE_EXP else width, BLOCK_V):
         cols = start + offsets
@@ -114,27 +119,37 @@ def _row_statistics_kernel(logits_ptr, bias_ptr, ids_ptr, labels_ptr,
                     done_cols = done + offsets
                     written = tl.load(exp_row + done_cols).to(tl.float32)
                     tl.store(exp_row + done_cols, (written * factor).to(exp_ptr.dtype.element_ty))
+                lane_sum_written = lane_sum_written * factor
                 shift = block_max
             value = tl.where(z > float("-inf"), tl.exp((z - shift) * exp_weight), 0.0)
+            lane_sum_written += value
             tl.debug_barrier()  # every thread has loaded the bytes these stores overwrite
             tl.store(exp_row + cols, value.to(exp_ptr.dtype.element_ty), mask=cols < num_columns)
-        new_max = tl.maximum(lane_max, z)
-        # a lane that has seen only -inf keeps max -inf: shift by 0 instead of NaN
-        safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
-        lane_sum = lane_sum * tl.exp(lane_max - safe_max) + tl.exp(z - safe_max)
-        if TEMPERED:
-            lane_sum_tempered = (lane_sum_tempered * tl.exp((lane_max - safe_max) * inv_temperature)
-                                 + tl.exp((z - safe_max) * inv_temperature))
+        if PLAIN_ONLINE or TEMPERED_ONLINE:
+            new_max = tl.maximum(lane_max, z)
+            # a lane that has seen only -inf keeps max -inf: shift by 0 instead of NaN
+            safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
+            if PLAIN_ONLINE:
+                lane_sum = lane_sum * tl.exp(lane_max - safe_max) + tl.exp(z - safe_max)
+            if TEMPERED_ONLINE:
+                lane_sum_tempered = (lane_sum_tempered * tl.exp((lane_max - safe_max) * inv_temperature)
+                                     + tl.exp((z - safe_max) * inv_temperature))
         lane_arg = tl.where(z > lane_max, cols, lane_arg)
-        lane_max = new_max
+        lane_max = tl.maximum(lane_max, z)
     row_max = tl.max(lane_max, axis=0)
     # the lowest column among lanes holding the maximum
     arg = tl.min(tl.where(lane_max == row_max, lane_arg, 2147483647), axis=0).to(tl.int64) + column_start
     safe_row_max = tl.where(row_max == float("-inf"), 0.0, row_max)
-    lse = safe_row_max + tl.log(tl.sum(lane_sum * tl.exp(lane_max - safe_row_max), axis=0))
+    if PLAIN_ONLINE:
+        lse = safe_row_max + tl.log(tl.sum(lane_sum * tl.exp(lane_max - safe_row_max), axis=0))
+    else:
+        lse = shift + tl.log(tl.sum(lane_sum_written, axis=0))
     if TEMPERED:
-        lse_tempered = safe_row_max * inv_temperature + tl.log(
-            tl.sum(lane_sum_tempered * tl.exp((lane_max - safe_row_max) * inv_temperature), axis=0))
+        if TEMPERED_ONLINE:
+            lse_tempered = safe_row_max * inv_temperature + tl.log(
+                tl.sum(lane_sum_tempered * tl.exp((lane_max - safe_row_max) * inv_temperature), axis=0))
+        else:
+            lse_tempered = shift * exp_weight + tl.log(tl.sum(lane_sum_written, axis=0))
     tl.store(lse_ptr + row, lse)
     if TEMPERED:
         tl.store(lse_tempered_ptr + row, lse_tempered)
@@ -162,6 +177,11 @@ def row_statistics(logits: torch.Tensor, bias, width: int, temperature: float, o
     write_exp = exp_out is not None
     if write_exp and out.shift is None:
         raise ValueError("row_statistics: exp_out needs out.shift (RowStatistics.empty(..., shift=True))")
+    if write_exp and exp_weight not in (1.0, 1.0 / temperature):
+        raise ValueError(f"row_statistics: exp_weight: expected 1 or 1 / temperature, got {exp_weight!r}")
+    # w = 1 / τ (τ ≠ 1): the written values sum to the tempered logsumexp, else to the plain one
+    exp_tempered = write_exp and tempered and exp_weight != 1.0
+    block, warps = (ONE_READ_BLOCK_V, ONE_READ_WARPS) if write_exp else (ROW_BLOCK_V, num_warps_for(ROW_BLOCK_V))
     if rows:
         _row_statistics_kernel[(rows,)](
             logits, bias if bias is not None else logits, ids if ids is not None else out.top1,
@@ -174,6 +194,6 @@ def row_statistics(logits: torch.Tensor, bias, width: int, temperature: float, o
             out.at_ids.stride(0) if out.at_ids is not None else 0, exp_out.stride(0) if write_exp else 0, width,
             num_columns, column_start, k, 1.0 / temperature, float(exp_weight), HAS_BIAS=bias is not None,
             TEMPERED=tempered, HAS_IDS=ids is not None, HAS_LABELS=labels is not None, WRITE_EXP=write_exp,
-            BLOCK_V=ROW_BLOCK_V, BLOCK_K=triton.next_power_of_2(max(k, 1)), SLACK=SHIFT_SLACK,
-            num_warps=num_warps_for(ROW_BLOCK_V))
+            PLAIN_ONLINE=not write_exp or exp_tempered, TEMPERED_ONLINE=tempered and not exp_tempered, BLOCK_V=block, BLOCK_K=triton.next_power_of_2(max(k, 1)),
+            SLACK=SHIFT_SLACK, num_warps=warps)
     return out
