@@ -75,7 +75,7 @@ def test_one_read_writes_the_shifted_exponentials_and_the_statistics(exp_dtype, 
 
 
 def test_a_minus_inf_column_zero_moves_the_shift_at_the_first_finite_value():
-    from kd_kernels.ops.launch import ONE_READ_BLOCK_V
+    from kd_kernels.ops.launch import one_read_launch
     from kd_kernels.ops.row_statistics import RowStatistics, row_statistics
 
     logits, bias, _, _ = _rows()
@@ -87,7 +87,7 @@ def test_a_minus_inf_column_zero_moves_the_shift_at_the_first_finite_value():
     z = (logits[:, :width] + bias[:width]).double()
     assert torch.isfinite(out.shift).all()
     shift = out.shift.double().cpu()
-    first_block_max = z[:, :ONE_READ_BLOCK_V].max(1).values  # where the -inf shift moves first
+    first_block_max = z[:, :one_read_launch(n)[0]].max(1).values  # where the -inf shift moves first
     _assert_exponentials(buffer, z, shift, 1.0, shift - first_block_max)
     assert buffer[:, 0].eq(0).all()
     assert torch.allclose(out.lse.double().cpu(), torch.logsumexp(z, 1), rtol=0, atol=1e-5)

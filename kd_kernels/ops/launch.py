@@ -9,11 +9,23 @@ ROW_BLOCK_V = 64 if os.environ.get("TRITON_INTERPRET") == "1" else 2048
 
 
 # The statistics pass that also writes the exponentials (one read). Its per-block maximum (does
-# the row's shift move?) is a block-wide reduction; small programs take it cheaply and many of
-# them per SM keep HBM busy. H200, [2048, 151,936] (tune_row_kernels.py, 4 B read + 2 B written
-# per column): 1024 / 4 warps 3.41 TB/s, 2048 / 8 3.26, 4096 / 16 3.09, 8192 / 16 2.68.
-ONE_READ_BLOCK_V = 64 if os.environ.get("TRITON_INTERPRET") == "1" else 1024
-ONE_READ_WARPS = 4
+# the row's shift move?) is a block-wide reduction, which small programs take cheaply, many of
+# them per SM keeping HBM busy. H200, [2048, 151,936] (tune_row_kernels.py, 4 B read + 2 B
+# written per column): 1024 columns / 4 warps 3.46 TB/s, 2048 / 8 3.31, 4096 / 16 3.09; fewer
+# rows (the lean schedule's 384) leave 4-warp programs too few warps per SM, so the program
+# grows until the launch holds ~8192 warps.
+ONE_READ_COLUMNS_PER_WARP = 256
+ONE_READ_TARGET_WARPS = 8192
+
+
+def one_read_launch(rows: int):
+    """(BLOCK_V, num_warps) of the one-read pass over ``rows`` rows."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return 64, 1
+    warps = 4
+    while warps < 16 and rows * warps < ONE_READ_TARGET_WARPS:
+        warps *= 2
+    return ONE_READ_COLUMNS_PER_WARP * warps, warps
 
 
 def num_warps_for(block: int) -> int:

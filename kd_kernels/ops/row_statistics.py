@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import ONE_READ_BLOCK_V, ONE_READ_WARPS, ROW_BLOCK_V, num_warps_for
+from .launch import ROW_BLOCK_V, num_warps_for, one_read_launch
 
 # exp((z - shift) · w) stays below e^SHIFT_SLACK; above it the row's shift moves up (rare: the
 # shift starts at the largest logit among the teacher ids and the label).
@@ -181,7 +181,7 @@ def row_statistics(logits: torch.Tensor, bias, width: int, temperature: float, o
         raise ValueError(f"row_statistics: exp_weight: expected 1 or 1 / temperature, got {exp_weight!r}")
     # w = 1 / τ (τ ≠ 1): the written values sum to the tempered logsumexp, else to the plain one
     exp_tempered = write_exp and tempered and exp_weight != 1.0
-    block, warps = (ONE_READ_BLOCK_V, ONE_READ_WARPS) if write_exp else (ROW_BLOCK_V, num_warps_for(ROW_BLOCK_V))
+    block, warps = one_read_launch(rows) if write_exp else (ROW_BLOCK_V, num_warps_for(ROW_BLOCK_V))
     if rows:
         _row_statistics_kernel[(rows,)](
             logits, bias if bias is not None else logits, ids if ids is not None else out.top1,
