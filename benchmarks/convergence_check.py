@@ -1,5 +1,9 @@
 """A tiny student trained 200 steps with the Triton loss and with the float64 reference loss:
-same data, same initialization; the loss curves must agree within noise."""
+same data, same initialization; the loss curves must agree within noise.
+
+usage: python benchmarks/convergence_check.py [--temperature T]
+(JSD(0.5), tail mode, CE 0.5; T = 2 takes the two-pass gradient, T = 1 the one-read form)"""
+import argparse
 import glob
 import os
 import sys
@@ -40,7 +44,7 @@ def batches(data: torch.Tensor, rows: int, sequence: int, generator: torch.Gener
         yield window[:, :-1], window[:, 1:].reshape(-1)
 
 
-def run(backend, teacher, data, steps=200):
+def run(backend, teacher, data, temperature, steps=200):
     torch.manual_seed(1)
     student = ByteLM(96).cuda()
     optimizer = torch.optim.AdamW(student.parameters(), lr=3e-3)
@@ -50,10 +54,10 @@ def run(backend, teacher, data, steps=200):
         tokens, labels = next(stream)
         tokens, labels = tokens.cuda(), labels.cuda()
         with torch.no_grad():
-            top = kd.teacher_topk(teacher.hidden_states(tokens), teacher.lm_head.weight, k=32, temperature=2.0,
-                                  vocab_size=BYTE_VOCAB)
+            top = kd.teacher_topk(teacher.hidden_states(tokens), teacher.lm_head.weight, k=32,
+                                  temperature=temperature, vocab_size=BYTE_VOCAB)
         loss = kd.topk_divergence(student.hidden_states(tokens), student.lm_head.weight, top, labels,
-                                  divergence="jsd", support="tail", temperature=2.0, ce_weight=0.5,
+                                  divergence="jsd", support="tail", temperature=temperature, ce_weight=0.5,
                                   vocab_size=BYTE_VOCAB, backend=backend)
         optimizer.zero_grad()
         loss.backward()
@@ -63,6 +67,9 @@ def run(backend, teacher, data, steps=200):
 
 
 def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--temperature", type=float, default=2.0)
+    args = parser.parse_args()
     data = torch.frombuffer(bytearray(stdlib_corpus(1_000_000)), dtype=torch.uint8).long()
     torch.manual_seed(0)
     teacher = ByteLM(256).cuda()
@@ -76,7 +83,8 @@ def main():
         loss.backward()
         optimizer.step()
     teacher.eval()
-    ours, reference = run("triton", teacher, data), run("torch", teacher, data)
+    ours, reference = (run(backend, teacher, data, args.temperature) for backend in ("triton", "torch"))
+    print(f"temperature {args.temperature}")
     window = 20
     print("step | triton loss | reference loss (means over 20 steps)")
     worst = 0.0
