@@ -71,7 +71,7 @@ def test_speed_switches_give_the_same_bits(dtype, k, switch, monkeypatch):
         monkeypatch.setenv(switch, choice)
         results.append(kd.teacher_topk_from_logits(logits, k=k, temperature=2.0, backend="cuda"))
     assert torch.equal(results[0].indices, results[1].indices)
-    if switch == "KD_KERNELS_TOPK_NARROW":
+    if switch == "KD_KERNELS_TOPK_NARROW" and k <= 512:  # past 512 both launches are wide: same bits
         assert torch.allclose(results[0].lse, results[1].lse, rtol=1e-6, atol=0)
         assert torch.allclose(results[0].logprobs, results[1].logprobs, rtol=0, atol=1e-5)
     else:
