@@ -31,13 +31,10 @@ def _expected(teacher, grad_ids, ids, at_ids, lse, lse_t, coef, coef_t, labels, 
     return rows
 
 
-@pytest.mark.parametrize("tempered", [False, True])
-@pytest.mark.parametrize("with_labels", [False, True])
-def test_full_gradient_on_every_column_and_equal_on_duplicates(tempered, with_labels):
-    from kd_kernels.ops.gradient_plan import gradient_plan
-
+def _plan_inputs(tempered, with_labels):
+    """([teacher, grad_ids, ids, at_ids, lse, lse_t, coef, coef_t], [labels, at_label, label_grad])."""
     generator = torch.Generator().manual_seed(3)
-    n, k, tau = 16, 6, 2.0
+    n, k = 16, 6
     teacher = torch.log_softmax(torch.randn(n, 50, generator=generator), -1)[:, :k].clone()
     ids = torch.stack([torch.randperm(49, generator=generator)[:k] + 1 for _ in range(n)])  # 0 only as set below
     teacher[::3, 4:] = -float("inf")  # missing entries point at column 0
@@ -54,6 +51,16 @@ def test_full_gradient_on_every_column_and_equal_on_duplicates(tempered, with_la
     coef_t = coef_t if tempered else None
     args = [teacher, grad_ids, ids, at_ids, lse, lse_t, coef, coef_t]
     label_args = [labels, at_label, label_grad] if with_labels else [None, None, None]
+    return args, label_args
+
+
+@pytest.mark.parametrize("tempered", [False, True])
+@pytest.mark.parametrize("with_labels", [False, True])
+def test_full_gradient_on_every_column_and_equal_on_duplicates(tempered, with_labels):
+    from kd_kernels.ops.gradient_plan import gradient_plan
+
+    n, k, tau = 16, 6, 2.0
+    args, label_args = _plan_inputs(tempered, with_labels)
     columns, values = gradient_plan(*[None if t is None else t.to(DEVICE) for t in args + label_args], tau)
     expected = _expected(*[None if t is None else t.double() if t.is_floating_point() else t
                            for t in args + label_args], tau)
@@ -62,3 +69,40 @@ def test_full_gradient_on_every_column_and_equal_on_duplicates(tempered, with_la
         assert sorted(set(columns[r].tolist())) == sorted(expected[r])
         for column, value in zip(columns[r].tolist(), values[r].double().cpu()):
             assert value.item() == pytest.approx(expected[r][column].item(), rel=1e-5, abs=1e-6), (r, column)
+
+
+@pytest.mark.parametrize("exp_weight", [1.0, 0.5])
+def test_with_a_shift_the_values_are_divided_by_the_row_factor(exp_weight):
+    """The one-read form: factor = coef_w · exp(shift · w − lse_w) (coef and lse at w = 1, the
+    tempered pair at w = 1 / τ), values = full values / factor; rows whose factor is 0 are
+    flagged to clear and keep their full values (factor 1)."""
+    from kd_kernels.ops.gradient_plan import gradient_plan
+
+    tau = 2.0
+    args, label_args = _plan_inputs(exp_weight != 1.0, True)
+    n = args[0].shape[0]
+    lse, lse_t, coef, coef_t = args[4:8]
+    if exp_weight != 1.0:
+        coef = torch.zeros_like(coef)  # w = 1 / τ: the dense part is the tempered term's alone
+        args[6] = coef
+    zeroed = torch.arange(n) % 5 == 2
+    (coef_t if exp_weight != 1.0 else coef)[zeroed] = 0.0  # nothing dense: cleared rows
+    shift = torch.randn(n, generator=torch.Generator().manual_seed(4)) + 1.0
+    device_args = [None if t is None else t.to(DEVICE) for t in args + label_args]
+    columns, values = gradient_plan(*device_args, tau)
+    shifted_columns, shifted, row_scale, clear = gradient_plan(*device_args, tau, shift.to(DEVICE), exp_weight)
+    coef_w, lse_w = (coef, lse) if exp_weight == 1.0 else (coef_t, lse_t)
+    factor = coef_w.double() * torch.exp(shift.double() * exp_weight - lse_w.double())
+    assert torch.equal(clear.cpu(), zeroed.to(torch.int8))
+    assert torch.allclose(row_scale.double().cpu(), torch.where(zeroed, 1.0, factor), rtol=1e-5, atol=0)
+    assert torch.equal(shifted_columns, columns)
+    assert torch.allclose(shifted.double().cpu() * row_scale.double().cpu()[:, None], values.double().cpu(),
+                          rtol=1e-5, atol=1e-7)
+
+
+def test_a_shift_with_two_dense_terms_is_refused():
+    from kd_kernels.ops.gradient_plan import gradient_plan
+
+    args, label_args = _plan_inputs(True, False)
+    with pytest.raises(ValueError, match="one dense term"):
+        gradient_plan(*args, *label_args, 2.0, torch.zeros(args[0].shape[0]), 1.0)

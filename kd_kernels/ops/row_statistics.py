@@ -5,12 +5,13 @@ row, or this rank's shard of it): the logsumexp at temperature 1 and at τ, the 
 column (lowest on ties), and the values at given global ids and at the label where these
 columns hold them.
 
-Optionally the same read also writes ``exp((z - shift) · w)`` over the row (in place, as a
-bf16/fp16 row over the first half of its float32 row): the dense gradient up to a per-row
-factor, so the gradient needs no second read of the logits (the factor ``coef · exp(shift · w −
-lse_w)`` is applied to dX and to the hidden rows of dW). ``shift`` starts at the largest of the
-gathered values (a lower bound of the row max, so no value overflows) and moves up, rescaling
-what the row has written, only where the row climbs ``SHIFT_SLACK`` nats above it.
+Optionally the same read also writes ``exp((z - shift) · w)`` over the row, in place (float32
+over itself, or a bf16/fp16 row over the first half of its float32 row): the dense gradient up
+to a per-row factor, so the gradient needs no second read of the logits (the factor
+``coef · exp(shift · w − lse_w)`` is applied to dX and to the hidden rows of dW). ``shift``
+starts at the largest of the gathered values (a lower bound of the row max, so no value
+overflows) and moves up, rescaling what the row has written, only where the row climbs
+``SHIFT_SLACK`` nats above it.
 """
 from dataclasses import dataclass
 from typing import Optional
@@ -168,8 +169,8 @@ def row_statistics(logits: torch.Tensor, bias, width: int, temperature: float, o
     safe: no -1 / ignore_index). Writes and returns ``out`` (``RowStatistics.empty``): ids
     and labels outside these columns keep its initial values.
 
-    ``exp_out`` ``[R, C]`` (C = logits.shape[1]; bf16/fp16, may alias logits: same storage and
-    start, same row stride in bytes): also written, ``exp((z - out.shift) · exp_weight)`` on the
+    ``exp_out`` ``[R, C]`` (C = logits.shape[1]; any float dtype, may alias logits: same storage
+    and start, same row stride in bytes): also written, ``exp((z - out.shift) · exp_weight)`` on the
     ``width`` existing columns and 0 past them (``out`` made with ``shift=True``)."""
     rows, num_columns = logits.shape
     tempered = temperature != 1.0
@@ -194,6 +195,6 @@ def row_statistics(logits: torch.Tensor, bias, width: int, temperature: float, o
             out.at_ids.stride(0) if out.at_ids is not None else 0, exp_out.stride(0) if write_exp else 0, width,
             num_columns, column_start, k, 1.0 / temperature, float(exp_weight), HAS_BIAS=bias is not None,
             TEMPERED=tempered, HAS_IDS=ids is not None, HAS_LABELS=labels is not None, WRITE_EXP=write_exp,
-            PLAIN_ONLINE=not write_exp or exp_tempered, TEMPERED_ONLINE=tempered and not exp_tempered, BLOCK_V=block, BLOCK_K=triton.next_power_of_2(max(k, 1)),
-            SLACK=SHIFT_SLACK, num_warps=warps)
+            PLAIN_ONLINE=not write_exp or exp_tempered, TEMPERED_ONLINE=tempered and not exp_tempered,
+            BLOCK_V=block, BLOCK_K=triton.next_power_of_2(max(k, 1)), SLACK=SHIFT_SLACK, num_warps=warps)
     return out
