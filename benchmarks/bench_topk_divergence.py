@@ -217,21 +217,18 @@ def bench_shape(name, n, h, v, k, extra_variants, only_ours=False, interleaved=0
         for label, (median, low, high) in summary.items():
             print(f"| {label} | {median:.2f} ({low:.2f}–{high:.2f}) | {ratios[label]:.3f} |")
         interleaved_rows = {label: dict(ms=summary[label], x_floor=ratios[label]) for label in calls}
-    accuracy = bf16_accuracy(hidden[:2048], weight, kd.TopK(teacher.logprobs[:2048], teacher.indices[:2048], None, 1.0),
-                             labels[:2048])
+    # our bf16 loss and gradients against float64 on the first 2048 rows
+    head = (hidden[:2048], weight, kd.TopK(teacher.logprobs[:2048], teacher.indices[:2048], None, 1.0), labels[:2048])
+    accuracy = bf16_accuracy(*head)
     print(f"bf16 accuracy vs float64 reference (2048 rows): {accuracy}")
     for variant, options in extra_variants:
         if "chunk_rows" in options:  # as many chunks on 2048 rows as on the n rows: as many bf16 dW additions
             chunk_rows = max(1, options["chunk_rows"] * 2048 // n)
-            accuracy[variant] = bf16_accuracy(hidden[:2048], weight, kd.TopK(teacher.logprobs[:2048],
-                                                                             teacher.indices[:2048], None, 1.0),
-                                              labels[:2048], chunk_rows=chunk_rows)
+            accuracy[variant] = bf16_accuracy(*head, chunk_rows=chunk_rows)
             print(f"bf16 accuracy, {variant} ({chunk_rows} of 2048 rows a chunk): {accuracy[variant]}")
         if "passes" in options:
             with student_passes(options["passes"]):
-                accuracy[variant] = bf16_accuracy(hidden[:2048], weight, kd.TopK(teacher.logprobs[:2048],
-                                                                                 teacher.indices[:2048], None, 1.0),
-                                                  labels[:2048])
+                accuracy[variant] = bf16_accuracy(*head)
             print(f"bf16 accuracy, {variant}: {accuracy[variant]}")
     return dict(shape=name, n=n, h=h, v=v, k=k, entropy=entropy, teacher_entropy=teacher_entropy, rows=rows,
                 interleaved=interleaved_rows, accuracy=accuracy)

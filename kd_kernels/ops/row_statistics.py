@@ -126,8 +126,8 @@ def _row_statistics_kernel(logits_ptr, bias_ptr, ids_ptr, labels_ptr,
             lane_sum_written += value
             tl.debug_barrier()  # every thread has loaded the bytes these stores overwrite
             tl.store(exp_row + cols, value.to(exp_ptr.dtype.element_ty), mask=cols < num_columns)
+        new_max = tl.maximum(lane_max, z)
         if PLAIN_ONLINE or TEMPERED_ONLINE:
-            new_max = tl.maximum(lane_max, z)
             # a lane that has seen only -inf keeps max -inf: shift by 0 instead of NaN
             safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
             if PLAIN_ONLINE:
@@ -136,7 +136,7 @@ def _row_statistics_kernel(logits_ptr, bias_ptr, ids_ptr, labels_ptr,
                 lane_sum_tempered = (lane_sum_tempered * tl.exp((lane_max - safe_max) * inv_temperature)
                                      + tl.exp((z - safe_max) * inv_temperature))
         lane_arg = tl.where(z > lane_max, cols, lane_arg)
-        lane_max = tl.maximum(lane_max, z)
+        lane_max = new_max
     row_max = tl.max(lane_max, axis=0)
     # the lowest column among lanes holding the maximum
     arg = tl.min(tl.where(lane_max == row_max, lane_arg, 2147483647), axis=0).to(tl.int64) + column_start
