@@ -222,14 +222,14 @@ def bench_shape(name, n, h, v, k, extra_variants, only_ours=False, interleaved=0
     accuracy = bf16_accuracy(*head)
     print(f"bf16 accuracy vs float64 reference (2048 rows): {accuracy}")
     for variant, options in extra_variants:
-        if "chunk_rows" in options:  # as many chunks on 2048 rows as on the n rows: as many bf16 dW additions
-            chunk_rows = max(1, options["chunk_rows"] * 2048 // n)
-            accuracy[variant] = bf16_accuracy(*head, chunk_rows=chunk_rows)
-            print(f"bf16 accuracy, {variant} ({chunk_rows} of 2048 rows a chunk): {accuracy[variant]}")
-        if "passes" in options:
-            with student_passes(options["passes"]):
-                accuracy[variant] = bf16_accuracy(*head)
-            print(f"bf16 accuracy, {variant}: {accuracy[variant]}")
+        if not {"chunk_rows", "passes"} & options.keys():
+            continue
+        ours = {name: value for name, value in options.items() if name != "passes"}
+        if "chunk_rows" in ours:  # as many chunks on 2048 rows as on the n rows: as many bf16 dW additions
+            ours["chunk_rows"] = max(1, ours["chunk_rows"] * 2048 // n)
+        with student_passes(options.get("passes")):
+            accuracy[variant] = bf16_accuracy(*head, **ours)
+        print(f"bf16 accuracy, {variant} ({ours or 'defaults'} on 2048 rows): {accuracy[variant]}")
     return dict(shape=name, n=n, h=h, v=v, k=k, entropy=entropy, teacher_entropy=teacher_entropy, rows=rows,
                 interleaved=interleaved_rows, accuracy=accuracy)
 
