@@ -39,7 +39,7 @@ def _compare(problem, tolerance, chunk_rows=16, lean=False, **options):
         chunk_rows = None
     leaves = [t.detach().clone().requires_grad_() for t in (hidden, weight, bias)]
     leaves64 = [t.detach().double().requires_grad_() for t in (hidden, weight, bias)]
-    kwargs = dict(dict(temperature=2.0, ce_weight=0.5, vocab_size=200), **options)
+    kwargs = {"temperature": 2.0, "ce_weight": 0.5, "vocab_size": 200, **options}  # options may override
     expected = kd.topk_divergence(leaves64[0], leaves64[1], teacher, labels, bias=leaves64[2], backend="torch", **kwargs)
     got = kd.topk_divergence(leaves[0], leaves[1], teacher, labels, bias=leaves[2], backend="triton",
                              chunk_rows=chunk_rows, lean=lean, **kwargs)
