@@ -1,8 +1,11 @@
 """Teacher side: hidden → top-k log-probs and ids at temperature 2, providers side by side.
 
-Providers: the bare lm_head matmul (the floor), ours from hidden (cuda backend: cuBLAS fp32
-chunks + the CUDA top-k kernel; triton backend: + the Triton threshold select; triton fused:
-the top-k in the epilogue of a Triton matmul, no logits, with a sweep of its tiles; lean: tiles), eager
+Providers: the bare lm_head matmul (the floor), ours from hidden (the default schedule for
+16-bit inputs: a Triton matmul whose epilogue also leaves each row's tile statistics and group
+maxima, then ~k groups read per row; "cuBLAS schedule": cuBLAS fp32 chunks + the CUDA top-k
+kernel (cuda backend) or the Triton threshold select (triton backend); triton fused: the top-k
+in the epilogue of a Triton matmul, no logits, with a sweep of its tiles under --fused-sweep;
+lean: tiles), eager
 PyTorch (matmul, log_softmax, topk), torch.compile of it, torch.topk alone on logits in
 memory, and ours from bf16 logits in memory (GB/s against a measured device copy, which
 counts its read and its write).
@@ -51,7 +54,7 @@ def with_env(name, value, fn):
             os.environ[name] = before
 
 
-def bench_shape(name, n, h, v, ks, only=None):
+def bench_shape(name, n, h, v, ks, only=None, fused_sweep=False):
     weight = (torch.randn(v, h, device="cuda") * 0.02).to(torch.bfloat16)
     hidden, entropy, scale = llm_like_hidden(n, h, weight)
     logits_bf16 = hidden @ weight.T
@@ -69,12 +72,18 @@ def bench_shape(name, n, h, v, ks, only=None):
                                                                backend="cuda"),
             "ours from hidden (triton)": lambda: kd.teacher_topk(hidden, weight, k=k, temperature=TEMPERATURE,
                                                                  backend="triton"),
+            "ours from hidden (cuda, cuBLAS schedule)": lambda: with_env(
+                "KD_KERNELS_TEACHER_SCHEDULE", "cublas",
+                lambda: kd.teacher_topk(hidden, weight, k=k, temperature=TEMPERATURE, backend="cuda")),
+            "ours from hidden (triton, cuBLAS schedule)": lambda: with_env(
+                "KD_KERNELS_TEACHER_SCHEDULE", "cublas",
+                lambda: kd.teacher_topk(hidden, weight, k=k, temperature=TEMPERATURE, backend="triton")),
             "ours from hidden (triton fused)": lambda: kd.teacher_topk(hidden, weight, k=k, temperature=TEMPERATURE,
                                                                        backend="triton", fused=True),
             **{f"ours from hidden (triton fused {tiles})": (lambda tiles=tiles: with_env(
                 "KD_KERNELS_FUSED_TOPK", tiles, lambda: kd.teacher_topk(hidden, weight, k=k, temperature=TEMPERATURE,
                                                                         backend="triton", fused=True)))
-               for tiles in FUSED_SWEEP},
+               for tiles in (FUSED_SWEEP if fused_sweep else ())},
             "ours from hidden, lean (cuda)": lambda: kd.teacher_topk(hidden, weight, k=k, temperature=TEMPERATURE,
                                                                      backend="cuda", lean=True),
             "eager torch": lambda: eager_teacher(hidden, weight, k),
@@ -118,7 +127,7 @@ def bench_shape(name, n, h, v, ks, only=None):
         rate = (f"{row['tflops']:.0f} TFLOP/s" if "tflops" in row
                 else f"{row['gbs']:.0f} GB/s = {100 * row['of_copy']:.0f} % of copy")
         print(f"| {row['provider']} | {row['k']} | {row['ms']:.2f} ({row['p20']:.2f}–{row['p80']:.2f}) | "
-              f"{row['ms'] / floor[row['k']]:.2f} | {rate} | {row['peak_extra_gib']:.3f} |")
+              f"{row['ms'] / floor[row['k']]:.3f} | {rate} | {row['peak_extra_gib']:.3f} |")
     return dict(shape=name, n=n, h=h, v=v, entropy=entropy, copy_gbs=copy_gbs, rows=rows)
 
 
@@ -128,12 +137,13 @@ def main():
     parser.add_argument("--k", default="8,64,1024")
     parser.add_argument("--shapes", default="all", help="comma-separated shape name prefixes, or all")
     parser.add_argument("--providers", default="", help="comma-separated parts of provider names (default: all)")
+    parser.add_argument("--fused-sweep", action="store_true", help="also time the fused kernel's tile sweep")
     args = parser.parse_args()
     env = environment()
     print(f"environment: {env}")
     ks = [int(k) for k in args.k.split(",")]
     only = [part for part in args.providers.split(",") if part]
-    results = [bench_shape(name, n, h, v, ks, only) for name, n, h, v in TEACHER_SHAPES
+    results = [bench_shape(name, n, h, v, ks, only, args.fused_sweep) for name, n, h, v in TEACHER_SHAPES
                if args.shapes == "all" or any(name.startswith(prefix) for prefix in args.shapes.split(","))]
     if args.out:
         write_json(args.out, dict(environment=env, results=results))

@@ -17,6 +17,7 @@ splits are merged here.
 from __future__ import annotations
 
 import math
+import os
 from typing import Optional
 
 import torch
@@ -78,10 +79,82 @@ def teacher_topk(hidden: torch.Tensor, weight: torch.Tensor, k: int, temperature
                  bias: Optional[torch.Tensor] = None, chunk_rows: Optional[int] = None, shard=None,
                  select: str = "triton") -> TopK:
     """hidden ``[N, H]``, weight ``[V, H]`` (this rank's shard under ``shard``) -> `TopK`
-    float32, chunk by chunk of rows."""
+    float32, chunk by chunk of rows: through the epilogue matmul where it applies
+    (`teacher_schedule`), else cuBLAS float32 logits and a full-row selection."""
+    if teacher_schedule(hidden, weight) == "epilogue":
+        return teacher_topk_epilogue(hidden, weight, k, temperature, vocab_size, bias, chunk_rows, shard, select)
+    return teacher_topk_cublas(hidden, weight, k, temperature, vocab_size, bias, chunk_rows, shard, select)
+
+
+def teacher_schedule(hidden: torch.Tensor, weight: torch.Tensor) -> str:
+    """"epilogue" (the Triton matmul that also summarizes each row, then ~k groups read per
+    row) for 16-bit TMA-aligned inputs, else "cublas". ``KD_KERNELS_TEACHER_SCHEDULE=cublas``
+    forces the second (A/B in the benchmark); "epilogue" where it does not apply is an error."""
+    from .ops.lm_head_group_maxima import epilogue_applies
+
+    forced = os.environ.get("KD_KERNELS_TEACHER_SCHEDULE", "")
+    if forced not in ("", "epilogue", "cublas"):
+        raise ValueError(f"KD_KERNELS_TEACHER_SCHEDULE: expected 'epilogue' or 'cublas', got {forced!r}")
+    applies = epilogue_applies(hidden, weight)
+    if forced == "epilogue" and not applies:
+        raise ValueError("KD_KERNELS_TEACHER_SCHEDULE=epilogue: needs bf16 / fp16 hidden and weight with rows at "
+                         f"16-byte boundaries; got {hidden.dtype} / {weight.dtype}, hidden size {hidden.shape[1]}")
+    return forced or ("epilogue" if applies else "cublas")
+
+
+def _chunk_rows(chunk_rows: Optional[int], num_rows: int, columns: int) -> int:
+    return chunk_rows or max(1, min(num_rows, DEFAULT_CHUNK_BYTES // (4 * columns)))
+
+
+def teacher_topk_epilogue(hidden: torch.Tensor, weight: torch.Tensor, k: int, temperature: float, vocab_size: int,
+                          bias: Optional[torch.Tensor] = None, chunk_rows: Optional[int] = None, shard=None,
+                          select: str = "triton") -> TopK:
+    """hidden ``[N, H]``, weight ``[V, H]`` 16-bit -> `TopK` float32. Per chunk of rows one
+    Triton matmul writes the float32 logits and each row's tile statistics and group maxima
+    (ops/lm_head_group_maxima.py); the top-k is then found among ~k groups of each row
+    (ops/topk_from_groups.py). Rows whose candidates overflow (massive ties) are redone at the
+    end by the full-row selection ``select``."""
+    from .ops.lm_head_group_maxima import lm_head_logits_with_summaries, padded_width
+    from .ops.topk_from_groups import topk_from_group_maxima
+
     num_rows = hidden.shape[0]
     width, column_start = (vocab_size, 0) if shard is None else (shard.existing, shard.vocab_start)
-    chunk_rows = chunk_rows or max(1, min(num_rows, DEFAULT_CHUNK_BYTES // (4 * weight.shape[0])))
+    chunk_rows = _chunk_rows(chunk_rows, num_rows, width)
+    logits = torch.empty(min(chunk_rows, num_rows), padded_width(width), dtype=torch.float32, device=hidden.device)
+    values = torch.empty(num_rows, k, dtype=torch.float32, device=hidden.device)
+    indices = torch.empty(num_rows, k, dtype=torch.int32, device=hidden.device)
+    lse = torch.empty(num_rows, dtype=torch.float32, device=hidden.device)
+    overflow = torch.empty(num_rows, dtype=torch.bool, device=hidden.device)
+    for start in range(0, num_rows, chunk_rows):
+        stop = min(start + chunk_rows, num_rows)
+        chunk = logits[:stop - start]
+        summaries = lm_head_logits_with_summaries(hidden[start:stop], weight, bias, width, temperature, chunk)
+        values[start:stop], indices[start:stop], lse[start:stop], overflow[start:stop] = topk_from_group_maxima(
+            chunk, summaries, k, temperature, width)
+    redo = overflow.nonzero().flatten()  # the schedule's one host sync
+    if redo.numel():
+        del logits, chunk  # the redo's logits take their place
+        redone = teacher_topk_cublas_candidates(hidden[redo], weight, k, temperature, width, bias, select)
+        values[redo], indices[redo], lse[redo] = redone[0], redone[1].to(torch.int32), redone[2]
+    return _finish(values, indices.add_(column_start), lse, k, temperature, shard)
+
+
+def teacher_topk_cublas_candidates(hidden: torch.Tensor, weight: torch.Tensor, k: int, temperature: float,
+                                   width: int, bias: Optional[torch.Tensor], select: str):
+    """(tempered values ``[R, k]``, local ids, lse ``[R]``) of a few rows: cuBLAS float32
+    logits of all of them at once and the full-row selection."""
+    logits = torch.empty(hidden.shape[0], weight.shape[0], dtype=torch.float32, device=hidden.device)
+    return _chunk_candidates(lm_head_logits_fp32(hidden, weight, logits), bias, k, temperature, width, 0, select)
+
+
+def teacher_topk_cublas(hidden: torch.Tensor, weight: torch.Tensor, k: int, temperature: float, vocab_size: int,
+                        bias: Optional[torch.Tensor] = None, chunk_rows: Optional[int] = None, shard=None,
+                        select: str = "triton") -> TopK:
+    """hidden ``[N, H]``, weight ``[V, H]`` (this rank's shard under ``shard``) -> `TopK`
+    float32, chunk by chunk of rows: cuBLAS float32 logits, then the full-row selection."""
+    num_rows = hidden.shape[0]
+    width, column_start = (vocab_size, 0) if shard is None else (shard.existing, shard.vocab_start)
+    chunk_rows = _chunk_rows(chunk_rows, num_rows, weight.shape[0])
     logits = torch.empty(min(chunk_rows, num_rows), weight.shape[0], dtype=torch.float32, device=hidden.device)
     values = torch.empty(num_rows, k, dtype=torch.float32, device=hidden.device)
     indices = torch.empty(num_rows, k, dtype=torch.int32, device=hidden.device)  # ids < 2^31

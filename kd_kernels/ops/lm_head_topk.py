@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .sort_keys import EMPTY_COLUMN
+from .sort_keys import EMPTY_COLUMN, value_column_key, value_of_key
 from .tma import row_tile_descriptor
 
 _EMPTY_COLUMN = tl.constexpr(EMPTY_COLUMN)
@@ -63,20 +63,6 @@ def slots_per_row(k: int, block_n: int) -> int:
 
 
 @triton.jit
-def _keys(values, columns):
-    """`sort_keys.value_column_keys` in the kernel."""
-    bits = values.to(tl.int32, bitcast=True)
-    ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
-    return (ordered.to(tl.int64) << 32) | (0xFFFFFFFF - columns.to(tl.int64))
-
-
-@triton.jit
-def _value_of_key(keys):
-    ordered = (keys >> 32).to(tl.int32)
-    return tl.where(ordered < 0, ordered ^ 0x7FFFFFFF, ordered).to(tl.float32, bitcast=True)
-
-
-@triton.jit
 def _keep_top_k(values_ptr, columns_ptr, rows, rows_ok, count, k, limit, BLOCK_M: tl.constexpr, C: tl.constexpr,
                 SPLITS: tl.constexpr):
     """Rows whose count exceeds ``limit``: sorts their C slots (value descending, lower column
@@ -95,13 +81,13 @@ def _keep_top_k(values_ptr, columns_ptr, rows, rows_ok, count, k, limit, BLOCK_M
         if row_ok & (row_count > limit):
             offsets = (row.to(tl.int64) * SPLITS + split) * C + positions
             filled = positions < row_count
-            keys = _keys(tl.load(values_ptr + offsets, mask=filled, other=float("-inf")),
+            keys = value_column_key(tl.load(values_ptr + offsets, mask=filled, other=float("-inf")),
                          tl.load(columns_ptr + offsets, mask=filled, other=_EMPTY_COLUMN))
             keys = tl.sort(keys, descending=True)
             tl.debug_barrier()  # every thread has read before any overwrites
-            tl.store(values_ptr + offsets, _value_of_key(keys))
+            tl.store(values_ptr + offsets, value_of_key(keys))
             tl.store(columns_ptr + offsets, (0xFFFFFFFF - (keys & 0xFFFFFFFF)).to(tl.int32))
-            kth = _value_of_key(tl.sum(tl.where(positions == k - 1, keys, 0), axis=0))  # the one k-th key
+            kth = value_of_key(tl.sum(tl.where(positions == k - 1, keys, 0), axis=0))  # the one k-th key
             kth_values = tl.where((lanes == lane) & (row_count >= k), kth, kth_values)
     tl.debug_barrier()
     return kth_values, tl.where(rows_ok & (count > limit), tl.minimum(count, k), count)

@@ -2,6 +2,8 @@
 the lower column first: the float's bits made to order as a signed integer, above the
 complemented column. One sort of keys replaces a two-key stable sort."""
 import torch
+import triton
+import triton.language as tl
 
 EMPTY_COLUMN = 2**31 - 1  # an empty slot: after every real column among equal (-inf) values
 
@@ -24,3 +26,23 @@ def decode_keys(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def top_of_keys(keys: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The k largest keys of each row ``[R, C]`` in order, decoded: (values ``[R, k]``, columns)."""
     return decode_keys(torch.sort(keys, dim=-1, descending=True).values[:, :k])
+
+
+@triton.jit
+def ordered_bits(values):
+    """float32 -> int32 whose signed order is the floats' order (NaN aside)."""
+    bits = values.to(tl.int32, bitcast=True)
+    return tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+
+
+@triton.jit
+def value_column_key(values, columns):
+    """`value_column_keys` inside a kernel."""
+    return (ordered_bits(values).to(tl.int64) << 32) | (0xFFFFFFFF - columns.to(tl.int64))
+
+
+@triton.jit
+def value_of_key(keys):
+    """The float32 value of int64 keys inside a kernel."""
+    ordered = (keys >> 32).to(tl.int32)
+    return tl.where(ordered < 0, ordered ^ 0x7FFFFFFF, ordered).to(tl.float32, bitcast=True)
