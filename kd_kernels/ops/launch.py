@@ -36,7 +36,3 @@ def num_warps_for(block: int) -> int:
 # fewer steps only admit more candidates; the interpreter pays per step, the GPU does not.
 THRESHOLD_BISECTIONS = 8 if os.environ.get("TRITON_INTERPRET") == "1" else 24
 
-
-# Candidate slots per row of the top-k from group maxima (ops/topk_from_groups.py) are at least
-# this many: the interpreter pays seconds per `tl.sort` of 512 keys, the GPU microseconds.
-GROUPS_MIN_CAPACITY = 16 if os.environ.get("TRITON_INTERPRET") == "1" else 512

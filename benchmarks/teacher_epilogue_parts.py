@@ -1,0 +1,62 @@
+"""Where the epilogue schedule's time goes (issue #4): the matmul with row summaries per chunk,
+and the top-k from group maxima per chunk at several launch widths, against cuBLAS.
+
+usage: python benchmarks/teacher_epilogue_parts.py   (one H200; prints a table)
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from harness import llm_like_hidden, time_ms  # noqa: E402
+from kd_kernels.ops import topk_from_groups as groups_module  # noqa: E402
+from kd_kernels.ops.lm_head_group_maxima import lm_head_logits_with_summaries, padded_width  # noqa: E402
+
+TEMPERATURE = 2.0
+
+
+def selection(logits, summaries, k, width, warps):
+    def call():
+        groups_module.SELECT_WARPS = warps
+        return groups_module.topk_from_group_maxima(logits, summaries, k, TEMPERATURE, width)
+    return call
+
+
+def main():
+    n, h, v = 8192, 4096, 151936
+    weight = (torch.randn(v, h, device="cuda") * 0.02).to(torch.bfloat16)
+    hidden, entropy, _ = llm_like_hidden(n, h, weight)
+    rows = []
+    full = time_ms(lambda: hidden @ weight.T)[0]
+    rows.append(("cuBLAS bf16, 8192 rows", full))
+    rows.append(("cuBLAS fp32 out, 8192 rows", time_ms(lambda: torch.mm(hidden, weight.T, out_dtype=torch.float32))[0]))
+    for chunk in (2207, 2048, 1024):
+        logits = torch.empty(chunk, padded_width(v), device="cuda")
+        part = hidden[:chunk]
+        ms = time_ms(lambda: lm_head_logits_with_summaries(part, weight, None, v, TEMPERATURE, logits))[0]
+        rows.append((f"epilogue matmul, {chunk} rows (× {n / chunk:.2f} = all rows)", ms * n / chunk))
+        cublas = time_ms(lambda: torch.mm(part, weight.T, out_dtype=torch.float32))[0]
+        rows.append((f"cuBLAS fp32 out, {chunk} rows (× {n / chunk:.2f})", cublas * n / chunk))
+    logits = torch.empty(2048, padded_width(v), device="cuda")
+    summaries = lm_head_logits_with_summaries(hidden[:2048], weight, None, v, TEMPERATURE, logits)
+    for k in (8, 64, 1024):
+        for warps in (2, 4, 8):
+            call = selection(logits, summaries, k, v, warps)
+            rows.append((f"selection k={k}, {warps} warps (× 4 = all rows)", 4 * time_ms(call)[0]))
+            overflow = call()[3].sum().item()
+            if overflow:
+                rows.append((f"  rows to redo at k={k}: {overflow} of 2048", 0.0))
+    print(f"{torch.cuda.get_device_name()}, N={n} H={h} V={v}, entropy {entropy:.2f} nats at τ=1")
+    print("| part | ms for 8192 rows | × cuBLAS bf16 |")
+    print("| --- | --- | --- |")
+    for name, ms in rows:
+        print(f"| {name} | {ms:.3f} | {ms / full:.3f} |")
+
+
+if __name__ == "__main__":
+    main()
