@@ -6,13 +6,16 @@ One program per row:
 2. T = the k-th largest group maximum, by bisection on the float's ordered bits (exact: no
    sort). k distinct groups hold an element ≥ T, so the k-th largest logit is ≥ T, and every
    element ≥ T lies in a group whose maximum is ≥ T: the candidates are the elements ≥ T of
-   those groups (~k of them on LLM logits; every tie of the k-th value among them);
-   With k at most half the tiles, the k-th largest tile maximum serves the same way, found in
-   fewer steps;
+   those groups (~k of them on LLM logits; every tie of the k-th value among them). With k at
+   most half the tiles, the k-th largest tile maximum serves the same way, from fewer values;
 3. those groups' columns read, the elements ≥ T given slots in column order as one (value,
-   complemented column) key each; each key goes to its rank among them (the count of larger
-   keys): value descending, the lower column first among ties. No sort network: `tl.sort` of
-   512 keys per row cost ~1.3 ms over 8192 rows on an H200, and 4096 keys ~8 ms.
+   complemented column) key each; for k ≤ 256 each key goes to its rank among them (the count
+   of larger keys), else one torch sort of the rows' keys: value descending, the lower column
+   first among ties. No sort network in the kernel: `tl.sort` of 512 keys per row cost
+   ~1.3 ms over 8192 rows on an H200, and of 4096 keys ~8 ms.
+
+The kernel holds few values per thread: the whole row's group maxima in registers at once
+(with their ids and masks) spilled and cost more than the rest together.
 
 Rows with more candidate groups or elements than ``capacity`` slots (massive ties) are flagged
 for an exact redo by the caller; with fewer than k columns the missing entries are -inf at
@@ -26,30 +29,20 @@ import torch
 import triton
 import triton.language as tl
 
-from .sort_keys import EMPTY_COLUMN, ordered_bits, value_column_key, value_of_key
+from .sort_keys import EMPTY_COLUMN, ordered_bits, top_of_keys, value_column_key, value_column_keys, value_of_key
 
 _EMPTY_COLUMN = tl.constexpr(EMPTY_COLUMN)
-GROUPS_PER_STEP = 64
+GROUPS_PER_STEP = 32  # groups whose columns one step reads
+GROUP_BLOCK = 1024  # group maxima per step of the listing
+RANK_MAX_K = 256  # larger k: the keys are ordered by one torch sort instead of by rank in the kernel
 RANK_BLOCK = 16 if os.environ.get("TRITON_INTERPRET") == "1" else 128
 SELECT_WARPS = 1 if os.environ.get("TRITON_INTERPRET") == "1" else 4  # H200: 4 warps 1.3 ms, 2 or 8 1.7 ms (k = 64)
 
 
 def capacity_for(k: int) -> int:
-    """Candidate slots per row: several times the ~k a row needs on LLM logits; ranking costs
-    the square of the count, so rows past it (massive ties) are redone instead."""
-    return max(256, 4 * k)
-
-
-@triton.jit
-def _row_lse(tile_max2_ptr, tile_sum2_ptr, row, tiles, TILES: tl.constexpr):
-    """The row's logsumexp at τ (natural log) from its tiles' max and sum of exp (log2 units)."""
-    t = tl.arange(0, TILES)
-    tile_max2 = tl.load(tile_max2_ptr + row * tiles + t, mask=t < tiles, other=float("-inf"))
-    tile_sum2 = tl.load(tile_sum2_ptr + row * tiles + t, mask=t < tiles, other=0.0)
-    row_max2 = tl.max(tile_max2, axis=0)
-    safe_max2 = tl.where(row_max2 == float("-inf"), 0.0, row_max2)
-    total = tl.sum(tile_sum2 * tl.exp2(tile_max2 - safe_max2), axis=0)
-    return tl.where(row_max2 == float("-inf"), float("-inf"), (safe_max2 + tl.log2(total)) * 0.6931471805599453)
+    """Candidate slots per row: several times the ~k a row needs on LLM logits (ranking costs
+    the square of the count, a sort its length; rows past it, massive ties, are redone)."""
+    return max(256, 4 * k) if k <= RANK_MAX_K else 2 * k
 
 
 @triton.jit
@@ -93,47 +86,64 @@ def _store_in_rank_order(keys_ptr, count, values_ptr, columns_ptr, k, RANK_BLOCK
 
 @triton.jit
 def _topk_from_groups_kernel(logits_ptr, stride_row, tile_max2_ptr, tile_sum2_ptr, group_max_ptr, group_ids_ptr,
-                             keys_ptr, values_ptr, columns_ptr, lse_ptr, overflow_ptr, tiles, width, k,
-                             TILES: tl.constexpr, GROUPS_PER_TILE: tl.constexpr, GROUP_COLUMNS: tl.constexpr,
-                             CAPACITY: tl.constexpr, GROUPS_PER_STEP: tl.constexpr, RANK_BLOCK: tl.constexpr):
+                             keys_ptr, counts_ptr, values_ptr, columns_ptr, lse_ptr, overflow_ptr, tiles, width, k,
+                             capacity, log2e_over_t, TILES: tl.constexpr, GROUPS: tl.constexpr,
+                             GROUPS_PER_TILE: tl.constexpr, GROUP_COLUMNS: tl.constexpr, GROUP_BLOCK: tl.constexpr,
+                             GROUPS_PER_STEP: tl.constexpr, RANK_BLOCK: tl.constexpr, RANK_IN_KERNEL: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
-    tl.store(lse_ptr + row, _row_lse(tile_max2_ptr, tile_sum2_ptr, row, tiles, TILES))
+    t = tl.arange(0, TILES)
+    tile_max2 = tl.load(tile_max2_ptr + row * tiles + t, mask=t < tiles, other=float("-inf"))
+    tile_sum2 = tl.load(tile_sum2_ptr + row * tiles + t, mask=t < tiles, other=0.0)
+    row_max2 = tl.max(tile_max2, axis=0)
+    safe_max2 = tl.where(row_max2 == float("-inf"), 0.0, row_max2)
+    total = tl.sum(tile_sum2 * tl.exp2(tile_max2 - safe_max2), axis=0)
+    tl.store(lse_ptr + row, tl.where(row_max2 == float("-inf"), float("-inf"),
+                                     (safe_max2 + tl.log2(total)) * 0.6931471805599453))
 
-    # group maxima as [tile, group of the tile]: the global group id is their flat index
+    # The threshold in the epilogue's units, z · log2e / τ: rounding is monotone, so an element
+    # below it in those units is below k others in value, and the k-th is never left out.
     groups = tiles * GROUPS_PER_TILE
-    group = tl.arange(0, TILES)[:, None] * GROUPS_PER_TILE + tl.arange(0, GROUPS_PER_TILE)[None, :]
-    valid = group < groups
-    group_key = ordered_bits(tl.load(group_max_ptr + row * groups + group, mask=valid, other=0.0))
-    if k <= tiles // 2:  # k tiles bound it as well as k groups (~k candidates either way), in fewer steps
-        tile_key = tl.max(tl.where(valid, group_key, -2147483648), axis=1)
-        threshold = _threshold(tile_key, tl.arange(0, TILES) < tiles, k)
+    group_row = group_max_ptr + row * groups
+    if GROUPS == 0:  # k tiles bound it as well as k groups (~k candidates either way)
+        threshold = _threshold(ordered_bits(tile_max2), t < tiles, k)
     else:
-        threshold = _threshold(group_key, valid, k)
-    candidate = tl.reshape(valid & (group_key >= threshold), [TILES * GROUPS_PER_TILE])
-    flat_group = tl.reshape(group, [TILES * GROUPS_PER_TILE])
-    candidate_groups = tl.sum(candidate.to(tl.int32), axis=0)
-    slot = tl.cumsum(candidate.to(tl.int32), axis=0) - 1
-    tl.store(group_ids_ptr + row * CAPACITY + slot, flat_group, mask=candidate & (slot < CAPACITY))
+        g = tl.arange(0, GROUPS)
+        group_max2 = tl.load(group_row + g, mask=g < groups, other=0.0) * log2e_over_t
+        threshold = _threshold(ordered_bits(group_max2), g < groups, k)
+
+    # the ids of the groups that reach it, in order
+    listed = tl.zeros([], tl.int32)
+    block = tl.arange(0, GROUP_BLOCK)
+    for start in range(0, groups, GROUP_BLOCK):
+        group = start + block
+        group_max2 = tl.load(group_row + group, mask=group < groups, other=0.0) * log2e_over_t
+        candidate = (group < groups) & (ordered_bits(group_max2) >= threshold)
+        slot = listed + tl.cumsum(candidate.to(tl.int32), axis=0) - 1
+        tl.store(group_ids_ptr + row * capacity + slot, group, mask=candidate & (slot < capacity))
+        listed += tl.sum(candidate.to(tl.int32), axis=0)
     tl.debug_barrier()  # every thread's group ids are in memory
 
-    listed = tl.minimum(candidate_groups, CAPACITY)
+    # their elements that reach it, as (value, complemented column) keys
+    usable = tl.minimum(listed, capacity)
     lanes = tl.arange(0, GROUPS_PER_STEP * GROUP_COLUMNS)
     count = tl.zeros([], tl.int32)
-    for start in range(0, listed, GROUPS_PER_STEP):
+    for start in range(0, usable, GROUPS_PER_STEP):
         entry = start + lanes // GROUP_COLUMNS
-        in_list = entry < listed
-        group_id = tl.load(group_ids_ptr + row * CAPACITY + entry, mask=in_list, other=0)
-        columns = group_id * GROUP_COLUMNS + lanes % GROUP_COLUMNS
+        in_list = entry < usable
+        group = tl.load(group_ids_ptr + row * capacity + entry, mask=in_list, other=0)
+        columns = group * GROUP_COLUMNS + lanes % GROUP_COLUMNS
         exists = in_list & (columns < width)
         z = tl.load(logits_ptr + row * stride_row + columns, mask=exists, other=float("-inf"))
-        take = exists & (ordered_bits(z) >= threshold)
+        take = exists & (ordered_bits(z * log2e_over_t) >= threshold)
         position = count + tl.cumsum(take.to(tl.int32), axis=0) - 1
-        tl.store(keys_ptr + row * CAPACITY + position, value_column_key(z, columns), mask=take & (position < CAPACITY))
+        tl.store(keys_ptr + row * capacity + position, value_column_key(z, columns), mask=take & (position < capacity))
         count += tl.sum(take.to(tl.int32), axis=0)
-    tl.store(overflow_ptr + row, ((candidate_groups > CAPACITY) | (count > CAPACITY)).to(tl.int8))
-    tl.debug_barrier()  # every thread's keys are in memory
-    _store_in_rank_order(keys_ptr + row * CAPACITY, tl.minimum(count, CAPACITY), values_ptr + row * k,
-                         columns_ptr + row * k, k, RANK_BLOCK)
+    tl.store(overflow_ptr + row, ((listed > capacity) | (count > capacity)).to(tl.int8))
+    tl.store(counts_ptr + row, tl.minimum(count, capacity))
+    if RANK_IN_KERNEL:
+        tl.debug_barrier()  # every thread's keys are in memory
+        _store_in_rank_order(keys_ptr + row * capacity, tl.minimum(count, capacity), values_ptr + row * k,
+                             columns_ptr + row * k, k, RANK_BLOCK)
 
 
 def topk_from_group_maxima(logits: torch.Tensor, summaries, k: int, temperature: float, width: int):
@@ -146,16 +156,27 @@ def topk_from_group_maxima(logits: torch.Tensor, summaries, k: int, temperature:
     tiles = summaries.tile_max2.shape[1]
     groups = summaries.group_max.shape[1]
     capacity = capacity_for(k)
+    rank_in_kernel = k <= RANK_MAX_K
     values = torch.empty(rows, k, dtype=torch.float32, device=device)
     columns = torch.empty(rows, k, dtype=torch.int32, device=device)
     lse = torch.empty(rows, dtype=torch.float32, device=device)
     overflow = torch.empty(rows, dtype=torch.int8, device=device)
+    keys = torch.empty(rows, capacity, dtype=torch.int64, device=device)
+    counts = torch.empty(rows, dtype=torch.int32, device=device)
     if rows:
         group_ids = torch.empty(rows, capacity, dtype=torch.int32, device=device)
-        keys = torch.empty(rows, capacity, dtype=torch.int64, device=device)
         _topk_from_groups_kernel[(rows,)](
             logits, logits.stride(0), summaries.tile_max2, summaries.tile_sum2, summaries.group_max, group_ids, keys,
-            values, columns, lse, overflow, tiles, width, k, TILES=triton.next_power_of_2(tiles),
-            GROUPS_PER_TILE=groups // tiles, GROUP_COLUMNS=summaries.group_columns, CAPACITY=capacity,
-            GROUPS_PER_STEP=GROUPS_PER_STEP, RANK_BLOCK=RANK_BLOCK, num_warps=SELECT_WARPS)
+            counts, values, columns, lse, overflow, tiles, width, k, capacity, 1.4426950408889634 / temperature,
+            TILES=triton.next_power_of_2(tiles),
+            GROUPS=0 if k <= tiles // 2 else triton.next_power_of_2(groups), GROUPS_PER_TILE=groups // tiles,
+            GROUP_COLUMNS=summaries.group_columns, GROUP_BLOCK=GROUP_BLOCK, GROUPS_PER_STEP=GROUPS_PER_STEP,
+            RANK_BLOCK=RANK_BLOCK, RANK_IN_KERNEL=rank_in_kernel, num_warps=SELECT_WARPS)
+    if not rank_in_kernel:  # one segmented sort of the rows' keys (past a row's count: empty)
+        empty = value_column_keys(torch.tensor([float("-inf")], device=device),
+                                  torch.tensor([EMPTY_COLUMN], device=device))
+        filled = torch.arange(capacity, device=device) < counts.unsqueeze(1)
+        top_values, top_columns = top_of_keys(torch.where(filled, keys, empty), k)
+        values.copy_(top_values)
+        columns.copy_(top_columns)
     return values.div_(temperature), columns, lse, overflow.bool()
