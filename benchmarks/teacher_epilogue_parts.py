@@ -20,10 +20,13 @@ from kd_kernels.ops.lm_head_group_maxima import lm_head_logits_with_summaries, p
 TEMPERATURE = 2.0
 
 
-def selection(logits, summaries, k, width, warps):
+def selection(logits, summaries, k, width, warps, stages=4):
     def call():
-        groups_module.SELECT_WARPS = warps
-        return groups_module.topk_from_group_maxima(logits, summaries, k, TEMPERATURE, width)
+        groups_module.SELECT_WARPS, groups_module.SELECT_STAGES = warps, stages
+        try:
+            return groups_module.topk_from_group_maxima(logits, summaries, k, TEMPERATURE, width)
+        finally:
+            groups_module.SELECT_WARPS, groups_module.SELECT_STAGES = 4, 4
     return call
 
 
@@ -48,9 +51,15 @@ def main():
         for warps in (2, 4, 8):
             call = selection(logits, summaries, k, v, warps)
             rows.append((f"selection k={k}, {warps} warps (× 4 = all rows)", 4 * time_ms(call)[0]))
+            print(rows[-1], flush=True)
             overflow = call()[3].sum().item()
             if overflow:
                 rows.append((f"  rows to redo at k={k}: {overflow} of 2048", 0.0))
+    for k in (64, 1024):
+        for stages, what in ((1, "lse"), (2, "+ threshold"), (3, "+ group list")):
+            call = selection(logits, summaries, k, v, 4, stages)
+            rows.append((f"selection k={k}, stages to {what} (× 4)", 4 * time_ms(call)[0]))
+            print(rows[-1], flush=True)
     print(f"{torch.cuda.get_device_name()}, N={n} H={h} V={v}, entropy {entropy:.2f} nats at τ=1")
     print("| part | ms for 8192 rows | × cuBLAS bf16 |")
     print("| --- | --- | --- |")

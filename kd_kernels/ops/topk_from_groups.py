@@ -3,11 +3,11 @@
 
 One program per row:
 1. the logsumexp from the per-tile (max, sum of exp) in log2 units;
-2. T = the k-th largest group maximum, by bisection on the float's ordered bits (exact: no
-   sort). k distinct groups hold an element ≥ T, so the k-th largest logit is ≥ T, and every
-   element ≥ T lies in a group whose maximum is ≥ T: the candidates are the elements ≥ T of
-   those groups (~k of them on LLM logits; every tie of the k-th value among them). With k at
-   most half the tiles, the k-th largest tile maximum serves the same way, from fewer values;
+2. T = the k-th largest maximum of blocks of adjacent groups (whole tiles where there are at
+   least 2k of them, else fewer groups per block), by bisection on the float's ordered bits
+   (exact: no sort). k distinct blocks hold an element ≥ T, so the k-th largest logit is ≥ T,
+   and every element ≥ T lies in a group whose maximum is ≥ T: the candidates are the elements
+   ≥ T of those groups (~k of them on LLM logits; every tie of the k-th value among them);
 3. those groups' columns read, the elements ≥ T given slots in column order as one (value,
    complemented column) key each; for k ≤ 256 each key goes to its rank among them (the count
    of larger keys), else one torch sort of the rows' keys: value descending, the lower column
@@ -32,11 +32,24 @@ import triton.language as tl
 from .sort_keys import EMPTY_COLUMN, ordered_bits, top_of_keys, value_column_key, value_column_keys, value_of_key
 
 _EMPTY_COLUMN = tl.constexpr(EMPTY_COLUMN)
-GROUPS_PER_STEP = 32  # groups whose columns one step reads
-GROUP_BLOCK = 1024  # group maxima per step of the listing
+GROUPS_PER_STEP = 16  # groups whose columns one step reads
+GROUP_BLOCK = 512  # group maxima per step of the listing
+SELECT_STAGES = 4  # fewer: the profiling stops of the kernel (benchmarks/teacher_epilogue_parts.py)
 RANK_MAX_K = 256  # larger k: the keys are ordered by one torch sort instead of by rank in the kernel
-RANK_BLOCK = 16 if os.environ.get("TRITON_INTERPRET") == "1" else 128
-SELECT_WARPS = 1 if os.environ.get("TRITON_INTERPRET") == "1" else 4  # H200: 4 warps 1.3 ms, 2 or 8 1.7 ms (k = 64)
+RANK_ROWS, RANK_COLUMNS = (4, 16) if os.environ.get("TRITON_INTERPRET") == "1" else (8, 64)
+# warps per row program: registers bound the occupancy (sm_90 compile: 40 registers a thread at
+# k <= tiles / 2; 98 with 8 warps, 156 with 4, for the [blocks, merge] maxima of larger k)
+SELECT_WARPS = 1 if os.environ.get("TRITON_INTERPRET") == "1" else 4
+SELECT_WARPS_LARGE_K = 1 if os.environ.get("TRITON_INTERPRET") == "1" else 8
+
+
+def threshold_merge(k: int, groups: int, groups_per_tile: int) -> int:
+    """Adjacent groups per block of the threshold: as many as leave at least 2k blocks (a
+    whole tile: the tile maxima, already loaded for the lse; one group: however few there are)."""
+    merge = groups_per_tile
+    while merge > 1 and groups // merge < 2 * k:
+        merge //= 2
+    return merge
 
 
 def capacity_for(k: int) -> int:
@@ -60,25 +73,26 @@ def _threshold(block_key, valid, k):
 
 
 @triton.jit
-def _store_in_rank_order(keys_ptr, count, values_ptr, columns_ptr, k, RANK_BLOCK: tl.constexpr):
+def _store_in_rank_order(keys_ptr, count, values_ptr, columns_ptr, k, RANK_ROWS: tl.constexpr,
+                         RANK_COLUMNS: tl.constexpr):
     """The first k of ``count`` distinct keys in descending order, each at its rank (the number
-    of larger keys: O(count²) compares, cheap at ~k candidates, no sort network); positions
-    past ``count`` get -inf at column 0."""
-    lanes = tl.arange(0, RANK_BLOCK)
-    for start in range(0, k, RANK_BLOCK):
-        position = start + lanes
+    of larger keys: O(count²) compares, cheap at ~k candidates, no sort network), RANK_ROWS keys
+    against RANK_COLUMNS others at a time (a small tile: registers bound the kernel's
+    occupancy); positions past ``count`` get -inf at column 0."""
+    fill = tl.arange(0, RANK_COLUMNS)
+    for start in range(0, k, RANK_COLUMNS):
+        position = start + fill
         missing = (position >= count) & (position < k)
-        tl.store(values_ptr + position, tl.full([RANK_BLOCK], float("-inf"), tl.float32), mask=missing)
-        tl.store(columns_ptr + position, tl.zeros([RANK_BLOCK], tl.int32), mask=missing)
-    for start in range(0, count, RANK_BLOCK):
-        mine = start + lanes
+        tl.store(values_ptr + position, tl.full([RANK_COLUMNS], float("-inf"), tl.float32), mask=missing)
+        tl.store(columns_ptr + position, tl.zeros([RANK_COLUMNS], tl.int32), mask=missing)
+    for start in range(0, count, RANK_ROWS):
+        mine = start + tl.arange(0, RANK_ROWS)
         key = tl.load(keys_ptr + mine, mask=mine < count, other=0)
-        rank = tl.zeros([RANK_BLOCK], tl.int32)
-        for other_start in range(0, count, RANK_BLOCK):
-            other = other_start + lanes
-            other_key = tl.load(keys_ptr + other, mask=other < count, other=0)
-            larger = (other_key[None, :] > key[:, None]) & (other < count)[None, :]
-            rank += tl.sum(larger.to(tl.int32), axis=1)
+        rank = tl.zeros([RANK_ROWS], tl.int32)
+        for other_start in range(0, count, RANK_COLUMNS):
+            other = other_start + fill
+            other_key = tl.load(keys_ptr + other, mask=other < count, other=-9223372036854775807 - 1)
+            rank += tl.sum((other_key[None, :] > key[:, None]).to(tl.int32), axis=1)
         kept = (mine < count) & (rank < k)
         tl.store(values_ptr + rank, value_of_key(key), mask=kept)
         tl.store(columns_ptr + rank, (0xFFFFFFFF - (key & 0xFFFFFFFF)).to(tl.int32), mask=kept)
@@ -87,9 +101,13 @@ def _store_in_rank_order(keys_ptr, count, values_ptr, columns_ptr, k, RANK_BLOCK
 @triton.jit
 def _topk_from_groups_kernel(logits_ptr, stride_row, tile_max2_ptr, tile_sum2_ptr, group_max_ptr, group_ids_ptr,
                              keys_ptr, counts_ptr, values_ptr, columns_ptr, lse_ptr, overflow_ptr, tiles, width, k,
-                             capacity, log2e_over_t, TILES: tl.constexpr, GROUPS: tl.constexpr,
+                             capacity, log2e_over_t, TILES: tl.constexpr, THRESHOLD_BLOCKS: tl.constexpr, MERGE: tl.constexpr,
                              GROUPS_PER_TILE: tl.constexpr, GROUP_COLUMNS: tl.constexpr, GROUP_BLOCK: tl.constexpr,
-                             GROUPS_PER_STEP: tl.constexpr, RANK_BLOCK: tl.constexpr, RANK_IN_KERNEL: tl.constexpr):
+                             GROUPS_PER_STEP: tl.constexpr, RANK_ROWS: tl.constexpr, RANK_COLUMNS: tl.constexpr,
+                             RANK_IN_KERNEL: tl.constexpr,
+                             STAGES: tl.constexpr = 4):
+    # STAGES < 4 stops early (benchmarks/teacher_epilogue_parts.py times the stages): 1 the lse,
+    # 2 the threshold, 3 the listed groups, 4 everything
     row = tl.program_id(0).to(tl.int64)
     t = tl.arange(0, TILES)
     tile_max2 = tl.load(tile_max2_ptr + row * tiles + t, mask=t < tiles, other=float("-inf"))
@@ -100,29 +118,37 @@ def _topk_from_groups_kernel(logits_ptr, stride_row, tile_max2_ptr, tile_sum2_pt
     tl.store(lse_ptr + row, tl.where(row_max2 == float("-inf"), float("-inf"),
                                      (safe_max2 + tl.log2(total)) * 0.6931471805599453))
 
+    if STAGES < 2:
+        return
     # The threshold in the epilogue's units, z · log2e / τ: rounding is monotone, so an element
     # below it in those units is below k others in value, and the k-th is never left out.
     groups = tiles * GROUPS_PER_TILE
     group_row = group_max_ptr + row * groups
-    if GROUPS == 0:  # k tiles bound it as well as k groups (~k candidates either way)
+    if MERGE == GROUPS_PER_TILE:  # the k-th largest tile maximum (tiles are in registers already)
         threshold = _threshold(ordered_bits(tile_max2), t < tiles, k)
-    else:
-        g = tl.arange(0, GROUPS)
-        group_max2 = tl.load(group_row + g, mask=g < groups, other=0.0) * log2e_over_t
-        threshold = _threshold(ordered_bits(group_max2), g < groups, k)
-
+    else:  # the k-th largest maximum of MERGE adjacent groups: ≥ 2k such blocks, ~k candidates
+        block = tl.arange(0, THRESHOLD_BLOCKS)[:, None] * MERGE + tl.arange(0, MERGE)[None, :]
+        block_max = tl.max(tl.load(group_row + block, mask=block < groups, other=float("-inf")), axis=1)
+        threshold = _threshold(ordered_bits(block_max * log2e_over_t), tl.arange(0, THRESHOLD_BLOCKS) * MERGE < groups,
+                               k)
+    if STAGES < 3:
+        tl.store(counts_ptr + row, threshold)
+        return
     # the ids of the groups that reach it, in order
     listed = tl.zeros([], tl.int32)
     block = tl.arange(0, GROUP_BLOCK)
     for start in range(0, groups, GROUP_BLOCK):
         group = start + block
-        group_max2 = tl.load(group_row + group, mask=group < groups, other=0.0) * log2e_over_t
-        candidate = (group < groups) & (ordered_bits(group_max2) >= threshold)
+        block_max2 = tl.load(group_row + group, mask=group < groups, other=0.0) * log2e_over_t
+        candidate = (group < groups) & (ordered_bits(block_max2) >= threshold)
         slot = listed + tl.cumsum(candidate.to(tl.int32), axis=0) - 1
         tl.store(group_ids_ptr + row * capacity + slot, group, mask=candidate & (slot < capacity))
         listed += tl.sum(candidate.to(tl.int32), axis=0)
     tl.debug_barrier()  # every thread's group ids are in memory
 
+    if STAGES < 4:
+        tl.store(counts_ptr + row, listed)
+        return
     # their elements that reach it, as (value, complemented column) keys
     usable = tl.minimum(listed, capacity)
     lanes = tl.arange(0, GROUPS_PER_STEP * GROUP_COLUMNS)
@@ -143,7 +169,7 @@ def _topk_from_groups_kernel(logits_ptr, stride_row, tile_max2_ptr, tile_sum2_pt
     if RANK_IN_KERNEL:
         tl.debug_barrier()  # every thread's keys are in memory
         _store_in_rank_order(keys_ptr + row * capacity, tl.minimum(count, capacity), values_ptr + row * k,
-                             columns_ptr + row * k, k, RANK_BLOCK)
+                             columns_ptr + row * k, k, RANK_ROWS, RANK_COLUMNS)
 
 
 def topk_from_group_maxima(logits: torch.Tensor, summaries, k: int, temperature: float, width: int):
@@ -153,9 +179,11 @@ def topk_from_group_maxima(logits: torch.Tensor, summaries, k: int, temperature:
     exactly, whose other outputs are meaningless)."""
     rows = logits.shape[0]
     device = logits.device
+    stages = SELECT_STAGES
     tiles = summaries.tile_max2.shape[1]
     groups = summaries.group_max.shape[1]
     capacity = capacity_for(k)
+    merge = threshold_merge(k, groups, groups // tiles)
     rank_in_kernel = k <= RANK_MAX_K
     values = torch.empty(rows, k, dtype=torch.float32, device=device)
     columns = torch.empty(rows, k, dtype=torch.int32, device=device)
@@ -168,11 +196,12 @@ def topk_from_group_maxima(logits: torch.Tensor, summaries, k: int, temperature:
         _topk_from_groups_kernel[(rows,)](
             logits, logits.stride(0), summaries.tile_max2, summaries.tile_sum2, summaries.group_max, group_ids, keys,
             counts, values, columns, lse, overflow, tiles, width, k, capacity, 1.4426950408889634 / temperature,
-            TILES=triton.next_power_of_2(tiles),
-            GROUPS=0 if k <= tiles // 2 else triton.next_power_of_2(groups), GROUPS_PER_TILE=groups // tiles,
+            TILES=triton.next_power_of_2(tiles), THRESHOLD_BLOCKS=triton.next_power_of_2(-(-groups // merge)),
+            MERGE=merge, GROUPS_PER_TILE=groups // tiles,
             GROUP_COLUMNS=summaries.group_columns, GROUP_BLOCK=GROUP_BLOCK, GROUPS_PER_STEP=GROUPS_PER_STEP,
-            RANK_BLOCK=RANK_BLOCK, RANK_IN_KERNEL=rank_in_kernel, num_warps=SELECT_WARPS)
-    if not rank_in_kernel:  # one segmented sort of the rows' keys (past a row's count: empty)
+            RANK_ROWS=RANK_ROWS, RANK_COLUMNS=RANK_COLUMNS, RANK_IN_KERNEL=rank_in_kernel, STAGES=stages,
+            num_warps=SELECT_WARPS if merge == groups // tiles else SELECT_WARPS_LARGE_K)
+    if not rank_in_kernel and stages == 4:  # one segmented sort of the rows' keys (past a row's count: empty)
         empty = value_column_keys(torch.tensor([float("-inf")], device=device),
                                   torch.tensor([EMPTY_COLUMN], device=device))
         filled = torch.arange(capacity, device=device) < counts.unsqueeze(1)
