@@ -26,7 +26,7 @@ def selection(logits, summaries, k, width, warps, stages=4):
         try:
             return groups_module.topk_from_group_maxima(logits, summaries, k, TEMPERATURE, width)
         finally:
-            groups_module.SELECT_WARPS, groups_module.SELECT_STAGES = 4, 4
+            groups_module.SELECT_WARPS, groups_module.SELECT_STAGES = 2, 4
     return call
 
 

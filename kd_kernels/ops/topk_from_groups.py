@@ -32,14 +32,17 @@ import triton.language as tl
 from .sort_keys import EMPTY_COLUMN, ordered_bits, top_of_keys, value_column_key, value_column_keys, value_of_key
 
 _EMPTY_COLUMN = tl.constexpr(EMPTY_COLUMN)
-GROUPS_PER_STEP = 16  # groups whose columns one step reads
-GROUP_BLOCK = 512  # group maxima per step of the listing
+# groups whose columns one step reads, group maxima per step of the listing: (k <= tiles / 2,
+# larger k); larger k lists ~k groups, so wider steps (fewer dependent prefix sums) at 8 warps
+GROUPS_PER_STEP = (16, 64)
+GROUP_BLOCK = (512, 2048)
 SELECT_STAGES = 4  # fewer: the profiling stops of the kernel (benchmarks/teacher_epilogue_parts.py)
 RANK_MAX_K = 256  # larger k: the keys are ordered by one torch sort instead of by rank in the kernel
 RANK_ROWS, RANK_COLUMNS = (4, 16) if os.environ.get("TRITON_INTERPRET") == "1" else (8, 64)
-# warps per row program: registers bound the occupancy (sm_90 compile: 40 registers a thread at
-# k <= tiles / 2; 98 with 8 warps, 156 with 4, for the [blocks, merge] maxima of larger k)
-SELECT_WARPS = 1 if os.environ.get("TRITON_INTERPRET") == "1" else 4
+# warps per row program: registers bound the occupancy (sm_90 compile, a thread: 64 registers
+# with 2 warps, 40 with 4 at k <= tiles / 2, H200 0.69 / 0.82 ms over 8192 rows at k = 64; for
+# the [blocks, merge] maxima of larger k 99 with 8 warps, 156 with 4)
+SELECT_WARPS = 1 if os.environ.get("TRITON_INTERPRET") == "1" else 2
 SELECT_WARPS_LARGE_K = 1 if os.environ.get("TRITON_INTERPRET") == "1" else 8
 
 
@@ -184,6 +187,7 @@ def topk_from_group_maxima(logits: torch.Tensor, summaries, k: int, temperature:
     groups = summaries.group_max.shape[1]
     capacity = capacity_for(k)
     merge = threshold_merge(k, groups, groups // tiles)
+    large_k = merge != groups // tiles
     rank_in_kernel = k <= RANK_MAX_K
     values = torch.empty(rows, k, dtype=torch.float32, device=device)
     columns = torch.empty(rows, k, dtype=torch.int32, device=device)
@@ -197,10 +201,10 @@ def topk_from_group_maxima(logits: torch.Tensor, summaries, k: int, temperature:
             logits, logits.stride(0), summaries.tile_max2, summaries.tile_sum2, summaries.group_max, group_ids, keys,
             counts, values, columns, lse, overflow, tiles, width, k, capacity, 1.4426950408889634 / temperature,
             TILES=triton.next_power_of_2(tiles), THRESHOLD_BLOCKS=triton.next_power_of_2(-(-groups // merge)),
-            MERGE=merge, GROUPS_PER_TILE=groups // tiles,
-            GROUP_COLUMNS=summaries.group_columns, GROUP_BLOCK=GROUP_BLOCK, GROUPS_PER_STEP=GROUPS_PER_STEP,
+            MERGE=merge, GROUPS_PER_TILE=groups // tiles, GROUP_COLUMNS=summaries.group_columns,
+            GROUP_BLOCK=GROUP_BLOCK[large_k], GROUPS_PER_STEP=GROUPS_PER_STEP[large_k],
             RANK_ROWS=RANK_ROWS, RANK_COLUMNS=RANK_COLUMNS, RANK_IN_KERNEL=rank_in_kernel, STAGES=stages,
-            num_warps=SELECT_WARPS if merge == groups // tiles else SELECT_WARPS_LARGE_K)
+            num_warps=SELECT_WARPS_LARGE_K if large_k else SELECT_WARPS)
     if not rank_in_kernel and stages == 4:  # one segmented sort of the rows' keys (past a row's count: empty)
         empty = value_column_keys(torch.tensor([float("-inf")], device=device),
                                   torch.tensor([EMPTY_COLUMN], device=device))
