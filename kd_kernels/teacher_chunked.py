@@ -30,6 +30,7 @@ DEFAULT_CHUNK_BYTES = 5 << 28  # 1.25 GiB of float32 logits per chunk
 LEAN_SLICE_BYTES = 48 << 20  # float32 logits of one lean tile
 LEAN_MERGE_BYTES = 16 << 20  # the lean merge's buffers, about
 LEAN_MAX_ROWS = 1024
+EPILOGUE_MAX_K = 256  # past it, the cuBLAS schedule's full-row selection is faster
 EPILOGUE_ROW_MULTIPLE = 1024  # the epilogue matmul's L2 group of row tiles (8 × 128 rows)
 
 
@@ -82,15 +83,17 @@ def teacher_topk(hidden: torch.Tensor, weight: torch.Tensor, k: int, temperature
     """hidden ``[N, H]``, weight ``[V, H]`` (this rank's shard under ``shard``) -> `TopK`
     float32, chunk by chunk of rows: through the epilogue matmul where it applies
     (`teacher_schedule`), else cuBLAS float32 logits and a full-row selection."""
-    if teacher_schedule(hidden, weight) == "epilogue":
+    if teacher_schedule(hidden, weight, k) == "epilogue":
         return teacher_topk_epilogue(hidden, weight, k, temperature, vocab_size, bias, chunk_rows, shard, select)
     return teacher_topk_cublas(hidden, weight, k, temperature, vocab_size, bias, chunk_rows, shard, select)
 
 
-def teacher_schedule(hidden: torch.Tensor, weight: torch.Tensor) -> str:
+def teacher_schedule(hidden: torch.Tensor, weight: torch.Tensor, k: int) -> str:
     """"epilogue" (the Triton matmul that also summarizes each row, then ~k groups read per
-    row) for 16-bit TMA-aligned inputs, else "cublas". ``KD_KERNELS_TEACHER_SCHEDULE=cublas``
-    forces the second (A/B in the benchmark); "epilogue" where it does not apply is an error."""
+    row) for 16-bit TMA-aligned inputs and k <= EPILOGUE_MAX_K, else "cublas" (at k = 1024 its
+    full-row selection beat reading ~k groups: 1.26-1.35x against 1.33-1.40x the matmul, H200).
+    ``KD_KERNELS_TEACHER_SCHEDULE=cublas`` / ``=epilogue`` force one (A/B in the benchmark);
+    "epilogue" where it does not apply (dtype, alignment) is an error."""
     from .ops.lm_head_group_maxima import epilogue_applies
 
     forced = os.environ.get("KD_KERNELS_TEACHER_SCHEDULE", "")
@@ -100,7 +103,7 @@ def teacher_schedule(hidden: torch.Tensor, weight: torch.Tensor) -> str:
     if forced == "epilogue" and not applies:
         raise ValueError("KD_KERNELS_TEACHER_SCHEDULE=epilogue: needs bf16 / fp16 hidden and weight with rows at "
                          f"16-byte boundaries; got {hidden.dtype} / {weight.dtype}, hidden size {hidden.shape[1]}")
-    return forced or ("epilogue" if applies else "cublas")
+    return forced or ("epilogue" if applies and k <= EPILOGUE_MAX_K else "cublas")
 
 
 def _chunk_rows(chunk_rows: Optional[int], num_rows: int, columns: int) -> int:

@@ -2,7 +2,8 @@
 
 2 and 4 processes; V not divisible by the group (Megatron-padded shards, vocab_size < V);
 ignored rows; every divergence and support mode on the torch backend, a subset on the
-Triton backend (interpreter), both schedules; teacher TP ≠ student TP.
+Triton backend (interpreter), both schedules; the teacher's epilogue schedule (16-bit inputs);
+teacher TP ≠ student TP.
 """
 import os
 import sys
@@ -52,6 +53,20 @@ def _check_teacher(rank, world, group, teacher_hidden, teacher_weight, backend):
                                       backend=backend)
     assert torch.equal(got.indices.long(), expected.indices.long())
     return got
+
+
+def _check_teacher_epilogue(rank, world, group, teacher_hidden, teacher_weight):
+    """16-bit inputs take the epilogue schedule on each shard; the merge is the same."""
+    from kd_kernels.teacher_chunked import teacher_schedule
+
+    hidden, weight = teacher_hidden.half(), teacher_weight.half()
+    local = _shard(weight, rank, world)
+    assert teacher_schedule(hidden, local, K) == "epilogue"
+    expected = reference.teacher_topk(hidden, weight, K, 2.0, VOCAB)
+    got = kd.teacher_topk(hidden, local, k=K, temperature=2.0, vocab_size=VOCAB, group=group, backend="triton")
+    assert torch.equal(got.indices.long(), expected.indices.long()), rank
+    assert torch.allclose(got.logprobs.double(), expected.logprobs, atol=1e-5)
+    assert torch.allclose(got.lse.double(), expected.lse, atol=1e-5)
 
 
 def _check_student(rank, world, group, problem, teacher, backend, lean=False, **options):
@@ -116,6 +131,7 @@ def _worker(rank, world, init_file):
         teacher = None
         for backend in ("torch", "triton"):
             teacher = _check_teacher(rank, world, group, problem[3], problem[4], backend)
+        _check_teacher_epilogue(rank, world, group, problem[3], problem[4])
         for divergence in DIVERGENCES:
             for support in ("renormalized", "tail"):
                 _check_student(rank, world, group, problem, teacher, "torch", divergence=divergence, support=support)

@@ -38,7 +38,7 @@ GROUPS_PER_STEP = (16, 64)
 GROUP_BLOCK = (512, 2048)
 SELECT_STAGES = 4  # fewer: the profiling stops of the kernel (benchmarks/teacher_epilogue_parts.py)
 RANK_MAX_K = 256  # larger k: the keys are ordered by one torch sort instead of by rank in the kernel
-RANK_ROWS, RANK_COLUMNS = (4, 16) if os.environ.get("TRITON_INTERPRET") == "1" else (8, 64)
+RANK_ROWS, RANK_COLUMNS = (16, 64) if os.environ.get("TRITON_INTERPRET") == "1" else (8, 64)
 # warps per row program: registers bound the occupancy (sm_90 compile, a thread: 64 registers
 # with 2 warps, 40 with 4 at k <= tiles / 2, H200 0.69 / 0.82 ms over 8192 rows at k = 64; for
 # the [blocks, merge] maxima of larger k 99 with 8 warps, 156 with 4)
