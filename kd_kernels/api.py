@@ -79,14 +79,18 @@ def teacher_topk(hidden: torch.Tensor, weight: torch.Tensor, k: int = 64, *, tem
         logprobs_dtype: dtype of ``TopK.logprobs``.
         backend: "auto" | "cuda" | "triton" | "torch" (see `available_backends`); "auto" takes
             cuda (the CUDA top-k kernel, k <= 1024) when built, else triton (a Triton threshold
-            select; no compiled extension needed).
-        chunk_rows: rows per chunk on the triton backend (``chunk_rows · V · 4`` bytes); None: ~1.25 GiB.
+            select; no compiled extension needed). bf16 / fp16 inputs with k <= 256 take, on
+            either GPU backend, a Triton matmul whose epilogue also summarizes each row, then
+            read ~k groups of each row (1.07-1.18x the bare matmul at k <= 64 on an H200);
+            the backend's own selection then only redoes rows of massive ties.
+            ``KD_KERNELS_TEACHER_SCHEDULE=cublas`` forces cuBLAS logits + the full-row selection.
+        chunk_rows: rows per chunk on the GPU backends (``chunk_rows · V · 4`` bytes); None: ~1.25 GiB.
         lean: tiles of rows × vocab columns instead of row chunks: 48 MiB of float32 logits
             plus ~16 MiB for merging slices, whatever N and V; one matmul and one merge per tile.
         fused: the top-k chosen in the epilogue of a Triton matmul (triton backend): no logits in
             memory at all, ``N · S · C · 8`` bytes of candidates (S vocab splits, C ≥ k + 128);
             k <= 256. Exact, but slow: 2.9–4.1× the bare matmul at k = 64 on an H200, against
-            1.16× for the default schedule (benchmarks/RESULTS.md); off by default.
+            1.09–1.18× for the default schedule (benchmarks/RESULTS.md); off by default.
     Returns:
         `TopK` with ``logprobs [N, k]``, ``indices [N, k]`` int32, ``lse [N]`` float32.
     """

@@ -1,18 +1,24 @@
-"""Teacher top-k on the GPU backends: chunks of rows, float32 logits by cuBLAS (never the
-whole ``[N, V]``), then per chunk a selection of each row's top-k and its logsumexp:
+"""Teacher top-k on the GPU backends: chunks of rows (never the whole ``[N, V]`` logits), per
+chunk the float32 logits, each row's top-k and its logsumexp. Two schedules from hidden:
 
-- ``select="cuda"``: one CUDA kernel (csrc/topk_candidates.cu) reads each row (once, mostly) and
-  returns the top-k and the logsumexp together;
-- ``select="triton"``: two Triton passes (the logsumexp with a threshold from the lanes'
-  maxima, then the elements above it) and a sort of the few candidates
-  (ops/topk_threshold.py): the path that needs no compiled extension.
+- the epilogue schedule (`teacher_topk_epilogue`; 16-bit inputs, k ≤ 256): a Triton matmul
+  writes the chunk's float32 logits and, from its accumulator, each row's tile statistics and
+  group maxima (ops/lm_head_group_maxima.py); the top-k is then found among the ~k groups
+  that can hold it (ops/topk_from_groups.py), without reading the rows back. Rows whose
+  candidates overflow (massive ties) are redone at the end by the full-row selection;
+- the cuBLAS schedule (`teacher_topk_cublas`; float32 inputs, k > 256, or forced): cuBLAS
+  float32 logits, then a full-row selection, ``select="cuda"``: one CUDA kernel
+  (csrc/topk_candidates.cu) that reads each row (once, mostly) and returns the top-k and the
+  logsumexp together; ``select="triton"``: two Triton passes (the logsumexp with a threshold
+  from the lanes' maxima, then the elements above it) and a sort of the few candidates
+  (ops/topk_threshold.py): no compiled extension needed.
 
-Both write each chunk's float32 logits (``chunk_rows · V · 4`` bytes, ~1.25 GiB by
-default). The lean schedule (`teacher_topk_tiled`) instead takes tiles of rows ×
-vocab columns (48 MiB of float32 logits whatever N and V) and merges each slice's top-k into
-the row chunk's running one. `teacher_topk_fused` writes no logits at all: the top-k is
-selected in the epilogue of a Triton matmul (ops/lm_head_topk.py), per vocab split, and the
-splits are merged here.
+Both hold one chunk's float32 logits (``chunk_rows · V · 4`` bytes, ~1.25 GiB by default).
+The lean schedule (`teacher_topk_tiled`) instead takes tiles of rows × vocab columns (48 MiB
+of float32 logits whatever N and V) and merges each slice's top-k into the row chunk's
+running one. `teacher_topk_fused` writes no logits at all: the top-k is selected in the
+epilogue of a Triton matmul (ops/lm_head_topk.py), per vocab split, and the splits are
+merged here.
 """
 from __future__ import annotations
 
