@@ -47,6 +47,14 @@ def test_epilogue_logits_statistics_and_group_maxima(dtype, temperature, with_bi
     assert torch.equal(summaries.group_max.cpu(), expected)
 
 
+def test_the_logits_buffer_must_take_tma_stores():
+    hidden, weight = torch.zeros(4, 16, dtype=torch.float16), torch.zeros(30, 16, dtype=torch.float16)
+    with pytest.raises(ValueError, match="logits: expected float32 rows that start at 16-byte boundaries"):
+        lm_head_logits_with_summaries(hidden, weight, None, 30, 1.0, torch.empty(4, 30))  # 120-byte rows
+    with pytest.raises(ValueError, match="logits: expected float32"):
+        lm_head_logits_with_summaries(hidden, weight, None, 30, 1.0, torch.empty(4, 32, dtype=torch.float16))
+
+
 def _topk(logits_rows, k, temperature, width=None):
     """The top-k from summaries of logits given directly: hidden = identity, weight = logits.T."""
     rows, columns = logits_rows.shape

@@ -144,6 +144,9 @@ def lm_head_logits_with_summaries(hidden: torch.Tensor, weight: torch.Tensor, bi
     aligned: `padded_width`), and the rows' `RowSummaries`."""
     config = config or default_config()
     num_rows, hidden_size = hidden.shape
+    if logits.dtype != torch.float32 or logits.stride(1) != 1 or logits.stride(0) % 4 or logits.data_ptr() % 16:
+        raise ValueError(f"logits: expected float32 rows that start at 16-byte boundaries (TMA stores; a row "
+                         f"length of padded_width(width)), got {logits.dtype} with strides {tuple(logits.stride())}")
     if config.block_n % config.group_columns:
         raise ValueError(f"config: group_columns {config.group_columns} must divide block_n {config.block_n}")
     column_tiles = -(-width // config.block_n)
