@@ -189,10 +189,13 @@ def _merge_running(running, candidates):
 
 def lean_tile(num_rows: int, k: int) -> tuple[int, int]:
     """(rows, columns) of the lean schedule's tile: rows such that the merge's ``[rows, 2k]``
-    buffers stay near 16 MiB (at most 1024), columns such that the float32 tile is 48 MiB.
-    Wide tiles amortize the selection's fixed cost per row; short ones bound the merge."""
+    buffers stay near 16 MiB (at most 1024), columns such that the float32 tile is 48 MiB
+    (32 MiB for k > 256, whose per-tile selection outputs and merge are larger: at k = 1024 the
+    48 MiB tile measured ~75 MiB beyond the outputs on an H200). Wide tiles amortize the
+    selection's fixed cost per row; short ones bound the merge."""
     rows = max(1, min(num_rows, LEAN_MAX_ROWS, max(128, LEAN_MERGE_BYTES // (40 * k) // 128 * 128)))
-    return rows, max(128, LEAN_SLICE_BYTES // (4 * rows) // 128 * 128)
+    slice_bytes = LEAN_SLICE_BYTES if k <= EPILOGUE_MAX_K else LEAN_SLICE_BYTES * 2 // 3
+    return rows, max(128, slice_bytes // (4 * rows) // 128 * 128)
 
 
 def teacher_topk_tiled(hidden: torch.Tensor, weight: torch.Tensor, k: int, temperature: float,
