@@ -147,17 +147,21 @@ def teacher_topk_epilogue(hidden: torch.Tensor, weight: torch.Tensor, k: int, te
     redo = overflow.nonzero().flatten()  # the schedule's one host sync
     if redo.numel():
         del logits, chunk  # the redo's logits take their place
-        redone = teacher_topk_cublas_candidates(hidden[redo], weight, k, temperature, width, bias, select)
-        values[redo], indices[redo], lse[redo] = redone[0], redone[1].to(torch.int32), redone[2]
+        _redo_rows(redo, hidden, weight, k, temperature, width, bias, chunk_rows, select, (values, indices, lse))
     return _finish(values, indices.add_(column_start), lse, k, temperature, shard)
 
 
-def teacher_topk_cublas_candidates(hidden: torch.Tensor, weight: torch.Tensor, k: int, temperature: float,
-                                   width: int, bias: Optional[torch.Tensor], select: str):
-    """(tempered values ``[R, k]``, local ids, lse ``[R]``) of a few rows: cuBLAS float32
-    logits of all of them at once and the full-row selection."""
-    logits = torch.empty(hidden.shape[0], weight.shape[0], dtype=torch.float32, device=hidden.device)
-    return _chunk_candidates(lm_head_logits_fp32(hidden, weight, logits), bias, k, temperature, width, 0, select)
+def _redo_rows(rows: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor, k: int, temperature: float,
+               width: int, bias: Optional[torch.Tensor], chunk_rows: int, select: str, outputs) -> None:
+    """Overwrites ``outputs`` = (tempered values, local ids, lse) at ``rows`` with the cuBLAS
+    float32 logits and the full-row selection, ``chunk_rows`` rows at a time."""
+    values, indices, lse = outputs
+    logits = torch.empty(min(chunk_rows, rows.numel()), weight.shape[0], dtype=torch.float32, device=hidden.device)
+    for start in range(0, rows.numel(), chunk_rows):
+        part = rows[start:start + chunk_rows]
+        chunk = lm_head_logits_fp32(hidden[part], weight, logits[:part.numel()])
+        part_values, part_ids, part_lse = _chunk_candidates(chunk, bias, k, temperature, width, 0, select)
+        values[part], indices[part], lse[part] = part_values, part_ids.to(torch.int32), part_lse
 
 
 def teacher_topk_cublas(hidden: torch.Tensor, weight: torch.Tensor, k: int, temperature: float, vocab_size: int,

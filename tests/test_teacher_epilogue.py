@@ -125,14 +125,18 @@ def test_epilogue_schedule_matches_the_reference(dtype, k, temperature, chunk_ro
 
 
 def test_overflowing_rows_are_redone_exactly():
-    # rows of hidden = 0 give equal logits everywhere (the bias is 0 too): every group is a
-    # candidate, more than the slots, so those rows take the full-row selection; lower ids win
+    # rows 2, 11, 19 (hidden = e_0) see logits = weight[:, 0]: 0 everywhere but 1 at the last
+    # column. Every element reaches the threshold (0), more than the 256 slots, and the slots
+    # fill in column order: without the redo those rows would miss column 299
     generator = torch.Generator().manual_seed(8)
     hidden = torch.randn(20, 16, generator=generator).half()
     hidden[[2, 11, 19]] = 0
+    hidden[[2, 11, 19], 0] = 1
     weight = torch.randn(300, 16, generator=generator).half()
-    top = teacher_topk_epilogue(hidden.to(DEVICE), weight.to(DEVICE), 5, 1.0, 300, chunk_rows=16)
-    assert top.indices[[2, 11, 19]].tolist() == [[0, 1, 2, 3, 4]] * 3
+    weight[:, 0] = 0
+    weight[299, 0] = 1
+    top = teacher_topk_epilogue(hidden.to(DEVICE), weight.to(DEVICE), 5, 1.0, 300, chunk_rows=2)  # 2 redo chunks
+    assert top.indices[[2, 11, 19]].tolist() == [[299, 0, 1, 2, 3]] * 3
     logits = reference.lm_head_logits(hidden, weight)
     _check(top, reference.teacher_topk(hidden, weight, 5, 1.0, 300), 1e-5, logits, 1.0, 300)
 
@@ -178,9 +182,12 @@ def test_the_public_function_takes_the_epilogue_schedule_and_both_agree(monkeypa
 def test_gpu_real_shape_epilogue_with_massive_ties(k):
     generator = torch.Generator(device="cuda").manual_seed(k + 7)
     hidden = (0.2 * torch.randn(2100, 4096, device="cuda", generator=generator)).bfloat16()
-    hidden[[0, 1000, 2099]] = 0  # rows of equal logits: redone by the full-row selection
+    hidden[[0, 1000, 2099]] = 0  # logits = the bias: 0 but for a 1 at the last existing column
     weight = (torch.randn(151_936, 4096, device="cuda", generator=generator) * 0.02).bfloat16()
-    top = teacher_topk_epilogue(hidden, weight, k, 2.0, 151_900, chunk_rows=1024)  # 3 chunks, the last 52 rows
-    assert top.indices[[0, 1000, 2099]].tolist() == [list(range(k))] * 3
-    exact_logits = reference.lm_head_logits(hidden, weight)
-    _check(top, reference.teacher_topk(hidden, weight, k, 2.0, 151_900), 1e-4, exact_logits, 2.0, 151_900)
+    bias = torch.zeros(151_936, device="cuda", dtype=torch.bfloat16)
+    bias[151_899] = 1
+    top = teacher_topk_epilogue(hidden, weight, k, 2.0, 151_900, bias, chunk_rows=1024)  # 3 chunks, the last 52 rows
+    # more candidates than slots, filled in column order: only the redo finds column 151,899
+    assert top.indices[[0, 1000, 2099]].tolist() == [[151_899] + list(range(k - 1))] * 3
+    exact_logits = reference.lm_head_logits(hidden, weight, bias)
+    _check(top, reference.teacher_topk(hidden, weight, k, 2.0, 151_900, bias), 1e-4, exact_logits, 2.0, 151_900)
