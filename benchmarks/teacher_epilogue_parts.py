@@ -21,12 +21,14 @@ TEMPERATURE = 2.0
 
 
 def selection(logits, summaries, k, width, warps, stages=4):
+    """The top-k from group maxima with the small-k launch's warps and the kernel's profiling stop set."""
     def call():
+        saved = groups_module.SELECT_WARPS, groups_module.SELECT_STAGES
         groups_module.SELECT_WARPS, groups_module.SELECT_STAGES = warps, stages
         try:
             return groups_module.topk_from_group_maxima(logits, summaries, k, TEMPERATURE, width)
         finally:
-            groups_module.SELECT_WARPS, groups_module.SELECT_STAGES = 2, 4
+            groups_module.SELECT_WARPS, groups_module.SELECT_STAGES = saved
     return call
 
 

@@ -17,24 +17,20 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import os
+import sys
 
 import torch
 import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from harness import time_ms
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from harness import time_ms  # noqa: E402
+from kd_kernels.ops.lm_head_group_maxima import _tile_position  # noqa: E402  (the kernel's tile order)
 
 EPILOGUES = {"bf16": 0, "fp32": 1, "stats": 2, "fp32+stats": 3}
 GROUP = 32  # columns per group maximum
-
-
-@triton.jit
-def _tile_position(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
-    in_group = GROUP_M * num_pid_n
-    first_m = (tile_id // in_group) * GROUP_M
-    size_m = tl.minimum(num_pid_m - first_m, GROUP_M)
-    return first_m + (tile_id % size_m), (tile_id % in_group) // size_m
 
 
 @triton.jit

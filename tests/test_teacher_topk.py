@@ -96,7 +96,7 @@ def test_teacher_topk_fused_refuses_what_it_does_not_do():
         kd.teacher_topk(hidden, weight, k=4, fused=True, lean=True)
     with pytest.raises(ValueError, match="fused=True"):
         kd.teacher_topk(hidden, weight, k=4, fused=True, chunk_rows=2)
-    with pytest.raises(ValueError, match="hidden: fused=True reads rows by TMA"):  # 6 · 2 bytes a row
+    with pytest.raises(ValueError, match="hidden: fused=True moves rows by TMA"):  # 6 · 2 bytes a row
         kd.teacher_topk(hidden[:, :6].half().contiguous(), weight[:, :6].half().contiguous(), k=4, fused=True)
 
 

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .tma import row_tile_descriptor
+from .tma import row_tile_descriptor, tma_rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,11 +128,9 @@ def padded_width(width: int) -> int:
 
 def epilogue_applies(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether this kernel takes these inputs: 16-bit (float32 would need IEEE products, far
-    slower than cuBLAS) with TMA-aligned rows (a hidden size that is a multiple of 8)."""
+    slower than cuBLAS) with rows TMA can move (a hidden size that is a multiple of 8)."""
     return (hidden.dtype in (torch.bfloat16, torch.float16) and weight.dtype == hidden.dtype
-            and hidden.shape[1] % 8 == 0 and hidden.stride(1) == 1 and weight.stride(1) == 1
-            and hidden.stride(0) % 8 == 0 and weight.stride(0) % 8 == 0
-            and hidden.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0)
+            and tma_rows(hidden) and tma_rows(weight))
 
 
 def lm_head_logits_with_summaries(hidden: torch.Tensor, weight: torch.Tensor, bias, width: int,
@@ -144,9 +142,8 @@ def lm_head_logits_with_summaries(hidden: torch.Tensor, weight: torch.Tensor, bi
     aligned: `padded_width`), and the rows' `RowSummaries`."""
     config = config or default_config()
     num_rows, hidden_size = hidden.shape
-    if logits.dtype != torch.float32 or logits.stride(1) != 1 or logits.stride(0) % 4 or logits.data_ptr() % 16:
-        raise ValueError(f"logits: expected float32 rows that start at 16-byte boundaries (TMA stores; a row "
-                         f"length of padded_width(width)), got {logits.dtype} with strides {tuple(logits.stride())}")
+    if logits.dtype != torch.float32:
+        raise ValueError(f"logits: expected a float32 buffer (rows of padded_width(width)), got {logits.dtype}")
     if config.block_n % config.group_columns:
         raise ValueError(f"config: group_columns {config.group_columns} must divide block_n {config.block_n}")
     column_tiles = -(-width // config.block_n)
@@ -163,9 +160,8 @@ def lm_head_logits_with_summaries(hidden: torch.Tensor, weight: torch.Tensor, bi
     else:
         programs = min(tiles, 3)  # the interpreter: still several tiles per program
     store_columns = config.block_n // 2 if config.subtile else config.block_n
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    logits_desc = TensorDescriptor(logits, [num_rows, width], [logits.stride(0), 1], [config.block_m, store_columns])
+    logits_desc = row_tile_descriptor(logits[:, :width], "logits", [config.block_m, store_columns],
+                                      "the teacher's epilogue matmul")
     _lm_head_group_maxima_kernel[(programs,)](
         row_tile_descriptor(hidden, "hidden", [config.block_m, config.block_k], "the teacher's epilogue matmul"),
         row_tile_descriptor(weight, "weight", [config.block_n, config.block_k], "the teacher's epilogue matmul"),

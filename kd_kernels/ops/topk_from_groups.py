@@ -32,6 +32,8 @@ import triton.language as tl
 from .sort_keys import EMPTY_COLUMN, ordered_bits, top_of_keys, value_column_key, value_column_keys, value_of_key
 
 _EMPTY_COLUMN = tl.constexpr(EMPTY_COLUMN)
+# an empty slot's key (-inf at EMPTY_COLUMN: after every real entry), as a host scalar
+_EMPTY_KEY = value_column_keys(torch.tensor([float("-inf")]), torch.tensor([EMPTY_COLUMN])).item()
 # groups whose columns one step reads, group maxima per step of the listing: (k <= tiles / 2,
 # larger k); larger k lists ~k groups, so wider steps (fewer dependent prefix sums) at 8 warps
 GROUPS_PER_STEP = (16, 64)
@@ -206,10 +208,8 @@ def topk_from_group_maxima(logits: torch.Tensor, summaries, k: int, temperature:
             RANK_ROWS=RANK_ROWS, RANK_COLUMNS=RANK_COLUMNS, RANK_IN_KERNEL=rank_in_kernel, STAGES=stages,
             num_warps=SELECT_WARPS_LARGE_K if large_k else SELECT_WARPS)
     if not rank_in_kernel and stages == 4:  # one segmented sort of the rows' keys (past a row's count: empty)
-        empty = value_column_keys(torch.tensor([float("-inf")], device=device),
-                                  torch.tensor([EMPTY_COLUMN], device=device))
         filled = torch.arange(capacity, device=device) < counts.unsqueeze(1)
-        top_values, top_columns = top_of_keys(torch.where(filled, keys, empty), k)
+        top_values, top_columns = top_of_keys(torch.where(filled, keys, _EMPTY_KEY), k)
         values.copy_(top_values)
         columns.copy_(top_columns)
     return values.div_(temperature), columns, lse, overflow.bool()
