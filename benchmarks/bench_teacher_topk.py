@@ -2,7 +2,7 @@
 
 Providers: the bare lm_head matmul (the floor), ours from hidden (the default schedule for
 16-bit inputs: a Triton matmul whose epilogue also leaves each row's tile statistics and group
-maxima, then ~k groups read per row; "cuBLAS schedule": cuBLAS fp32 chunks + the CUDA top-k
+maxima, then ~k groups read per row; "epilogue schedule": that one forced at any k; "cuBLAS schedule": cuBLAS fp32 chunks + the CUDA top-k
 kernel (cuda backend) or the Triton threshold select (triton backend); triton fused: the top-k
 in the epilogue of a Triton matmul, no logits, with a sweep of its tiles under --fused-sweep;
 lean: tiles), eager
@@ -72,6 +72,9 @@ def bench_shape(name, n, h, v, ks, only=None, fused_sweep=False):
                                                                backend="cuda"),
             "ours from hidden (triton)": lambda: kd.teacher_topk(hidden, weight, k=k, temperature=TEMPERATURE,
                                                                  backend="triton"),
+            "ours from hidden (cuda, epilogue schedule)": lambda: with_env(
+                "KD_KERNELS_TEACHER_SCHEDULE", "epilogue",
+                lambda: kd.teacher_topk(hidden, weight, k=k, temperature=TEMPERATURE, backend="cuda")),
             "ours from hidden (cuda, cuBLAS schedule)": lambda: with_env(
                 "KD_KERNELS_TEACHER_SCHEDULE", "cublas",
                 lambda: kd.teacher_topk(hidden, weight, k=k, temperature=TEMPERATURE, backend="cuda")),

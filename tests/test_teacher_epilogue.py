@@ -11,6 +11,7 @@ import kd_kernels as kd
 from helpers import HAS_CUDA, check_teacher_topk as _check
 from kd_kernels import reference
 from kd_kernels.ops.lm_head_group_maxima import default_config, lm_head_logits_with_summaries, padded_width
+from kd_kernels.ops import topk_from_groups as groups_module
 from kd_kernels.ops.topk_from_groups import topk_from_group_maxima
 from kd_kernels.teacher_chunked import teacher_schedule, teacher_topk_epilogue
 
@@ -95,9 +96,12 @@ def test_fewer_columns_than_k_and_minus_inf_logits():
     assert torch.allclose(lse.double().cpu(), torch.logsumexp(values[:, :7].double() / 0.5, -1), atol=1e-5)
 
 
-def test_a_large_k_sorts_its_keys_outside_the_kernel():
-    # k past RANK_MAX_K (256): a torch sort of the candidates' keys; 1200 groups, the threshold
-    # from pairs of them (~400 candidates for 600 slots: no row overflows)
+@pytest.mark.parametrize("rank_max_k", [1024, 256])
+def test_a_large_k_ranked_in_the_kernel_or_sorted_outside(monkeypatch, rank_max_k):
+    # k = 300: ranked in the kernel (RANK_MAX_K 1024), or a torch sort of the candidates' keys
+    # past RANK_MAX_K; 1200 groups, the threshold from pairs of them (~400 candidates for 600
+    # slots: no row overflows)
+    monkeypatch.setattr(groups_module, "RANK_MAX_K", rank_max_k)
     generator = torch.Generator().manual_seed(7)
     hidden = torch.randn(3, 16, generator=generator).to(DEVICE)
     weight = torch.randn(9700, 16, generator=generator).to(DEVICE)
@@ -178,7 +182,7 @@ def test_the_public_function_takes_the_epilogue_schedule_and_both_agree(monkeypa
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("k", [8, 64, 256])
+@pytest.mark.parametrize("k", [8, 64, 256, 1024])
 def test_gpu_real_shape_epilogue_with_massive_ties(k):
     generator = torch.Generator(device="cuda").manual_seed(k + 7)
     hidden = (0.2 * torch.randn(2100, 4096, device="cuda", generator=generator)).bfloat16()

@@ -9,10 +9,10 @@ One program per row:
    and every element ≥ T lies in a group whose maximum is ≥ T: the candidates are the elements
    ≥ T of those groups (~k of them on LLM logits; every tie of the k-th value among them);
 3. those groups' columns read, the elements ≥ T given slots in column order as one (value,
-   complemented column) key each; for k ≤ 256 each key goes to its rank among them (the count
-   of larger keys), else one torch sort of the rows' keys: value descending, the lower column
-   first among ties. No sort network in the kernel: `tl.sort` of 512 keys per row cost
-   ~1.3 ms over 8192 rows on an H200, and of 4096 keys ~8 ms.
+   complemented column) key each, and each key stored at its rank among them (the count of
+   larger keys: value descending, the lower column first among ties). No sort network in the
+   kernel: `tl.sort` of 512 keys per row cost ~1.3 ms over 8192 rows on an H200, and of 4096
+   keys ~8 ms; for k > ``RANK_MAX_K`` one torch sort of the rows' keys instead.
 
 The kernel holds few values per thread: the whole row's group maxima in registers at once
 (with their ids and masks) spilled and cost more than the rest together.
@@ -39,8 +39,9 @@ _EMPTY_KEY = value_column_keys(torch.tensor([float("-inf")]), torch.tensor([EMPT
 GROUPS_PER_STEP = (16, 64)
 GROUP_BLOCK = (512, 2048)
 SELECT_STAGES = 4  # fewer: the profiling stops of the kernel (benchmarks/teacher_epilogue_parts.py)
-RANK_MAX_K = 256  # larger k: the keys are ordered by one torch sort instead of by rank in the kernel
-RANK_ROWS, RANK_COLUMNS = (16, 64) if os.environ.get("TRITON_INTERPRET") == "1" else (8, 64)
+RANK_MAX_K = 1024  # larger k: the keys are ordered by one torch sort instead of by rank in the kernel
+# keys ranked at once × keys compared against at a time: (small k at 2 warps, large k at 8)
+RANK_TILE = ((16, 64), (16, 64)) if os.environ.get("TRITON_INTERPRET") == "1" else ((8, 64), (32, 64))
 # warps per row program: registers bound the occupancy (sm_90 compile, a thread: 64 registers
 # with 2 warps, 40 with 4 at k <= tiles / 2, H200 0.69 / 0.82 ms over 8192 rows at k = 64; for
 # the [blocks, merge] maxima of larger k 99 with 8 warps, 156 with 4)
@@ -59,8 +60,8 @@ def threshold_merge(k: int, groups: int, groups_per_tile: int) -> int:
 
 def capacity_for(k: int) -> int:
     """Candidate slots per row: several times the ~k a row needs on LLM logits (ranking costs
-    the square of the count, a sort its length; rows past it, massive ties, are redone)."""
-    return max(256, 4 * k) if k <= RANK_MAX_K else 2 * k
+    the square of the count, not of the slots; rows past it, massive ties, are redone)."""
+    return max(256, 4 * k) if k <= 256 else 2 * k
 
 
 @triton.jit
@@ -205,7 +206,7 @@ def topk_from_group_maxima(logits: torch.Tensor, summaries, k: int, temperature:
             TILES=triton.next_power_of_2(tiles), THRESHOLD_BLOCKS=triton.next_power_of_2(-(-groups // merge)),
             MERGE=merge, GROUPS_PER_TILE=groups // tiles, GROUP_COLUMNS=summaries.group_columns,
             GROUP_BLOCK=GROUP_BLOCK[large_k], GROUPS_PER_STEP=GROUPS_PER_STEP[large_k],
-            RANK_ROWS=RANK_ROWS, RANK_COLUMNS=RANK_COLUMNS, RANK_IN_KERNEL=rank_in_kernel, STAGES=stages,
+            RANK_ROWS=RANK_TILE[large_k][0], RANK_COLUMNS=RANK_TILE[large_k][1], RANK_IN_KERNEL=rank_in_kernel, STAGES=stages,
             num_warps=SELECT_WARPS_LARGE_K if large_k else SELECT_WARPS)
     if not rank_in_kernel and stages == 4:  # one segmented sort of the rows' keys (past a row's count: empty)
         filled = torch.arange(capacity, device=device) < counts.unsqueeze(1)
