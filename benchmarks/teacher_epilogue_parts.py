@@ -20,10 +20,11 @@ from kd_kernels.ops.lm_head_group_maxima import lm_head_logits_with_summaries, p
 TEMPERATURE = 2.0
 
 
-def selection(logits, summaries, k, width, warps, stages=4, rank_max_k=None):
-    """The top-k from group maxima with the small-k launch's warps, the kernel's profiling stop
-    and the largest k ranked in the kernel (larger: a torch sort) set."""
-    settings = dict(SELECT_WARPS=warps, SELECT_STAGES=stages, RANK_MAX_K=rank_max_k or groups_module.RANK_MAX_K)
+def selection(logits, summaries, k, width, warps, stages=4, rank_max_k=None, rank_tile=None):
+    """The top-k from group maxima with the small-k launch's warps, the kernel's profiling stop,
+    the largest k ranked in the kernel (larger: a torch sort) and the large-k rank tile set."""
+    settings = dict(SELECT_WARPS=warps, SELECT_STAGES=stages, RANK_MAX_K=rank_max_k or groups_module.RANK_MAX_K,
+                    RANK_TILE=(groups_module.RANK_TILE[0], rank_tile or groups_module.RANK_TILE[1]))
 
     def call():
         saved = {name: getattr(groups_module, name) for name in settings}
@@ -54,10 +55,12 @@ def main():
         rows.append((f"cuBLAS fp32 out, {chunk} rows (× {n / chunk:.2f})", cublas * n / chunk))
     logits = torch.empty(2048, padded_width(v), device="cuda")
     summaries = lm_head_logits_with_summaries(hidden[:2048], weight, None, v, TEMPERATURE, logits)
-    variants = [(k, warps, None, f"{warps} warps") for k in (8, 64) for warps in (2, 4, 8)]
-    variants += [(1024, 8, None, "ranked in the kernel"), (1024, 8, 256, "torch sort of the keys")]
-    for k, warps, rank_max_k, what in variants:
-        call = selection(logits, summaries, k, v, warps, rank_max_k=rank_max_k)
+    variants = [(k, warps, None, None, f"{warps} warps") for k in (8, 64) for warps in (2, 4, 8)]
+    variants += [(1024, 8, None, tile, f"ranked in the kernel, {tile[0]} x {tile[1]} tiles")
+                 for tile in ((32, 64), (64, 64), (16, 128))]
+    variants += [(1024, 8, 256, None, "torch sort of the keys")]
+    for k, warps, rank_max_k, rank_tile, what in variants:
+        call = selection(logits, summaries, k, v, warps, rank_max_k=rank_max_k, rank_tile=rank_tile)
         rows.append((f"selection k={k}, {what} (× 4 = all rows)", 4 * time_ms(call)[0]))
         print(rows[-1], flush=True)
         overflow = call()[3].sum().item()
