@@ -20,7 +20,7 @@ from kd_kernels.ops.lm_head_group_maxima import lm_head_logits_with_summaries, p
 TEMPERATURE = 2.0
 
 
-def selection(logits, summaries, k, width, warps, stages=4, rank_max_k=None, rank_tile=None):
+def selection(logits, summaries, k, width, warps, stages=4, rank_max_k=None, rank_tile=None, order="torch"):
     """The top-k from group maxima with the small-k launch's warps, the kernel's profiling stop,
     the largest k ranked in the kernel (larger: a torch sort) and the large-k rank tile set."""
     settings = dict(SELECT_WARPS=warps, SELECT_STAGES=stages, RANK_MAX_K=rank_max_k or groups_module.RANK_MAX_K,
@@ -31,7 +31,7 @@ def selection(logits, summaries, k, width, warps, stages=4, rank_max_k=None, ran
         for name, value in settings.items():
             setattr(groups_module, name, value)
         try:
-            return groups_module.topk_from_group_maxima(logits, summaries, k, TEMPERATURE, width)
+            return groups_module.topk_from_group_maxima(logits, summaries, k, TEMPERATURE, width, order)
         finally:
             for name, value in saved.items():
                 setattr(groups_module, name, value)
@@ -55,12 +55,12 @@ def main():
         rows.append((f"cuBLAS fp32 out, {chunk} rows (× {n / chunk:.2f})", cublas * n / chunk))
     logits = torch.empty(2048, padded_width(v), device="cuda")
     summaries = lm_head_logits_with_summaries(hidden[:2048], weight, None, v, TEMPERATURE, logits)
-    variants = [(k, warps, None, None, f"{warps} warps") for k in (8, 64) for warps in (2, 4, 8)]
-    variants += [(1024, 8, None, tile, f"ranked in the kernel, {tile[0]} x {tile[1]} tiles")
-                 for tile in ((32, 64), (64, 64), (16, 128))]
-    variants += [(1024, 8, 256, None, "torch sort of the keys")]
-    for k, warps, rank_max_k, rank_tile, what in variants:
-        call = selection(logits, summaries, k, v, warps, rank_max_k=rank_max_k, rank_tile=rank_tile)
+    variants = [(k, warps, None, None, "torch", f"{warps} warps") for k in (8, 64) for warps in (2, 4, 8)]
+    variants += [(1024, 8, 1024, (32, 64), "torch", "ranked in the kernel, 32 x 64 tiles"),
+                 (1024, 8, None, None, "torch", "torch sort of the k kept keys"),
+                 (1024, 8, None, None, "cuda", "CUDA sort of the k kept keys")]
+    for k, warps, rank_max_k, rank_tile, order, what in variants:
+        call = selection(logits, summaries, k, v, warps, rank_max_k=rank_max_k, rank_tile=rank_tile, order=order)
         rows.append((f"selection k={k}, {what} (× 4 = all rows)", 4 * time_ms(call)[0]))
         print(rows[-1], flush=True)
         overflow = call()[3].sum().item()

@@ -10,6 +10,7 @@
 #include <string>
 #include <tuple>
 
+#include "sort_keys.h"
 #include "topk_candidates.h"
 
 namespace {
@@ -77,6 +78,40 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> topk_candidates(const at::Tensor&
   return {values, indices, lse};
 }
 
+std::tuple<at::Tensor, at::Tensor> sort_keys(const at::Tensor& keys, const at::Tensor& counts, int64_t k) {
+  if (!keys.is_cuda()) fail_value("keys: expected a CUDA tensor, got one on " + keys.device().str());
+  if (keys.scalar_type() != at::kLong) {
+    fail_type(std::string("keys: expected dtype int64, got ") + c10::toString(keys.scalar_type()));
+  }
+  if (keys.dim() != 2 || !keys.is_contiguous()) {
+    fail_value("keys: expected a contiguous [rows, capacity] tensor, got shape " + shape_of(keys));
+  }
+  const int64_t rows = keys.size(0), capacity = keys.size(1);
+  if (capacity < 1 || capacity > kd_kernels::kMaxSortKeys) {
+    fail_value("keys: expected 1 <= keys.size(1) <= " + std::to_string(kd_kernels::kMaxSortKeys) + ", got " +
+               std::to_string(capacity));
+  }
+  if (counts.device() != keys.device() || counts.scalar_type() != at::kInt || counts.dim() != 1 ||
+      counts.size(0) != rows || !counts.is_contiguous()) {
+    fail_value("counts: expected a contiguous int32 [" + std::to_string(rows) + "] tensor on " + keys.device().str() +
+               ", got " + c10::toString(counts.scalar_type()) + " " + shape_of(counts) + " on " +
+               counts.device().str());
+  }
+  if (k < 1 || k > capacity) {
+    fail_value("k: expected 1 <= k <= keys.size(1) = " + std::to_string(capacity) + ", got " + std::to_string(k));
+  }
+  const c10::cuda::CUDAGuard guard(keys.device());
+  at::Tensor values = at::empty({rows, k}, keys.options().dtype(at::kFloat));
+  at::Tensor columns = at::empty({rows, k}, keys.options().dtype(at::kInt));
+  const cudaError_t status = kd_kernels::launch_sort_keys(
+      keys.data_ptr<int64_t>(), counts.data_ptr<int32_t>(), rows, capacity, k, values.data_ptr<float>(),
+      columns.data_ptr<int32_t>(), c10::cuda::getCurrentCUDAStream().stream());
+  if (status != cudaSuccess) {
+    throw std::runtime_error(std::string("sort_keys: CUDA launch failed: ") + cudaGetErrorString(status));
+  }
+  return {values, columns};
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
@@ -87,4 +122,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
              "temperature, descending, lower column first on ties, -inf past width; indices [rows, k] int32; "
              "lse [rows] float32 = logsumexp(logits[:, :width] / temperature)).",
              pybind11::arg("logits"), pybind11::arg("k"), pybind11::arg("temperature"), pybind11::arg("width"));
+  module.attr("MAX_SORT_KEYS") = kd_kernels::kMaxSortKeys;
+  module.def("sort_keys", &sort_keys,
+             "The k largest of each row's first counts[r] (value, column) int64 keys (kd_kernels/ops/sort_keys.py's "
+             "packing), in order: (values [rows, k] float32, descending, lower column first on ties, -inf past the "
+             "count; columns [rows, k] int32, 0 there).",
+             pybind11::arg("keys"), pybind11::arg("counts"), pybind11::arg("k"));
 }

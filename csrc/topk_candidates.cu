@@ -27,6 +27,7 @@
 #include <cfloat>
 #include <cstdlib>
 
+#include "bitonic.cuh"
 #include "topk_candidates.h"
 
 namespace cg = cooperative_groups;
@@ -180,25 +181,6 @@ __device__ __forceinline__ void visit_row_pipelined(const T* row, int width, Vis
   }
   __pipeline_wait_prior(0);
   layout.visit_ends(row, width, visit, true);
-}
-
-// Descending bitonic sort of buffer[0, size), size a power of two; every thread calls it.
-__device__ void sort_descending(uint64_t* buffer, int size) {
-  for (int block = 2; block <= size; block <<= 1) {
-    for (int stride = block >> 1; stride > 0; stride >>= 1) {
-      for (int t = threadIdx.x; t < size / 2; t += blockDim.x) {
-        const int i = 2 * t - (t & (stride - 1));
-        const int j = i + stride;
-        const bool descending = (i & block) == 0;
-        const uint64_t a = buffer[i], b = buffer[j];
-        if ((a < b) == descending) {
-          buffer[i] = b;
-          buffer[j] = a;
-        }
-      }
-      __syncthreads();
-    }
-  }
 }
 
 __device__ __forceinline__ int next_power_of_two(int n) {

@@ -143,7 +143,7 @@ def teacher_topk_epilogue(hidden: torch.Tensor, weight: torch.Tensor, k: int, te
         chunk = logits[:stop - start]
         summaries = lm_head_logits_with_summaries(hidden[start:stop], weight, bias, width, temperature, chunk)
         values[start:stop], indices[start:stop], lse[start:stop], overflow[start:stop] = topk_from_group_maxima(
-            chunk, summaries, k, temperature, width)
+            chunk, summaries, k, temperature, width, order="cuda" if select == "cuda" else "torch")
     redo = overflow.nonzero().flatten()  # the schedule's one host sync
     if redo.numel():
         del logits, chunk  # the redo's logits take their place

@@ -178,3 +178,56 @@ def test_bad_inputs_raise_clear_errors():
         _C.topk_candidates(logits, 4, 1.0, 3001)
     with pytest.raises(ValueError, match="temperature: expected"):
         _C.topk_candidates(logits, 4, 0.0, 3000)
+
+
+@pytest.mark.parametrize("capacity, k", [(2048, 1024), (300, 300), (4096, 7)])
+def test_sort_keys_orders_each_rows_counted_keys(capacity, k):
+    from kd_kernels.ops.sort_keys import value_column_keys
+
+    generator = torch.Generator(device="cuda").manual_seed(capacity + k)
+    rows = 64
+    # ties; + 0.0 turns -0.0 into 0.0 (the keys order -0.0 below 0.0, a sort calls them equal)
+    values = torch.randn(rows, capacity, device="cuda", generator=generator).round(decimals=1) + 0.0
+    columns = torch.randperm(200_000, device="cuda", generator=generator)[:capacity].int().expand(rows, -1)
+    keys = value_column_keys(values, columns).contiguous()
+    counts = torch.randint(0, capacity + 1, (rows,), device="cuda", generator=generator, dtype=torch.int32)
+    counts[:3] = torch.tensor([0, capacity, capacity + 50], dtype=torch.int32)  # past capacity reads as capacity
+    got_values, got_columns = (tensor.cpu() for tensor in _extension().sort_keys(keys, counts, k))
+    values, columns = values.cpu(), columns[0].cpu()
+    for row in range(rows):
+        count = min(int(counts[row]), capacity)
+        by_column = torch.argsort(columns[:count])  # then by value, stably: ties in column order
+        order = by_column[torch.sort(values[row, by_column], descending=True, stable=True).indices][:k]
+        taken = len(order)
+        assert torch.equal(got_values[row, :taken], values[row, order])
+        assert torch.equal(got_columns[row, :taken], columns[order])
+        assert torch.isneginf(got_values[row, taken:]).all() and (got_columns[row, taken:] == 0).all()
+
+
+def test_sort_keys_checks_its_inputs():
+    sort_keys = _extension().sort_keys
+    keys = torch.zeros(4, 16, dtype=torch.int64, device="cuda")
+    counts = torch.zeros(4, dtype=torch.int32, device="cuda")
+    with pytest.raises(ValueError, match="keys: expected a CUDA tensor"):
+        sort_keys(keys.cpu(), counts, 4)
+    with pytest.raises(TypeError, match="keys: expected dtype int64"):
+        sort_keys(keys.int(), counts, 4)
+    with pytest.raises(ValueError, match="keys: expected 1 <= keys.size"):
+        sort_keys(torch.zeros(2, 5000, dtype=torch.int64, device="cuda"), counts[:2], 4)
+    with pytest.raises(ValueError, match="counts: expected a contiguous int32"):
+        sort_keys(keys, counts.long(), 4)
+    with pytest.raises(ValueError, match="k: expected 1 <= k <= keys.size"):
+        sort_keys(keys, counts, 17)
+
+
+@pytest.mark.parametrize("k", [300, 1024])
+def test_epilogue_schedule_orders_large_k_by_the_cuda_sort(k, monkeypatch):
+    monkeypatch.setenv("KD_KERNELS_TEACHER_SCHEDULE", "epilogue")
+    generator = torch.Generator(device="cuda").manual_seed(k)
+    hidden = (0.2 * torch.randn(1024, 4096, device="cuda", generator=generator)).bfloat16()
+    weight = (torch.randn(151_936, 4096, device="cuda", generator=generator) * 0.02).bfloat16()
+    top = kd.teacher_topk(hidden, weight, k=k, temperature=2.0, vocab_size=151_900, backend="cuda")
+    exact_logits = reference.lm_head_logits(hidden, weight)
+    check_teacher_topk(top, reference.teacher_topk(hidden, weight, k, 2.0, 151_900), 1e-4, exact_logits, 2.0, 151_900)
+    torch_sorted = kd.teacher_topk(hidden, weight, k=k, temperature=2.0, vocab_size=151_900, backend="triton")
+    assert torch.equal(top.indices, torch_sorted.indices) and torch.equal(top.logprobs, torch_sorted.logprobs)

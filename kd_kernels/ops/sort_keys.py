@@ -28,6 +28,24 @@ def top_of_keys(keys: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]
     return decode_keys(torch.sort(keys, dim=-1, descending=True).values[:, :k])
 
 
+# an empty slot's key (-inf at EMPTY_COLUMN: after every real entry), as a host scalar
+_EMPTY_KEY = value_column_keys(torch.tensor([float("-inf")]), torch.tensor([EMPTY_COLUMN])).item()
+
+
+def top_of_counted_keys(keys: torch.Tensor, counts: torch.Tensor, k: int, order: str):
+    """The k largest of each row's first ``counts [R]`` int32 keys (``keys [R, C]`` int64,
+    contiguous; the slots past a row's count are ignored), decoded: (values ``[R, k]`` float32,
+    -inf past the count; columns ``[R, k]`` int32, 0 there). ``order``: "cuda" (a bitonic sort
+    per row in the extension, C <= 4096) or "torch" (one torch.sort)."""
+    if order == "cuda":
+        from .topk_candidates import load_extension
+
+        return load_extension().sort_keys(keys, counts, k)
+    filled = torch.arange(keys.shape[1], device=keys.device) < counts.unsqueeze(1)
+    values, columns = top_of_keys(torch.where(filled, keys, _EMPTY_KEY), k)
+    return values, columns.to(torch.int32)
+
+
 @triton.jit
 def ordered_bits(values):
     """float32 -> int32 whose signed order is the floats' order (NaN aside)."""

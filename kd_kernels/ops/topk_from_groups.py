@@ -29,18 +29,18 @@ import torch
 import triton
 import triton.language as tl
 
-from .sort_keys import EMPTY_COLUMN, ordered_bits, top_of_keys, value_column_key, value_column_keys, value_of_key
+from .sort_keys import ordered_bits, top_of_counted_keys, value_column_key, value_of_key
 
-_EMPTY_COLUMN = tl.constexpr(EMPTY_COLUMN)
-# an empty slot's key (-inf at EMPTY_COLUMN: after every real entry), as a host scalar
-_EMPTY_KEY = value_column_keys(torch.tensor([float("-inf")]), torch.tensor([EMPTY_COLUMN])).item()
 # groups whose columns one step reads, group maxima per step of the listing: (k <= tiles / 2,
 # larger k); larger k lists ~k groups, so wider steps (fewer dependent prefix sums) at 8 warps
 GROUPS_PER_STEP = (16, 64)
 GROUP_BLOCK = (512, 2048)
 SELECT_STAGES = 4  # fewer: the profiling stops of the kernel (benchmarks/teacher_epilogue_parts.py)
-KEEP_MIN_K = 256  # larger k: the candidates are cut to the k largest before they are ranked
-RANK_MAX_K = 1024  # larger k: the keys are ordered by one torch sort instead of by rank in the kernel
+KEEP_MIN_K = 256  # larger k: the candidates are cut to the k largest in the kernel before they are ordered
+# larger k: the keys are ordered outside the kernel (a CUDA bitonic sort per row, or a torch
+# sort) instead of by rank, which costs count²: at k = 1024 over 8192 rows (H200) 5.5 ms
+# ranked, 4.1 ms by a torch sort of 2k slots
+RANK_MAX_K = 256
 # keys ranked at once × keys compared against at a time: (small k at 2 warps, large k at 8)
 RANK_TILE = ((16, 64), (16, 64)) if os.environ.get("TRITON_INTERPRET") == "1" else ((8, 64), (32, 64))
 # warps per row program: registers bound the occupancy (sm_90 compile, a thread: 64 registers
@@ -197,21 +197,26 @@ def _topk_from_groups_kernel(logits_ptr, stride_row, tile_max2_ptr, tile_sum2_pt
         tl.store(keys_ptr + row * capacity + position, value_column_key(z, columns), mask=take & (position < capacity))
         count += tl.sum(take.to(tl.int32), axis=0)
     tl.store(overflow_ptr + row, ((listed > capacity) | (count > capacity)).to(tl.int8))
-    tl.store(counts_ptr + row, tl.minimum(count, capacity))
+    count = tl.minimum(count, capacity)
+    if KEEP_SLOTS > 0:  # large k: ~1.3k candidates cut to the k largest before they are ordered
+        tl.debug_barrier()  # every thread's keys are in memory
+        count = _keep_the_first_k(keys_ptr + row * capacity, count, k, KEEP_SLOTS)
+    tl.store(counts_ptr + row, count)
     if RANK_IN_KERNEL:
         tl.debug_barrier()  # every thread's keys are in memory
-        ranked = tl.minimum(count, capacity)
-        if KEEP_SLOTS > 0:  # large k: ~1.3k candidates cut to k before the O(n²) rank
-            ranked = _keep_the_first_k(keys_ptr + row * capacity, ranked, k, KEEP_SLOTS)
-        _store_in_rank_order(keys_ptr + row * capacity, ranked, values_ptr + row * k, columns_ptr + row * k, k,
+        _store_in_rank_order(keys_ptr + row * capacity, count, values_ptr + row * k, columns_ptr + row * k, k,
                              RANK_ROWS, RANK_COLUMNS)
 
 
-def topk_from_group_maxima(logits: torch.Tensor, summaries, k: int, temperature: float, width: int):
+def topk_from_group_maxima(logits: torch.Tensor, summaries, k: int, temperature: float, width: int,
+                           order: str = "torch"):
     """logits ``[R, ≥ width]`` float32 and their `RowSummaries` -> (values ``[R, k]`` float32 =
     top logits / τ, descending, lower column first among ties, -inf past ``width``; columns
     ``[R, k]`` int32, 0 there; lse ``[R]`` float32 at τ; overflow ``[R]`` bool: rows to redo
-    exactly, whose other outputs are meaningless)."""
+    exactly, whose other outputs are meaningless). Past ``RANK_MAX_K`` the candidates are put
+    in order by ``order``: "cuda" (the extension's sort per row) or "torch" (torch.sort)."""
+    if order not in ("cuda", "torch"):
+        raise ValueError(f"order: expected 'cuda' or 'torch', got {order!r}")
     rows = logits.shape[0]
     device = logits.device
     stages = SELECT_STAGES
@@ -221,6 +226,7 @@ def topk_from_group_maxima(logits: torch.Tensor, summaries, k: int, temperature:
     merge = threshold_merge(k, groups, groups // tiles)
     large_k = merge != groups // tiles
     rank_in_kernel = k <= RANK_MAX_K
+    keep_slots = triton.next_power_of_2(capacity) if k > KEEP_MIN_K else 0
     values = torch.empty(rows, k, dtype=torch.float32, device=device)
     columns = torch.empty(rows, k, dtype=torch.int32, device=device)
     lse = torch.empty(rows, dtype=torch.float32, device=device)
@@ -236,11 +242,12 @@ def topk_from_group_maxima(logits: torch.Tensor, summaries, k: int, temperature:
             MERGE=merge, GROUPS_PER_TILE=groups // tiles, GROUP_COLUMNS=summaries.group_columns,
             GROUP_BLOCK=GROUP_BLOCK[large_k], GROUPS_PER_STEP=GROUPS_PER_STEP[large_k],
             RANK_ROWS=RANK_TILE[large_k][0], RANK_COLUMNS=RANK_TILE[large_k][1], RANK_IN_KERNEL=rank_in_kernel,
-            KEEP_SLOTS=triton.next_power_of_2(capacity) if k > KEEP_MIN_K else 0, STAGES=stages,
+            KEEP_SLOTS=keep_slots, STAGES=stages,
             num_warps=SELECT_WARPS_LARGE_K if large_k else SELECT_WARPS)
-    if not rank_in_kernel and stages == 4:  # one segmented sort of the rows' keys (past a row's count: empty)
-        filled = torch.arange(capacity, device=device) < counts.unsqueeze(1)
-        top_values, top_columns = top_of_keys(torch.where(filled, keys, _EMPTY_KEY), k)
+    if not rank_in_kernel and stages == 4:
+        # after the cut a row holds at most k keys: only those slots are ordered
+        ordered = keys[:, :k] if keep_slots else keys
+        top_values, top_columns = top_of_counted_keys(ordered.contiguous(), counts, k, order)
         values.copy_(top_values)
         columns.copy_(top_columns)
     return values.div_(temperature), columns, lse, overflow.bool()
