@@ -20,14 +20,11 @@ from kd_kernels.ops.lm_head_group_maxima import lm_head_logits_with_summaries, p
 TEMPERATURE = 2.0
 
 
-def selection(logits, summaries, k, width, warps, stages=4, rank_max_k=None, rank_tile=None, order="torch",
-              keep_min_k=None):
+def selection(logits, summaries, k, width, warps, stages=4, rank_max_k=None, rank_tile=None, order="torch"):
     """The top-k from group maxima with the small-k launch's warps, the kernel's profiling stop,
-    the largest k ranked in the kernel (larger: a sort), the large-k rank tile and the smallest
-    k whose candidates are cut to k before the sort set."""
+    the largest k ranked in the kernel (larger: a sort) and the large-k rank tile set."""
     settings = dict(SELECT_WARPS=warps, SELECT_STAGES=stages, RANK_MAX_K=rank_max_k or groups_module.RANK_MAX_K,
-                    RANK_TILE=(groups_module.RANK_TILE[0], rank_tile or groups_module.RANK_TILE[1]),
-                    KEEP_MIN_K=keep_min_k or groups_module.KEEP_MIN_K)
+                    RANK_TILE=(groups_module.RANK_TILE[0], rank_tile or groups_module.RANK_TILE[1]))
 
     def call():
         saved = {name: getattr(groups_module, name) for name in settings}
@@ -58,15 +55,12 @@ def main():
         rows.append((f"cuBLAS fp32 out, {chunk} rows (× {n / chunk:.2f})", cublas * n / chunk))
     logits = torch.empty(2048, padded_width(v), device="cuda")
     summaries = lm_head_logits_with_summaries(hidden[:2048], weight, None, v, TEMPERATURE, logits)
-    variants = [(k, warps, None, None, "torch", None, f"{warps} warps") for k in (8, 64) for warps in (2, 4, 8)]
-    variants += [(1024, 8, 1024, (32, 64), "torch", None, "ranked in the kernel, 32 x 64 tiles"),
-                 (1024, 8, None, None, "torch", None, "torch sort of the k kept keys"),
-                 (1024, 8, None, None, "torch", 1024, "torch sort of every candidate"),
-                 (1024, 8, None, None, "cuda", None, "CUDA sort of the k kept keys"),
-                 (1024, 8, None, None, "cuda", 1024, "CUDA sort of every candidate")]
-    for k, warps, rank_max_k, rank_tile, order, keep_min_k, what in variants:
-        call = selection(logits, summaries, k, v, warps, rank_max_k=rank_max_k, rank_tile=rank_tile, order=order,
-                         keep_min_k=keep_min_k)
+    variants = [(k, warps, None, None, "torch", f"{warps} warps") for k in (8, 64) for warps in (2, 4, 8)]
+    variants += [(1024, 8, 1024, (32, 64), "torch", "ranked in the kernel, 32 x 64 tiles"),
+                 (1024, 8, None, None, "torch", "torch sort of the candidates"),
+                 (1024, 8, None, None, "cuda", "CUDA sort of the candidates")]
+    for k, warps, rank_max_k, rank_tile, order, what in variants:
+        call = selection(logits, summaries, k, v, warps, rank_max_k=rank_max_k, rank_tile=rank_tile, order=order)
         rows.append((f"selection k={k}, {what} (× 4 = all rows)", 4 * time_ms(call)[0]))
         print(rows[-1], flush=True)
         overflow = call()[3].sum().item()

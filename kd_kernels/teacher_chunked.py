@@ -1,12 +1,12 @@
 """Teacher top-k on the GPU backends: chunks of rows (never the whole ``[N, V]`` logits), per
 chunk the float32 logits, each row's top-k and its logsumexp. Two schedules from hidden:
 
-- the epilogue schedule (`teacher_topk_epilogue`; 16-bit inputs, k ≤ 256): a Triton matmul
+- the epilogue schedule (`teacher_topk_epilogue`; 16-bit inputs, k ≤ 1024): a Triton matmul
   writes the chunk's float32 logits and, from its accumulator, each row's tile statistics and
   group maxima (ops/lm_head_group_maxima.py); the top-k is then found among the ~k groups
   that can hold it (ops/topk_from_groups.py), without reading the rows back. Rows whose
   candidates overflow (massive ties) are redone at the end by the full-row selection;
-- the cuBLAS schedule (`teacher_topk_cublas`; float32 inputs, k > 256, or forced): cuBLAS
+- the cuBLAS schedule (`teacher_topk_cublas`; float32 inputs, k > 1024, or forced): cuBLAS
   float32 logits, then a full-row selection, ``select="cuda"``: one CUDA kernel
   (csrc/topk_candidates.cu) that reads each row (once, mostly) and returns the top-k and the
   logsumexp together; ``select="triton"``: two Triton passes (the logsumexp with a threshold
@@ -36,7 +36,7 @@ DEFAULT_CHUNK_BYTES = 5 << 28  # 1.25 GiB of float32 logits per chunk
 LEAN_SLICE_BYTES = 48 << 20  # float32 logits of one lean tile
 LEAN_MERGE_BYTES = 16 << 20  # the lean merge's buffers, about
 LEAN_MAX_ROWS = 1024
-EPILOGUE_MAX_K = 256  # past it, the cuBLAS schedule's full-row selection is faster
+EPILOGUE_MAX_K = 1024  # the CUDA sort of each row's candidates limits k to 2048 (its 4096 slots / 2)
 EPILOGUE_ROW_MULTIPLE = 1024  # the epilogue matmul's L2 group of row tiles (8 × 128 rows)
 
 
@@ -96,8 +96,9 @@ def teacher_topk(hidden: torch.Tensor, weight: torch.Tensor, k: int, temperature
 
 def teacher_schedule(hidden: torch.Tensor, weight: torch.Tensor, k: int) -> str:
     """"epilogue" (the Triton matmul that also summarizes each row, then ~k groups read per
-    row) for 16-bit TMA-aligned inputs and k <= EPILOGUE_MAX_K, else "cublas" (at k = 1024 its
-    full-row selection beat reading ~k groups: 1.26-1.35x against 1.33-1.40x the matmul, H200).
+    row) for 16-bit TMA-aligned inputs and k <= EPILOGUE_MAX_K, else "cublas" (H200, at k =
+    1024 with the candidates ordered by the CUDA sort: 1.23-1.25x the matmul against 1.28-1.29x
+    for cuBLAS + the full-row selection; at k = 64 1.08-1.10x against 1.15-1.20x).
     ``KD_KERNELS_TEACHER_SCHEDULE=cublas`` / ``=epilogue`` force one (A/B in the benchmark);
     "epilogue" where it does not apply (dtype, alignment) is an error."""
     from .ops.lm_head_group_maxima import epilogue_applies
@@ -198,7 +199,7 @@ def lean_tile(num_rows: int, k: int) -> tuple[int, int]:
     48 MiB tile measured ~75 MiB beyond the outputs on an H200). Wide tiles amortize the
     selection's fixed cost per row; short ones bound the merge."""
     rows = max(1, min(num_rows, LEAN_MAX_ROWS, max(128, LEAN_MERGE_BYTES // (40 * k) // 128 * 128)))
-    slice_bytes = LEAN_SLICE_BYTES if k <= EPILOGUE_MAX_K else LEAN_SLICE_BYTES * 2 // 3
+    slice_bytes = LEAN_SLICE_BYTES if k <= 256 else LEAN_SLICE_BYTES * 2 // 3
     return rows, max(128, slice_bytes // (4 * rows) // 128 * 128)
 
 

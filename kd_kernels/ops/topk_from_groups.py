@@ -36,10 +36,10 @@ from .sort_keys import ordered_bits, top_of_counted_keys, value_column_key, valu
 GROUPS_PER_STEP = (16, 64)
 GROUP_BLOCK = (512, 2048)
 SELECT_STAGES = 4  # fewer: the profiling stops of the kernel (benchmarks/teacher_epilogue_parts.py)
-KEEP_MIN_K = 256  # larger k: the candidates are cut to the k largest in the kernel before they are ordered
 # larger k: the keys are ordered outside the kernel (a CUDA bitonic sort per row, or a torch
-# sort) instead of by rank, which costs count²: at k = 1024 over 8192 rows (H200) 5.5 ms
-# ranked, 4.1 ms by a torch sort of 2k slots
+# sort) instead of by rank, which costs count²: the whole selection at k = 1024 over 8192 rows
+# (H200) 5.5-5.8 ms ranked, 4.1 ms with a torch sort, 3.4 ms with the CUDA sort (cutting the
+# ~1.3k candidates to k first by bisection cost more than it saved: 3.9 / 4.5 ms)
 RANK_MAX_K = 256
 # keys ranked at once × keys compared against at a time: (small k at 2 warps, large k at 8)
 RANK_TILE = ((16, 64), (16, 64)) if os.environ.get("TRITON_INTERPRET") == "1" else ((8, 64), (32, 64))
@@ -109,34 +109,12 @@ def _store_in_rank_order(keys_ptr, count, values_ptr, columns_ptr, k, RANK_ROWS:
 
 
 @triton.jit
-def _keep_the_first_k(keys_ptr, count, k, SLOTS: tl.constexpr):
-    """Of ``count`` keys in column order (slots ``[0, SLOTS)``), moves the k largest to the first
-    k slots, still in column order, and returns how many there are (min(k, count)): the k-th
-    largest value by bisection on its ordered bits, every larger value kept, and of the values
-    equal to it the lowest columns. The rank then costs k², not count²."""
-    slot = tl.arange(0, SLOTS)
-    present = slot < count
-    key = tl.load(keys_ptr + slot, mask=present, other=0)
-    value_bits = (key >> 32).to(tl.int32)
-    kth = _threshold(value_bits, present, k)
-    above = present & (value_bits > kth)
-    tied = present & (value_bits == kth)
-    needed = k - tl.sum(above.to(tl.int32), axis=0)
-    keep = above | (tied & (tl.cumsum(tied.to(tl.int32), axis=0) <= needed))
-    position = tl.cumsum(keep.to(tl.int32), axis=0) - 1
-    tl.debug_barrier()  # every thread has read its keys before any is moved
-    tl.store(keys_ptr + position, key, mask=keep)
-    tl.debug_barrier()
-    return tl.minimum(count, k)
-
-
-@triton.jit
 def _topk_from_groups_kernel(logits_ptr, stride_row, tile_max2_ptr, tile_sum2_ptr, group_max_ptr, group_ids_ptr,
                              keys_ptr, counts_ptr, values_ptr, columns_ptr, lse_ptr, overflow_ptr, tiles, width, k,
                              capacity, log2e_over_t, TILES: tl.constexpr, THRESHOLD_BLOCKS: tl.constexpr, MERGE: tl.constexpr,
                              GROUPS_PER_TILE: tl.constexpr, GROUP_COLUMNS: tl.constexpr, GROUP_BLOCK: tl.constexpr,
                              GROUPS_PER_STEP: tl.constexpr, RANK_ROWS: tl.constexpr, RANK_COLUMNS: tl.constexpr,
-                             RANK_IN_KERNEL: tl.constexpr, KEEP_SLOTS: tl.constexpr,
+                             RANK_IN_KERNEL: tl.constexpr,
                              STAGES: tl.constexpr = 4):
     # STAGES < 4 stops early (benchmarks/teacher_epilogue_parts.py times the stages): 1 the lse,
     # 2 the threshold, 3 the listed groups, 4 everything
@@ -198,9 +176,6 @@ def _topk_from_groups_kernel(logits_ptr, stride_row, tile_max2_ptr, tile_sum2_pt
         count += tl.sum(take.to(tl.int32), axis=0)
     tl.store(overflow_ptr + row, ((listed > capacity) | (count > capacity)).to(tl.int8))
     count = tl.minimum(count, capacity)
-    if KEEP_SLOTS > 0:  # large k: ~1.3k candidates cut to the k largest before they are ordered
-        tl.debug_barrier()  # every thread's keys are in memory
-        count = _keep_the_first_k(keys_ptr + row * capacity, count, k, KEEP_SLOTS)
     tl.store(counts_ptr + row, count)
     if RANK_IN_KERNEL:
         tl.debug_barrier()  # every thread's keys are in memory
@@ -226,7 +201,6 @@ def topk_from_group_maxima(logits: torch.Tensor, summaries, k: int, temperature:
     merge = threshold_merge(k, groups, groups // tiles)
     large_k = merge != groups // tiles
     rank_in_kernel = k <= RANK_MAX_K
-    keep_slots = triton.next_power_of_2(capacity) if k > KEEP_MIN_K else 0
     values = torch.empty(rows, k, dtype=torch.float32, device=device)
     columns = torch.empty(rows, k, dtype=torch.int32, device=device)
     lse = torch.empty(rows, dtype=torch.float32, device=device)
@@ -242,12 +216,10 @@ def topk_from_group_maxima(logits: torch.Tensor, summaries, k: int, temperature:
             MERGE=merge, GROUPS_PER_TILE=groups // tiles, GROUP_COLUMNS=summaries.group_columns,
             GROUP_BLOCK=GROUP_BLOCK[large_k], GROUPS_PER_STEP=GROUPS_PER_STEP[large_k],
             RANK_ROWS=RANK_TILE[large_k][0], RANK_COLUMNS=RANK_TILE[large_k][1], RANK_IN_KERNEL=rank_in_kernel,
-            KEEP_SLOTS=keep_slots, STAGES=stages,
+            STAGES=stages,
             num_warps=SELECT_WARPS_LARGE_K if large_k else SELECT_WARPS)
     if not rank_in_kernel and stages == 4:
-        # after the cut a row holds at most k keys: only those slots are ordered
-        ordered = keys[:, :k] if keep_slots else keys
-        top_values, top_columns = top_of_counted_keys(ordered.contiguous(), counts, k, order)
+        top_values, top_columns = top_of_counted_keys(keys, counts, k, order)
         values.copy_(top_values)
         columns.copy_(top_columns)
     return values.div_(temperature), columns, lse, overflow.bool()
