@@ -12,7 +12,9 @@ One program per row:
    complemented column) key each, and each key stored at its rank among them (the count of
    larger keys: value descending, the lower column first among ties). No sort network in the
    kernel: `tl.sort` of 512 keys per row cost ~1.3 ms over 8192 rows on an H200, and of 4096
-   keys ~8 ms; for k > ``RANK_MAX_K`` one torch sort of the rows' keys instead.
+   keys ~8 ms. For k > ``RANK_MAX_K`` the rank's count² compares cost more than a sort: the
+   keys are ordered after the kernel, by the CUDA extension's bitonic sort per row
+   (``order="cuda"``) or one torch sort (``order="torch"``).
 
 The kernel holds few values per thread: the whole row's group maxima in registers at once
 (with their ids and masks) spilled and cost more than the rest together.
