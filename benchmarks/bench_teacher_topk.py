@@ -2,9 +2,7 @@
 
 Providers: the bare lm_head matmul (the floor), ours from hidden (the default schedule for
 16-bit inputs: a Triton matmul whose epilogue also leaves each row's tile statistics and group
-maxima, then ~k groups read per row (at k ≤ 256 a pilot of the first columns first, after which
-only the groups that reach each row's floor are stored; "without the pilot" stores every
-logit); "epilogue schedule": that one forced at any k; "cuBLAS schedule": cuBLAS fp32 chunks + the CUDA top-k
+maxima, then ~k groups read per row; "epilogue schedule": that one forced at any k; "cuBLAS schedule": cuBLAS fp32 chunks + the CUDA top-k
 kernel (cuda backend) or the Triton threshold select (triton backend); triton fused: the top-k
 in the epilogue of a Triton matmul, no logits, with a sweep of its tiles under --fused-sweep;
 lean: tiles), eager
@@ -27,7 +25,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import kd_kernels as kd  # noqa: E402
-from kd_kernels.ops import lm_head_group_maxima  # noqa: E402
 from harness import environment, llm_like_hidden, peak_extra_gib, time_ms, write_json  # noqa: E402
 from shapes import TEACHER_SHAPES  # noqa: E402
 
@@ -57,16 +54,6 @@ def with_env(name, value, fn):
             os.environ[name] = before
 
 
-def without_pilot(fn):
-    """fn() with every logit of the epilogue matmul stored (no pilot's floor): the A/B of the pilot."""
-    saved = lm_head_group_maxima.PILOT_MAX_K
-    lm_head_group_maxima.PILOT_MAX_K = 0
-    try:
-        return fn()
-    finally:
-        lm_head_group_maxima.PILOT_MAX_K = saved
-
-
 def bench_shape(name, n, h, v, ks, only=None, fused_sweep=False):
     weight = (torch.randn(v, h, device="cuda") * 0.02).to(torch.bfloat16)
     hidden, entropy, scale = llm_like_hidden(n, h, weight)
@@ -87,8 +74,6 @@ def bench_shape(name, n, h, v, ks, only=None, fused_sweep=False):
                                                                  backend="triton"),
             "ours from hidden (cuda, epilogue schedule)": lambda: with_env(
                 "KD_KERNELS_TEACHER_SCHEDULE", "epilogue",
-                lambda: kd.teacher_topk(hidden, weight, k=k, temperature=TEMPERATURE, backend="cuda")),
-            "ours from hidden (cuda, epilogue without the pilot)": lambda: without_pilot(
                 lambda: kd.teacher_topk(hidden, weight, k=k, temperature=TEMPERATURE, backend="cuda")),
             "ours from hidden (cuda, cuBLAS schedule)": lambda: with_env(
                 "KD_KERNELS_TEACHER_SCHEDULE", "cublas",

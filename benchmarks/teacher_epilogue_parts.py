@@ -54,11 +54,6 @@ def main():
         cublas = time_ms(lambda: torch.mm(part, weight.T, out_dtype=torch.float32))[0]
         rows.append((f"cuBLAS fp32 out, {chunk} rows (× {n / chunk:.2f})", cublas * n / chunk))
     logits = torch.empty(2048, padded_width(v), device="cuda")
-    for pilot_k in (8, 64, 256):  # a pilot, then only the groups reaching each row's floor stored
-        ms = time_ms(lambda: lm_head_logits_with_summaries(hidden[:2048], weight, None, v, TEMPERATURE, logits,
-                                                           pilot_k=pilot_k))[0]
-        rows.append((f"epilogue matmul + pilot for k={pilot_k}, 2048 rows (× 4.00)", 4 * ms))
-        print(rows[-1], flush=True)
     summaries = lm_head_logits_with_summaries(hidden[:2048], weight, None, v, TEMPERATURE, logits)
     variants = [(k, warps, None, None, "torch", f"{warps} warps") for k in (8, 64) for warps in (2, 4, 8)]
     variants += [(1024, 8, 1024, (32, 64), "torch", "ranked in the kernel, 32 x 64 tiles"),

@@ -142,8 +142,7 @@ def teacher_topk_epilogue(hidden: torch.Tensor, weight: torch.Tensor, k: int, te
     for start in range(0, num_rows, chunk_rows):
         stop = min(start + chunk_rows, num_rows)
         chunk = logits[:stop - start]
-        summaries = lm_head_logits_with_summaries(hidden[start:stop], weight, bias, width, temperature, chunk,
-                                                  pilot_k=k)
+        summaries = lm_head_logits_with_summaries(hidden[start:stop], weight, bias, width, temperature, chunk)
         values[start:stop], indices[start:stop], lse[start:stop], overflow[start:stop] = topk_from_group_maxima(
             chunk, summaries, k, temperature, width, order="cuda" if select == "cuda" else "torch")
     redo = overflow.nonzero().flatten()  # the schedule's one host sync

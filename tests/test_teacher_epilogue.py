@@ -11,7 +11,7 @@ import kd_kernels as kd
 from helpers import HAS_CUDA, check_teacher_topk as _check
 from kd_kernels import reference
 from kd_kernels.ops.lm_head_group_maxima import default_config, lm_head_logits_with_summaries, padded_width
-from kd_kernels.ops import lm_head_group_maxima, topk_from_groups as groups_module
+from kd_kernels.ops import topk_from_groups as groups_module
 from kd_kernels.ops.topk_from_groups import topk_from_group_maxima
 from kd_kernels.teacher_chunked import teacher_schedule, teacher_topk_epilogue
 
@@ -48,83 +48,10 @@ def test_epilogue_logits_statistics_and_group_maxima(dtype, temperature, with_bi
     assert torch.equal(summaries.group_max.cpu(), expected)
 
 
-@pytest.mark.parametrize("k, with_bias", [(1, False), (4, True), (9, False)])
-def test_a_pilot_floor_skips_groups_that_cannot_hold_the_top_k(k, with_bias):
-    # 2000 columns = 63 tiles of 4 groups: the first tiles are the pilot, stored whole; of the
-    # rest only groups reaching the row's floor are written (the buffer starts as NaN), and
-    # the top-k read from them is the reference's
-    generator = torch.Generator().manual_seed(k + 40)
-    hidden = torch.randn(21, 16, generator=generator).to(DEVICE)
-    weight = torch.randn(2003, 16, generator=generator).to(DEVICE)
-    bias = torch.randn(2003, generator=generator).to(DEVICE) if with_bias else None
-    width = 2000
-    pilot = lm_head_group_maxima.pilot_column_tiles(k, width, default_config(), 2, 3)
-    assert 0 < pilot < 63 // 2
-    logits = torch.full((21, padded_width(width)), float("nan"), device=DEVICE)
-    summaries = lm_head_logits_with_summaries(hidden, weight, bias, width, 0.7, logits, pilot_k=k)
-    exact = reference.lm_head_logits(hidden, weight, bias)[:, :width]
-    pilot_columns = pilot * default_config().block_n
-    assert torch.allclose(logits[:, :pilot_columns].double().cpu(), exact[:, :pilot_columns].cpu(), atol=1e-4)
-    written = ~torch.isnan(logits[:, pilot_columns:width]).cpu()
-    assert written.float().mean() < 0.5  # most groups past the pilot were skipped
-    assert torch.allclose(logits[:, pilot_columns:width].cpu()[written].double(),
-                          exact[:, pilot_columns:].cpu()[written], atol=1e-4)
-    # the floor is the k-th largest pilot group maximum: no group past it with a larger maximum is missing
-    floor_logit = summaries.group_max[:, :pilot * 4].topk(k, dim=-1).values[:, -1:].cpu()
-    needed = exact[:, pilot_columns:].cpu() >= floor_logit.double()
-    assert written[needed].all()
-    values, columns, lse, overflow = topk_from_group_maxima(logits, summaries, k, 0.7, width)
-    expected = reference.teacher_topk(hidden, weight, k, 0.7, width, bias)
-    assert not overflow.any()
-    assert torch.equal(columns.cpu(), expected.indices.cpu())
-    assert torch.allclose((values - lse[:, None]).double().cpu(), expected.logprobs.cpu(), atol=1e-5, rtol=0)
-
-
-def test_the_floor_above_the_tile_threshold_and_a_group_that_ties_it():
-    # the pilot's first 3 tiles lifted by 30: the floor (9th largest pilot group maximum) is far
-    # above the 9th largest tile maximum, so the selection must list from the floor; column
-    # 1500 copies the column holding row 0's floor, so a group past the pilot has exactly the
-    # floor as its maximum and must have been written
-    generator = torch.Generator().manual_seed(77)
-    k, width = 9, 2000
-    hidden = torch.randn(5, 16, generator=generator)
-    weight = torch.randn(2000, 16, generator=generator)
-    bias = torch.zeros(2000)
-    bias[:96] = 30.0
-    pilot = lm_head_group_maxima.pilot_column_tiles(k, width, default_config(), 1, 3)
-    assert pilot * default_config().block_n > 96
-    pilot_maxima = reference.lm_head_logits(hidden, weight, bias)[0, :pilot * 32].reshape(-1, 8).max(-1)
-    floor_group = pilot_maxima.values.topk(k).indices[-1]
-    floor_column = floor_group * 8 + pilot_maxima.indices[floor_group]
-    weight[1500], bias[1500] = weight[floor_column], bias[floor_column]
-    hidden, weight, bias = hidden.to(DEVICE), weight.to(DEVICE), bias.to(DEVICE)
-    logits = torch.full((5, padded_width(width)), float("nan"), device=DEVICE)
-    summaries = lm_head_logits_with_summaries(hidden, weight, bias, width, 1.0, logits, pilot_k=k)
-    assert summaries.group_max[0, 1500 // 8] == summaries.group_max[0, floor_group]
-    assert not torch.isnan(logits[0, 1500]).item()
-    values, columns, lse, overflow = topk_from_group_maxima(logits, summaries, k, 1.0, width)
-    expected = reference.teacher_topk(hidden, weight, k, 1.0, width, bias)
-    assert not overflow.any()
-    assert torch.equal(columns.cpu(), expected.indices.cpu())
-    assert torch.allclose((values - lse[:, None]).double().cpu(), expected.logprobs.cpu(), atol=1e-5, rtol=0)
-
-
-def test_no_pilot_past_its_k_or_where_it_would_store_as_much():
-    config = default_config()
-    assert lm_head_group_maxima.pilot_column_tiles(None, 2000, config, 2, 3) == 0
-    assert lm_head_group_maxima.pilot_column_tiles(lm_head_group_maxima.PILOT_MAX_K + 1, 10**6, config, 2, 3) == 0
-    assert lm_head_group_maxima.pilot_column_tiles(100, 2000, config, 2, 3) == 0  # 2k groups: past half the tiles
-    gpu = lm_head_group_maxima.GroupMaximaConfig()
-    pilot = lm_head_group_maxima.pilot_column_tiles(64, 151_936, gpu, 16, 132)
-    assert 69 <= pilot < 69 + 16  # ~sqrt(64 * 32 / V) of 594 tiles
-
-
 def test_the_logits_buffer_must_take_tma_stores():
     hidden, weight = torch.zeros(4, 16, dtype=torch.float16), torch.zeros(30, 16, dtype=torch.float16)
     with pytest.raises(ValueError, match="logits: the teacher's epilogue matmul moves rows by TMA"):
-        lm_head_logits_with_summaries(hidden, weight, None, 30, 1.0, torch.empty(4, 33))  # 132-byte rows
-    with pytest.raises(ValueError, match="logits: expected rows of at least padded_width"):
-        lm_head_logits_with_summaries(hidden, weight, None, 30, 1.0, torch.empty(4, 28))  # not whole groups
+        lm_head_logits_with_summaries(hidden, weight, None, 30, 1.0, torch.empty(4, 30))  # 120-byte rows
     with pytest.raises(ValueError, match="logits: expected a float32 buffer"):
         lm_head_logits_with_summaries(hidden, weight, None, 30, 1.0, torch.empty(4, 32, dtype=torch.float16))
 

@@ -64,17 +64,3 @@ def value_of_key(keys):
     """The float32 value of int64 keys inside a kernel."""
     ordered = (keys >> 32).to(tl.int32)
     return tl.where(ordered < 0, ordered ^ 0x7FFFFFFF, ordered).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def kth_largest_bits(block_key, valid, k):
-    """The largest t (int32 ordered bits) with at least k valid block maxima ≥ t (any shape);
-    the smallest int32 where fewer than k blocks are valid."""
-    low = tl.full([], -2147483648, tl.int64)
-    high = tl.full([], 2147483647, tl.int64)
-    for _ in range(32):
-        middle = low + (high - low + 1) // 2
-        enough = tl.sum(((block_key >= middle.to(tl.int32)) & valid).to(tl.int32)) >= k
-        low = tl.where(enough, middle, low)
-        high = tl.where(enough, high, middle - 1)
-    return low.to(tl.int32)

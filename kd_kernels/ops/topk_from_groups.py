@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .sort_keys import kth_largest_bits, ordered_bits, top_of_counted_keys, value_column_key, value_of_key
+from .sort_keys import ordered_bits, top_of_counted_keys, value_column_key, value_of_key
 
 # groups whose columns one step reads, group maxima per step of the listing: (k <= tiles / 2,
 # larger k); larger k lists ~k groups, so wider steps (fewer dependent prefix sums) at 8 warps
@@ -68,6 +68,20 @@ def capacity_for(k: int) -> int:
 
 
 @triton.jit
+def _threshold(block_key, valid, k):
+    """The largest t (int32 ordered bits) with at least k valid block maxima ≥ t (any shape);
+    the smallest int32 where fewer than k blocks are valid."""
+    low = tl.full([], -2147483648, tl.int64)
+    high = tl.full([], 2147483647, tl.int64)
+    for _ in range(32):
+        middle = low + (high - low + 1) // 2
+        enough = tl.sum(((block_key >= middle.to(tl.int32)) & valid).to(tl.int32)) >= k
+        low = tl.where(enough, middle, low)
+        high = tl.where(enough, high, middle - 1)
+    return low.to(tl.int32)
+
+
+@triton.jit
 def _store_in_rank_order(keys_ptr, count, values_ptr, columns_ptr, k, RANK_ROWS: tl.constexpr,
                          RANK_COLUMNS: tl.constexpr):
     """The first k of ``count`` distinct keys in descending order, each at its rank (the number
@@ -97,13 +111,12 @@ def _store_in_rank_order(keys_ptr, count, values_ptr, columns_ptr, k, RANK_ROWS:
 
 
 @triton.jit
-def _topk_from_groups_kernel(logits_ptr, stride_row, tile_max2_ptr, tile_sum2_ptr, group_max_ptr, store_floor_ptr,
-                             group_ids_ptr,
+def _topk_from_groups_kernel(logits_ptr, stride_row, tile_max2_ptr, tile_sum2_ptr, group_max_ptr, group_ids_ptr,
                              keys_ptr, counts_ptr, values_ptr, columns_ptr, lse_ptr, overflow_ptr, tiles, width, k,
                              capacity, log2e_over_t, TILES: tl.constexpr, THRESHOLD_BLOCKS: tl.constexpr, MERGE: tl.constexpr,
                              GROUPS_PER_TILE: tl.constexpr, GROUP_COLUMNS: tl.constexpr, GROUP_BLOCK: tl.constexpr,
                              GROUPS_PER_STEP: tl.constexpr, RANK_ROWS: tl.constexpr, RANK_COLUMNS: tl.constexpr,
-                             RANK_IN_KERNEL: tl.constexpr, HAS_STORE_FLOOR: tl.constexpr,
+                             RANK_IN_KERNEL: tl.constexpr,
                              STAGES: tl.constexpr = 4):
     # STAGES < 4 stops early (benchmarks/teacher_epilogue_parts.py times the stages): 1 the lse,
     # 2 the threshold, 3 the listed groups, 4 everything
@@ -124,14 +137,12 @@ def _topk_from_groups_kernel(logits_ptr, stride_row, tile_max2_ptr, tile_sum2_pt
     groups = tiles * GROUPS_PER_TILE
     group_row = group_max_ptr + row * groups
     if MERGE == GROUPS_PER_TILE:  # the k-th largest tile maximum (tiles are in registers already)
-        threshold = kth_largest_bits(ordered_bits(tile_max2), t < tiles, k)
+        threshold = _threshold(ordered_bits(tile_max2), t < tiles, k)
     else:  # the k-th largest maximum of MERGE adjacent groups: ≥ 2k such blocks, ~k candidates
         block = tl.arange(0, THRESHOLD_BLOCKS)[:, None] * MERGE + tl.arange(0, MERGE)[None, :]
         block_max = tl.max(tl.load(group_row + block, mask=block < groups, other=float("-inf")), axis=1)
-        threshold = kth_largest_bits(ordered_bits(block_max * log2e_over_t), tl.arange(0, THRESHOLD_BLOCKS) * MERGE < groups,
+        threshold = _threshold(ordered_bits(block_max * log2e_over_t), tl.arange(0, THRESHOLD_BLOCKS) * MERGE < groups,
                                k)
-    if HAS_STORE_FLOOR:  # groups below the row's store floor were not written (lm_head_group_maxima.py)
-        threshold = tl.maximum(threshold, tl.load(store_floor_ptr + row))
     if STAGES < 3:
         tl.store(counts_ptr + row, threshold)
         return
@@ -201,14 +212,13 @@ def topk_from_group_maxima(logits: torch.Tensor, summaries, k: int, temperature:
     if rows:
         group_ids = torch.empty(rows, capacity, dtype=torch.int32, device=device)
         _topk_from_groups_kernel[(rows,)](
-            logits, logits.stride(0), summaries.tile_max2, summaries.tile_sum2, summaries.group_max,
-            summaries.store_floor if summaries.store_floor is not None else counts, group_ids, keys,
+            logits, logits.stride(0), summaries.tile_max2, summaries.tile_sum2, summaries.group_max, group_ids, keys,
             counts, values, columns, lse, overflow, tiles, width, k, capacity, 1.4426950408889634 / temperature,
             TILES=triton.next_power_of_2(tiles), THRESHOLD_BLOCKS=triton.next_power_of_2(-(-groups // merge)),
             MERGE=merge, GROUPS_PER_TILE=groups // tiles, GROUP_COLUMNS=summaries.group_columns,
             GROUP_BLOCK=GROUP_BLOCK[large_k], GROUPS_PER_STEP=GROUPS_PER_STEP[large_k],
             RANK_ROWS=RANK_TILE[large_k][0], RANK_COLUMNS=RANK_TILE[large_k][1], RANK_IN_KERNEL=rank_in_kernel,
-            HAS_STORE_FLOOR=summaries.store_floor is not None, STAGES=stages,
+            STAGES=stages,
             num_warps=SELECT_WARPS_LARGE_K if large_k else SELECT_WARPS)
     if not rank_in_kernel and stages == 4:
         top_values, top_columns = top_of_counted_keys(keys, counts, k, order)
