@@ -98,7 +98,7 @@ def teacher_schedule(hidden: torch.Tensor, weight: torch.Tensor, k: int) -> str:
     """"epilogue" (the Triton matmul that also summarizes each row, then ~k groups read per
     row) for 16-bit TMA-aligned inputs and k <= EPILOGUE_MAX_K, else "cublas" (H200, two runs:
     at k = 1024 with the candidates ordered by the CUDA sort 1.21-1.33x the matmul against
-    1.26-1.32x for cuBLAS + the full-row selection; at k = 64 1.07-1.10x against 1.15-1.22x).
+    1.26-1.32x for cuBLAS + the full-row selection; at k = 64 1.07-1.16x against 1.15-1.22x).
     ``KD_KERNELS_TEACHER_SCHEDULE=cublas`` / ``=epilogue`` force one (A/B in the benchmark);
     "epilogue" where it does not apply (dtype, alignment) is an error."""
     from .ops.lm_head_group_maxima import epilogue_applies
