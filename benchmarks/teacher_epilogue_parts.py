@@ -20,11 +20,16 @@ from kd_kernels.ops.lm_head_group_maxima import lm_head_logits_with_summaries, p
 TEMPERATURE = 2.0
 
 
-def selection(logits, summaries, k, width, warps, stages=4, rank_max_k=None, rank_tile=None, order="torch"):
+def selection(logits, summaries, k, width, warps, stages=4, rank_max_k=None, rank_tile=None, order="torch",
+              large_k_launch=None):
     """The top-k from group maxima with the small-k launch's warps, the kernel's profiling stop,
-    the largest k ranked in the kernel (larger: a sort) and the large-k rank tile set."""
+    the largest k ranked in the kernel (larger: a sort), the large-k rank tile and the large-k
+    launch (warps, groups read per step) set."""
     settings = dict(SELECT_WARPS=warps, SELECT_STAGES=stages, RANK_MAX_K=rank_max_k or groups_module.RANK_MAX_K,
                     RANK_TILE=(groups_module.RANK_TILE[0], rank_tile or groups_module.RANK_TILE[1]))
+    if large_k_launch:
+        settings.update(SELECT_WARPS_LARGE_K=large_k_launch[0],
+                        GROUPS_PER_STEP=(groups_module.GROUPS_PER_STEP[0], large_k_launch[1]))
 
     def call():
         saved = {name: getattr(groups_module, name) for name in settings}
@@ -55,19 +60,21 @@ def main():
         rows.append((f"cuBLAS fp32 out, {chunk} rows (× {n / chunk:.2f})", cublas * n / chunk))
     logits = torch.empty(2048, padded_width(v), device="cuda")
     summaries = lm_head_logits_with_summaries(hidden[:2048], weight, None, v, TEMPERATURE, logits)
-    variants = [(k, warps, None, None, "torch", f"{warps} warps") for k in (8, 64) for warps in (2, 4, 8)]
-    variants += [(1024, 8, 1024, (32, 64), "torch", "ranked in the kernel, 32 x 64 tiles"),
-                 (1024, 8, None, None, "torch", "torch sort of the candidates"),
-                 (1024, 8, None, None, "cuda", "CUDA sort of the candidates")]
-    for k, warps, rank_max_k, rank_tile, order, what in variants:
-        call = selection(logits, summaries, k, v, warps, rank_max_k=rank_max_k, rank_tile=rank_tile, order=order)
+    variants = [(k, warps, None, None, "torch", None, f"{warps} warps") for k in (8, 64) for warps in (2, 4, 8)]
+    variants += [(1024, 8, 1024, (32, 64), "torch", None, "ranked in the kernel, 32 x 64 tiles"),
+                 (1024, 8, None, None, "torch", None, "torch sort of the candidates")]
+    variants += [(1024, 8, None, None, "cuda", launch, f"CUDA sort, {launch[0]} warps, {launch[1]} groups a step")
+                 for launch in ((8, 64), (8, 128), (16, 64), (16, 128), (4, 64), (4, 32))]
+    for k, warps, rank_max_k, rank_tile, order, launch, what in variants:
+        call = selection(logits, summaries, k, v, warps, rank_max_k=rank_max_k, rank_tile=rank_tile, order=order,
+                         large_k_launch=launch)
         rows.append((f"selection k={k}, {what} (× 4 = all rows)", 4 * time_ms(call)[0]))
         print(rows[-1], flush=True)
         overflow = call()[3].sum().item()
         if overflow:
             rows.append((f"  rows to redo at k={k}: {overflow} of 2048", 0.0))
     for k in (64, 1024):
-        for stages, what in ((1, "lse"), (2, "+ threshold"), (3, "+ group list")):
+        for stages, what in ((1, "lse"), (2, "+ threshold"), (3, "+ group list"), (4, "+ gather, ordered")):
             call = selection(logits, summaries, k, v, 4, stages)
             rows.append((f"selection k={k}, stages to {what} (× 4)", 4 * time_ms(call)[0]))
             print(rows[-1], flush=True)
