@@ -1,7 +1,7 @@
 """Where the epilogue schedule's time goes (issue #4): the matmul with row summaries per chunk,
 and the top-k from group maxima per chunk at several launch widths, against cuBLAS.
 
-usage: python benchmarks/teacher_epilogue_parts.py   (one H200; prints a table)
+usage: python benchmarks/teacher_epilogue_parts.py [--selection-only]   (one H200; prints a table)
 """
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ def main():
     full = time_ms(lambda: hidden @ weight.T)[0]
     rows.append(("cuBLAS bf16, 8192 rows", full))
     rows.append(("cuBLAS fp32 out, 8192 rows", time_ms(lambda: torch.mm(hidden, weight.T, out_dtype=torch.float32))[0]))
-    for chunk in (2207, 2048, 1024):
+    for chunk in () if "--selection-only" in sys.argv else (2207, 2048, 1024):
         logits = torch.empty(chunk, padded_width(v), device="cuda")
         part = hidden[:chunk]
         ms = time_ms(lambda: lm_head_logits_with_summaries(part, weight, None, v, TEMPERATURE, logits))[0]
