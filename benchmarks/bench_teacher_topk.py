@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import kd_kernels as kd  # noqa: E402
-from harness import environment, llm_like_hidden, peak_extra_gib, time_ms, write_json  # noqa: E402
+from harness import environment, llm_like_hidden, peak_extra_gib, time_interleaved_ms, time_ms, write_json  # noqa: E402
 from shapes import TEACHER_SHAPES  # noqa: E402
 
 TEMPERATURE = 2.0
@@ -54,7 +54,7 @@ def with_env(name, value, fn):
             os.environ[name] = before
 
 
-def bench_shape(name, n, h, v, ks, only=None, fused_sweep=False):
+def bench_shape(name, n, h, v, ks, only=None, fused_sweep=False, interleave=False):
     weight = (torch.randn(v, h, device="cuda") * 0.02).to(torch.bfloat16)
     hidden, entropy, scale = llm_like_hidden(n, h, weight)
     logits_bf16 = hidden @ weight.T
@@ -123,6 +123,13 @@ def bench_shape(name, n, h, v, ks, only=None, fused_sweep=False):
                 row["tflops"] = flops / median / 1e9
             rows.append(row)
             torch.cuda.empty_cache()
+        if interleave:  # the from-hidden providers again, each repetition timing them in turn after the floor
+            timed = [row["provider"] for row in rows if row["k"] == k and "logits" not in row["provider"]
+                     and "torch" not in row["provider"]]
+            _, ratios = time_interleaved_ms({label: (providers[label], None) for label in timed})
+            for row in rows:
+                if row["k"] == k and row["provider"] in ratios:
+                    row["ratio_in_turn"] = ratios[row["provider"]]
     floor = {r["k"]: r["ms"] for r in rows if r["provider"].startswith("floor")}
     print("| provider | k | ms (p20–p80) | × matmul | TFLOP/s or GB/s | peak extra GiB beyond the top-k |")
     print("| --- | --- | --- | --- | --- | --- |")
@@ -131,6 +138,13 @@ def bench_shape(name, n, h, v, ks, only=None, fused_sweep=False):
                 else f"{row['gbs']:.0f} GB/s = {100 * row['of_copy']:.0f} % of copy")
         print(f"| {row['provider']} | {row['k']} | {row['ms']:.2f} ({row['p20']:.2f}–{row['p80']:.2f}) | "
               f"{row['ms'] / floor[row['k']]:.3f} | {rate} | {row['peak_extra_gib']:.3f} |")
+    if interleave:
+        print("\nTimed in turn (each repetition: the floor, then every provider; median of the per-repetition ratio):")
+        print("| provider | k | × matmul, in turn |")
+        print("| --- | --- | --- |")
+        for row in rows:
+            if "ratio_in_turn" in row:
+                print(f"| {row['provider']} | {row['k']} | {row['ratio_in_turn']:.3f} |")
     return dict(shape=name, n=n, h=h, v=v, entropy=entropy, copy_gbs=copy_gbs, rows=rows)
 
 
@@ -141,12 +155,14 @@ def main():
     parser.add_argument("--shapes", default="all", help="comma-separated shape name prefixes, or all")
     parser.add_argument("--providers", default="", help="comma-separated parts of provider names (default: all)")
     parser.add_argument("--fused-sweep", action="store_true", help="also time the fused kernel's tile sweep")
+    parser.add_argument("--interleave", action="store_true",
+                        help="also time the from-hidden providers in turn with the floor (ratios per repetition)")
     args = parser.parse_args()
     env = environment()
     print(f"environment: {env}")
     ks = [int(k) for k in args.k.split(",")]
     only = [part for part in args.providers.split(",") if part]
-    results = [bench_shape(name, n, h, v, ks, only, args.fused_sweep) for name, n, h, v in TEACHER_SHAPES
+    results = [bench_shape(name, n, h, v, ks, only, args.fused_sweep, args.interleave) for name, n, h, v in TEACHER_SHAPES
                if args.shapes == "all" or any(name.startswith(prefix) for prefix in args.shapes.split(","))]
     if args.out:
         write_json(args.out, dict(environment=env, results=results))
