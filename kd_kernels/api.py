@@ -82,7 +82,8 @@ def teacher_topk(hidden: torch.Tensor, weight: torch.Tensor, k: int = 64, *, tem
             select; no compiled extension needed). bf16 / fp16 inputs with k <= 1024 take, on
             either GPU backend, a Triton matmul whose epilogue also summarizes each row, then
             read ~k groups of each row (on an H200 1.03-1.18x the bare matmul at k <= 64,
-            1.21-1.33x at k = 1024 on cuda, whose sort orders the candidates past k = 256);
+            1.20-1.33x at k = 1024 on cuda, whose sort orders the candidates past k = 256;
+            timed alternating with the matmul 1.20-1.25x and 1.45-1.49x: benchmarks/RESULTS.md);
             the backend's own selection then only redoes rows of massive ties.
             ``KD_KERNELS_TEACHER_SCHEDULE=cublas`` forces cuBLAS logits + the full-row selection.
         chunk_rows: rows per chunk on the GPU backends (``chunk_rows · V · 4`` bytes); None: ~1.25 GiB.
