@@ -64,9 +64,10 @@ constexpr int kNarrowMaxTopK = Narrow::kCapacity / 8;
 template <typename T>
 constexpr int kUnroll = sizeof(T) == 4 ? 4 : 2;
 
-// Unsigned keys that order like the floats (for non-NaN values).
+// Unsigned keys that order like the floats (for non-NaN values; -0.0 and 0.0 get one key: they
+// are equal values, whose ties go to the lower column).
 __device__ __forceinline__ uint32_t order_key(float value) {
-  const uint32_t bits = __float_as_uint(value);
+  const uint32_t bits = value == 0.f ? 0u : __float_as_uint(value);
   return (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
 }
 

@@ -137,6 +137,15 @@ def test_teacher_topk_from_logits_ties_go_to_the_lower_id():
     _check(top, reference.teacher_topk_from_logits(logits, 5, 2.0, 128), 1e-5, logits, 2.0, 128)
 
 
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_minus_zero_and_zero_are_one_value_whose_ties_go_to_the_lower_id(backend):
+    logits = torch.full((2, 40), -5.0)
+    logits[0, [3, 10, 20, 30]] = torch.tensor([-0.0, 0.0, -0.0, 0.0])
+    logits[1, [1, 2]] = torch.tensor([0.0, -0.0])
+    top = kd.teacher_topk_from_logits(logits.to(DEVICE), k=3, backend=backend)
+    assert top.indices.tolist() == [[3, 10, 20], [1, 2, 0]]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("k", [8, 64, 1024])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -186,8 +186,8 @@ def test_sort_keys_orders_each_rows_counted_keys(capacity, k):
 
     generator = torch.Generator(device="cuda").manual_seed(capacity + k)
     rows = 64
-    # ties; + 0.0 turns -0.0 into 0.0 (the keys order -0.0 below 0.0, a sort calls them equal)
-    values = torch.randn(rows, capacity, device="cuda", generator=generator).round(decimals=1) + 0.0
+    # ties, -0.0 among them (equal to 0.0: the lower column first)
+    values = torch.randn(rows, capacity, device="cuda", generator=generator).round(decimals=1)
     columns = torch.randperm(200_000, device="cuda", generator=generator)[:capacity].int().expand(rows, -1)
     keys = value_column_keys(values, columns).contiguous()
     counts = torch.randint(0, capacity + 1, (rows,), device="cuda", generator=generator, dtype=torch.int32)
@@ -202,6 +202,15 @@ def test_sort_keys_orders_each_rows_counted_keys(capacity, k):
         assert torch.equal(got_values[row, :taken], values[row, order])
         assert torch.equal(got_columns[row, :taken], columns[order])
         assert torch.isneginf(got_values[row, taken:]).all() and (got_columns[row, taken:] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_minus_zero_and_zero_are_one_value_on_the_cuda_kernel(dtype):
+    logits = torch.full((2, 4000), -5.0, device="cuda")
+    logits[0, [3, 10, 2000, 3000]] = torch.tensor([-0.0, 0.0, -0.0, 0.0], device="cuda")
+    logits[1, [1, 2]] = torch.tensor([0.0, -0.0], device="cuda")
+    top = kd.teacher_topk_from_logits(logits.to(dtype), k=3, backend="cuda")
+    assert top.indices.tolist() == [[3, 10, 2000], [1, 2, 0]]
 
 
 def test_sort_keys_checks_its_inputs():

@@ -10,7 +10,8 @@ EMPTY_COLUMN = 2**31 - 1  # an empty slot: after every real column among equal (
 
 def value_column_keys(values: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
     """float32 values and integer columns (same shape) -> int64 keys."""
-    bits = values.contiguous().view(torch.int32)
+    # + 0.0 turns -0.0 into 0.0: the two are equal values (a sort keeps their columns' order)
+    bits = (values.contiguous() + 0.0).view(torch.int32)
     ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).long()  # signed order = float order
     return (ordered << 32) | (0xFFFFFFFF - columns.long())
 
@@ -48,8 +49,8 @@ def top_of_counted_keys(keys: torch.Tensor, counts: torch.Tensor, k: int, order:
 
 @triton.jit
 def ordered_bits(values):
-    """float32 -> int32 whose signed order is the floats' order (NaN aside)."""
-    bits = values.to(tl.int32, bitcast=True)
+    """float32 -> int32 whose signed order is the floats' order (NaN aside; -0.0 and 0.0 alike)."""
+    bits = tl.where(values == 0.0, 0.0, values).to(tl.int32, bitcast=True)
     return tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
 
 
