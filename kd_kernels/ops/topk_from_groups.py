@@ -40,8 +40,8 @@ GROUP_BLOCK = (512, 2048)
 SELECT_STAGES = 4  # fewer: the profiling stops of the kernel (benchmarks/teacher_epilogue_parts.py)
 # larger k: the keys are ordered outside the kernel (a CUDA bitonic sort per row, or a torch
 # sort) instead of by rank, which costs count²: the whole selection at k = 1024 over 8192 rows
-# (H200) 5.5-5.8 ms ranked, 4.1 ms with a torch sort, 3.4 ms with the CUDA sort (cutting the
-# ~1.3k candidates to k first by bisection cost more than it saved: 3.9 / 4.5 ms)
+# (H200) 5.5-6.4 ms ranked, 4.0-4.4 ms with a torch sort, 3.4-3.5 ms with the CUDA sort (cutting
+# the ~1.3k candidates to k first by bisection cost more than it saved: 3.9 / 4.5 ms)
 RANK_MAX_K = 256
 # keys ranked at once × keys compared against at a time: (small k at 2 warps, large k at 8)
 RANK_TILE = ((16, 64), (16, 64)) if os.environ.get("TRITON_INTERPRET") == "1" else ((8, 64), (32, 64))
