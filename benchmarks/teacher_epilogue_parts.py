@@ -21,12 +21,13 @@ TEMPERATURE = 2.0
 
 
 def selection(logits, summaries, k, width, warps, stages=4, rank_max_k=None, rank_tile=None, order="torch",
-              large_k_launch=None):
+              large_k_launch=None, gather_in_cuda=False):
     """The top-k from group maxima with the small-k launch's warps, the kernel's profiling stop,
     the largest k ranked in the kernel (larger: a sort), the large-k rank tile and the large-k
     launch (warps, groups read per step) set."""
     settings = dict(SELECT_WARPS=warps, SELECT_STAGES=stages, RANK_MAX_K=rank_max_k or groups_module.RANK_MAX_K,
-                    RANK_TILE=(groups_module.RANK_TILE[0], rank_tile or groups_module.RANK_TILE[1]))
+                    RANK_TILE=(groups_module.RANK_TILE[0], rank_tile or groups_module.RANK_TILE[1]),
+                    GATHER_IN_CUDA=gather_in_cuda)
     if large_k_launch:
         settings.update(SELECT_WARPS_LARGE_K=large_k_launch[0],
                         GROUPS_PER_STEP=(groups_module.GROUPS_PER_STEP[0], large_k_launch[1]))
@@ -65,9 +66,10 @@ def main():
                  (1024, 8, None, None, "torch", None, "torch sort of the candidates")]
     variants += [(1024, 8, None, None, "cuda", launch, f"CUDA sort, {launch[0]} warps, {launch[1]} groups a step")
                  for launch in ((8, 64), (8, 128), (16, 64), (16, 128), (4, 64), (4, 32))]
+    variants += [(1024, 8, None, None, "cuda", "gather", "gathered and sorted in CUDA")]
     for k, warps, rank_max_k, rank_tile, order, launch, what in variants:
         call = selection(logits, summaries, k, v, warps, rank_max_k=rank_max_k, rank_tile=rank_tile, order=order,
-                         large_k_launch=launch)
+                         large_k_launch=None if launch == "gather" else launch, gather_in_cuda=launch == "gather")
         rows.append((f"selection k={k}, {what} (× 4 = all rows)", 4 * time_ms(call)[0]))
         print(rows[-1], flush=True)
         overflow = call()[3].sum().item()

@@ -2,10 +2,8 @@
 // a bitonic sort of the next power of two above its count, the first k decoded. For the
 // teacher's candidates from group maxima (kd_kernels/ops/topk_from_groups.py) at large k: 0.46 ms
 // over 8192 rows of ~1.3k keys on an H200, where a torch sort of the rows' keys took ~1.1 ms.
-#include <cfloat>
-#include <cmath>
-
 #include "bitonic.cuh"
+#include "keys.cuh"
 #include "sort_keys.h"
 
 namespace kd_kernels {
@@ -23,26 +21,14 @@ __global__ void __launch_bounds__(kSortThreads) sort_keys_kernel(const int64_t* 
   int size = 1;
   while (size < count) size <<= 1;
   const int64_t* row_keys = keys + row * capacity;
-  // flipping the sign bit makes the signed order unsigned; padding (0) sorts after every key
+  // flipping the sign bit makes the signed order unsigned (keys.cuh's candidates); padding (0)
+  // sorts after every key
   for (int i = threadIdx.x; i < size; i += blockDim.x) {
     buffer[i] = i < count ? static_cast<uint64_t>(row_keys[i]) ^ kSignBit : 0ull;
   }
   __syncthreads();
   sort_descending(buffer, size);
-  float* row_values = values + row * k;
-  int32_t* row_columns = columns + row * k;
-  for (int i = threadIdx.x; i < k; i += blockDim.x) {
-    if (i < count) {
-      const uint64_t key = buffer[i] ^ kSignBit;
-      const int32_t ordered = static_cast<int32_t>(key >> 32);
-      const int32_t bits = ordered < 0 ? ordered ^ 0x7FFFFFFF : ordered;
-      row_values[i] = __int_as_float(bits);
-      row_columns[i] = static_cast<int32_t>(0xFFFFFFFFu - static_cast<uint32_t>(key & 0xFFFFFFFFull));
-    } else {
-      row_values[i] = -INFINITY;
-      row_columns[i] = 0;
-    }
-  }
+  write_top(buffer, count, k, values + row * k, columns + row * k);
 }
 
 }  // namespace

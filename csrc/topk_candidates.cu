@@ -28,6 +28,7 @@
 #include <cstdlib>
 
 #include "bitonic.cuh"
+#include "keys.cuh"
 #include "topk_candidates.h"
 
 namespace cg = cooperative_groups;
@@ -63,23 +64,6 @@ constexpr int kNarrowMaxTopK = Narrow::kCapacity / 8;
 // (4 for 16-bit types spilled registers under the 64-register bound of 2 blocks per SM)
 template <typename T>
 constexpr int kUnroll = sizeof(T) == 4 ? 4 : 2;
-
-// Unsigned keys that order like the floats (for non-NaN values; -0.0 and 0.0 get one key: they
-// are equal values, whose ties go to the lower column).
-__device__ __forceinline__ uint32_t order_key(float value) {
-  const uint32_t bits = value == 0.f ? 0u : __float_as_uint(value);
-  return (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
-}
-
-__device__ __forceinline__ float key_value(uint32_t key) {
-  return __uint_as_float((key & 0x80000000u) ? (key & 0x7fffffffu) : ~key);
-}
-
-// Candidate = (key << 32) | ~column: sorting descending puts larger values first and, among
-// equal values, lower columns first.
-__device__ __forceinline__ uint64_t candidate(uint32_t key, int column) {
-  return (static_cast<uint64_t>(key) << 32) | static_cast<uint32_t>(~static_cast<uint32_t>(column));
-}
 
 __device__ __forceinline__ float to_float(float x) { return x; }
 __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
@@ -188,18 +172,6 @@ __device__ __forceinline__ int next_power_of_two(int n) {
   int p = 2;
   while (p < n) p <<= 1;
   return p;
-}
-
-// Appends (key, column) to buffer[count++] when `take`, one shared atomic per warp.
-__device__ __forceinline__ void append_if(bool take, uint32_t key, int column, uint64_t* buffer,
-                                          unsigned int* count, int capacity) {
-  if (!take) return;
-  cg::coalesced_group taking = cg::coalesced_threads();
-  unsigned int base = 0;
-  if (taking.thread_rank() == 0) base = atomicAdd(count, taking.size());
-  base = taking.shfl(base, 0);
-  const unsigned int slot = base + taking.thread_rank();
-  if (slot < static_cast<unsigned int>(capacity)) buffer[slot] = candidate(key, column);
 }
 
 // Pass 1 state of one thread: max and sum of exp2 in the log2 domain, and the maxima of its

@@ -240,3 +240,48 @@ def test_epilogue_schedule_orders_large_k_by_the_cuda_sort(k, monkeypatch):
     check_teacher_topk(top, reference.teacher_topk(hidden, weight, k, 2.0, 151_900), 1e-4, exact_logits, 2.0, 151_900)
     torch_sorted = kd.teacher_topk(hidden, weight, k=k, temperature=2.0, vocab_size=151_900, backend="triton")
     assert torch.equal(top.indices, torch_sorted.indices) and torch.equal(top.logprobs, torch_sorted.logprobs)
+
+
+@pytest.mark.parametrize("k", [300, 1024])
+def test_candidates_gathered_in_cuda_equal_the_triton_gather(k, monkeypatch):
+    from kd_kernels.ops import topk_from_groups
+    from kd_kernels.teacher_chunked import teacher_topk_epilogue
+
+    generator = torch.Generator(device="cuda").manual_seed(k + 11)
+    hidden = (0.2 * torch.randn(1100, 4096, device="cuda", generator=generator)).bfloat16()
+    hidden[[5, 1099]] = 0  # logits = the bias: every element ties, more candidates than slots: redone
+    weight = (torch.randn(151_936, 4096, device="cuda", generator=generator) * 0.02).bfloat16()
+    bias = torch.zeros(151_936, device="cuda", dtype=torch.bfloat16)
+    bias[151_899] = 1
+    tops = {}
+    for gather_in_cuda in (False, True):
+        monkeypatch.setattr(topk_from_groups, "GATHER_IN_CUDA", gather_in_cuda)
+        tops[gather_in_cuda] = teacher_topk_epilogue(hidden, weight, k, 2.0, 151_900, bias, chunk_rows=1024,
+                                                     select="cuda")
+    assert torch.equal(tops[True].indices, tops[False].indices)
+    assert torch.equal(tops[True].logprobs, tops[False].logprobs) and torch.equal(tops[True].lse, tops[False].lse)
+    assert tops[True].indices[[5, 1099], 0].tolist() == [151_899, 151_899]
+    exact_logits = reference.lm_head_logits(hidden, weight, bias)
+    check_teacher_topk(tops[True], reference.teacher_topk(hidden, weight, k, 2.0, 151_900, bias), 1e-4, exact_logits,
+                       2.0, 151_900)
+
+
+def test_candidates_from_groups_checks_its_inputs():
+    gather = _extension().candidates_from_groups
+    logits = torch.zeros(4, 64, device="cuda")
+    ids = torch.zeros(4, 8, dtype=torch.int32, device="cuda")
+    counts = torch.zeros(4, dtype=torch.int32, device="cuda")
+    with pytest.raises(ValueError, match="logits: expected a CUDA tensor"):
+        gather(logits.cpu(), ids, counts, counts, 64, 1.0, 4, 16)
+    with pytest.raises(TypeError, match="logits: expected dtype float32"):
+        gather(logits.half(), ids, counts, counts, 64, 1.0, 4, 16)
+    with pytest.raises(ValueError, match="group_ids: expected a contiguous int32"):
+        gather(logits, ids.long(), counts, counts, 64, 1.0, 4, 16)
+    with pytest.raises(ValueError, match="thresholds: expected a contiguous int32"):
+        gather(logits, ids, counts, counts[:3], 64, 1.0, 4, 16)
+    with pytest.raises(ValueError, match="width: expected 1 <= width <= logits.size"):
+        gather(logits, ids, counts, counts, 65, 1.0, 4, 16)
+    with pytest.raises(ValueError, match="key_capacity: expected"):
+        gather(logits, ids, counts, counts, 64, 1.0, 4, 5000)
+    with pytest.raises(ValueError, match="k: expected 1 <= k <= key_capacity"):
+        gather(logits, ids, counts, counts, 64, 1.0, 17, 16)

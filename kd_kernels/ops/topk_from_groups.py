@@ -43,6 +43,10 @@ SELECT_STAGES = 4  # fewer: the profiling stops of the kernel (benchmarks/teache
 # (H200) 5.5-6.4 ms ranked, 4.0-4.4 ms with a torch sort, 3.4-3.5 ms with the CUDA sort (cutting
 # the ~1.3k candidates to k first by bisection cost more than it saved: 3.9 / 4.5 ms)
 RANK_MAX_K = 256
+# order="cuda" past RANK_MAX_K: the listed groups' candidates gathered and sorted by the
+# extension (csrc/candidates_from_groups.cu) instead of gathered here and sorted there. Off
+# until it is timed on a GPU (the gather here is ~2 of the 3.4 ms at k = 1024, 8192 rows)
+GATHER_IN_CUDA = False
 # keys ranked at once × keys compared against at a time: (small k at 2 warps, large k at 8)
 RANK_TILE = ((16, 64), (16, 64)) if os.environ.get("TRITON_INTERPRET") == "1" else ((8, 64), (32, 64))
 # warps per row program: registers bound the occupancy (sm_90 compile, a thread: 64 registers
@@ -112,11 +116,11 @@ def _store_in_rank_order(keys_ptr, count, values_ptr, columns_ptr, k, RANK_ROWS:
 
 @triton.jit
 def _topk_from_groups_kernel(logits_ptr, stride_row, tile_max2_ptr, tile_sum2_ptr, group_max_ptr, group_ids_ptr,
-                             keys_ptr, counts_ptr, values_ptr, columns_ptr, lse_ptr, overflow_ptr, tiles, width, k,
+                             thresholds_ptr, keys_ptr, counts_ptr, values_ptr, columns_ptr, lse_ptr, overflow_ptr, tiles, width, k,
                              capacity, log2e_over_t, TILES: tl.constexpr, THRESHOLD_BLOCKS: tl.constexpr, MERGE: tl.constexpr,
                              GROUPS_PER_TILE: tl.constexpr, GROUP_COLUMNS: tl.constexpr, GROUP_BLOCK: tl.constexpr,
                              GROUPS_PER_STEP: tl.constexpr, RANK_ROWS: tl.constexpr, RANK_COLUMNS: tl.constexpr,
-                             RANK_IN_KERNEL: tl.constexpr,
+                             RANK_IN_KERNEL: tl.constexpr, GATHER_IN_KERNEL: tl.constexpr,
                              STAGES: tl.constexpr = 4):
     # STAGES < 4 stops early (benchmarks/teacher_epilogue_parts.py times the stages): 1 the lse,
     # 2 the threshold, 3 the listed groups, 4 everything
@@ -161,6 +165,11 @@ def _topk_from_groups_kernel(logits_ptr, stride_row, tile_max2_ptr, tile_sum2_pt
     if STAGES < 4:
         tl.store(counts_ptr + row, listed)
         return
+    if not GATHER_IN_KERNEL:  # the extension gathers and orders them (csrc/candidates_from_groups.cu)
+        tl.store(thresholds_ptr + row, threshold)
+        tl.store(counts_ptr + row, listed)
+        tl.store(overflow_ptr + row, (listed > capacity).to(tl.int8))
+        return
     # their elements that reach it, as (value, complemented column) keys
     usable = tl.minimum(listed, capacity)
     lanes = tl.arange(0, GROUPS_PER_STEP * GROUP_COLUMNS)
@@ -203,6 +212,7 @@ def topk_from_group_maxima(logits: torch.Tensor, summaries, k: int, temperature:
     merge = threshold_merge(k, groups, groups // tiles)
     large_k = merge != groups // tiles
     rank_in_kernel = k <= RANK_MAX_K
+    gather_in_cuda = GATHER_IN_CUDA and order == "cuda" and not rank_in_kernel
     values = torch.empty(rows, k, dtype=torch.float32, device=device)
     columns = torch.empty(rows, k, dtype=torch.int32, device=device)
     lse = torch.empty(rows, dtype=torch.float32, device=device)
@@ -211,16 +221,26 @@ def topk_from_group_maxima(logits: torch.Tensor, summaries, k: int, temperature:
     counts = torch.empty(rows, dtype=torch.int32, device=device)
     if rows:
         group_ids = torch.empty(rows, capacity, dtype=torch.int32, device=device)
+        thresholds = torch.empty(rows, dtype=torch.int32, device=device) if gather_in_cuda else counts
         _topk_from_groups_kernel[(rows,)](
-            logits, logits.stride(0), summaries.tile_max2, summaries.tile_sum2, summaries.group_max, group_ids, keys,
+            logits, logits.stride(0), summaries.tile_max2, summaries.tile_sum2, summaries.group_max, group_ids,
+            thresholds, keys,
             counts, values, columns, lse, overflow, tiles, width, k, capacity, 1.4426950408889634 / temperature,
             TILES=triton.next_power_of_2(tiles), THRESHOLD_BLOCKS=triton.next_power_of_2(-(-groups // merge)),
             MERGE=merge, GROUPS_PER_TILE=groups // tiles, GROUP_COLUMNS=summaries.group_columns,
             GROUP_BLOCK=GROUP_BLOCK[large_k], GROUPS_PER_STEP=GROUPS_PER_STEP[large_k],
             RANK_ROWS=RANK_TILE[large_k][0], RANK_COLUMNS=RANK_TILE[large_k][1], RANK_IN_KERNEL=rank_in_kernel,
-            STAGES=stages,
+            GATHER_IN_KERNEL=not gather_in_cuda, STAGES=stages,
             num_warps=SELECT_WARPS_LARGE_K if large_k else SELECT_WARPS)
-    if not rank_in_kernel and stages == 4:
+    if gather_in_cuda and rows and stages == 4:
+        from .topk_candidates import load_extension
+
+        top_values, top_columns, overflowed = load_extension().candidates_from_groups(
+            logits, group_ids, counts, thresholds, width, 1.4426950408889634 / temperature, k, capacity)
+        values.copy_(top_values)
+        columns.copy_(top_columns)
+        overflow |= overflowed.to(torch.int8)
+    elif not rank_in_kernel and stages == 4:
         top_values, top_columns = top_of_counted_keys(keys, counts, k, order)
         values.copy_(top_values)
         columns.copy_(top_columns)
