@@ -25,7 +25,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import kd_kernels as kd  # noqa: E402
-from harness import environment, llm_like_hidden, peak_extra_gib, time_interleaved_ms, time_ms, write_json  # noqa: E402
+from harness import (environment, llm_like_hidden, peak_extra_gib, time_interleaved_ms, time_ms,  # noqa: E402
+                     with_env, write_json)
 from shapes import TEACHER_SHAPES  # noqa: E402
 
 TEMPERATURE = 2.0
@@ -39,19 +40,6 @@ def eager_teacher(hidden, weight, k):
 
 
 _compiled_teacher = torch.compile(eager_teacher)
-
-
-def with_env(name, value, fn):
-    """fn() with the environment variable set (the CUDA kernel reads its tuning switches per launch)."""
-    before = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        return fn()
-    finally:
-        if before is None:
-            del os.environ[name]
-        else:
-            os.environ[name] = before
 
 
 def bench_shape(name, n, h, v, ks, only=None, fused_sweep=False, interleave=False):

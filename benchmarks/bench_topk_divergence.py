@@ -10,7 +10,6 @@ usage: python benchmarks/bench_topk_divergence.py [--shapes S1,...] [--ours-only
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import os
 import sys
@@ -22,7 +21,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import kd_kernels as kd  # noqa: E402
-from harness import environment, llm_like_hidden, peak_extra_gib, time_interleaved_ms, time_ms, write_json  # noqa: E402
+from harness import (environment, environment_variable, llm_like_hidden, peak_extra_gib,  # noqa: E402
+                     time_interleaved_ms, time_ms, write_json)
 from shapes import STUDENT_SHAPES  # noqa: E402
 
 
@@ -50,19 +50,9 @@ def eager_kd_ce(hidden, weight, teacher_logprobs, teacher_indices, labels):
 _compiled_eager = torch.compile(eager_kd_ce)
 
 
-@contextlib.contextmanager
 def student_passes(passes):
     """``KD_KERNELS_STUDENT_PASSES`` set to ``passes`` (None: left as it is) inside the block."""
-    before = os.environ.get("KD_KERNELS_STUDENT_PASSES")
-    if passes is not None:
-        os.environ["KD_KERNELS_STUDENT_PASSES"] = passes
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop("KD_KERNELS_STUDENT_PASSES", None)
-        else:
-            os.environ["KD_KERNELS_STUDENT_PASSES"] = before
+    return environment_variable("KD_KERNELS_STUDENT_PASSES", passes)
 
 
 def providers(teacher, labels, teacher_dense):

@@ -2,6 +2,7 @@
 LLM-like inputs (entropy calibrated to 2–4 nats), environment record."""
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -9,6 +10,28 @@ import statistics
 import subprocess
 
 import torch
+
+
+@contextlib.contextmanager
+def environment_variable(name, value):
+    """``os.environ[name]`` set to ``value`` (None: left as it is) inside the block, restored
+    after (the kernels read their switches at each launch)."""
+    before = os.environ.get(name)
+    if value is not None:
+        os.environ[name] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
+
+
+def with_env(name, value, fn):
+    """fn() with the environment variable ``name`` set to ``value``."""
+    with environment_variable(name, value):
+        return fn()
 
 
 def elapsed_ms(fn, args=()):

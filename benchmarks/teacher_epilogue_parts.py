@@ -5,6 +5,7 @@ usage: python benchmarks/teacher_epilogue_parts.py [--selection-only]   (one H20
 """
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 
@@ -45,6 +46,9 @@ def selection(logits, summaries, k, width, warps, stages=4, rank_max_k=None, ran
 
 
 def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--selection-only", action="store_true", help="skip the matmul parts")
+    selection_only = parser.parse_args().selection_only
     n, h, v = 8192, 4096, 151936
     weight = (torch.randn(v, h, device="cuda") * 0.02).to(torch.bfloat16)
     hidden, entropy, _ = llm_like_hidden(n, h, weight)
@@ -52,7 +56,7 @@ def main():
     full = time_ms(lambda: hidden @ weight.T)[0]
     rows.append(("cuBLAS bf16, 8192 rows", full))
     rows.append(("cuBLAS fp32 out, 8192 rows", time_ms(lambda: torch.mm(hidden, weight.T, out_dtype=torch.float32))[0]))
-    for chunk in () if "--selection-only" in sys.argv else (2207, 2048, 1024):
+    for chunk in () if selection_only else (2207, 2048, 1024):
         logits = torch.empty(chunk, padded_width(v), device="cuda")
         part = hidden[:chunk]
         ms = time_ms(lambda: lm_head_logits_with_summaries(part, weight, None, v, TEMPERATURE, logits))[0]

@@ -20,19 +20,9 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import kd_kernels as kd  # noqa: E402
-from harness import elapsed_ms, llm_like_hidden  # noqa: E402
+from harness import elapsed_ms, llm_like_hidden, with_env  # noqa: E402
 
 REPEATS = 6
-
-
-def scheduled(schedule, fn):
-    def call():
-        os.environ["KD_KERNELS_TEACHER_SCHEDULE"] = schedule
-        try:
-            return fn()
-        finally:
-            del os.environ["KD_KERNELS_TEACHER_SCHEDULE"]
-    return call
 
 
 def main():
@@ -47,8 +37,9 @@ def main():
     for k in (int(x) for x in args.k.split(",")):
         def ours(k=k):
             return kd.teacher_topk(hidden, weight, k=k, temperature=2.0, backend="cuda")
-        calls[f"epilogue schedule, k={k}"] = scheduled("epilogue", ours)
-        calls[f"cuBLAS schedule, k={k}"] = scheduled("cublas", ours)
+        for schedule, label in (("epilogue", "epilogue"), ("cublas", "cuBLAS")):
+            calls[f"{label} schedule, k={k}"] = (
+                lambda schedule=schedule, ours=ours: with_env("KD_KERNELS_TEACHER_SCHEDULE", schedule, ours))
     for fn in calls.values():  # compile, warm the clocks
         for _ in range(2):
             elapsed_ms(fn)

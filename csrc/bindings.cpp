@@ -79,6 +79,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> topk_candidates(const at::Tensor&
   return {values, indices, lse};
 }
 
+void check_int32_rows(const at::Tensor& tensor, const char* name, const at::Tensor& like, int64_t rows, int dims) {
+  if (tensor.device() != like.device() || tensor.scalar_type() != at::kInt || tensor.dim() != dims ||
+      tensor.size(0) != rows || !tensor.is_contiguous()) {
+    fail_value(std::string(name) + ": expected a contiguous int32 tensor of " + std::to_string(dims) +
+               " dimension(s) with " + std::to_string(rows) + " rows on " + like.device().str() + ", got " +
+               c10::toString(tensor.scalar_type()) + " " + shape_of(tensor) + " on " + tensor.device().str());
+  }
+}
+
 std::tuple<at::Tensor, at::Tensor> sort_keys(const at::Tensor& keys, const at::Tensor& counts, int64_t k) {
   if (!keys.is_cuda()) fail_value("keys: expected a CUDA tensor, got one on " + keys.device().str());
   if (keys.scalar_type() != at::kLong) {
@@ -92,12 +101,7 @@ std::tuple<at::Tensor, at::Tensor> sort_keys(const at::Tensor& keys, const at::T
     fail_value("keys: expected 1 <= keys.size(1) <= " + std::to_string(kd_kernels::kMaxSortKeys) + ", got " +
                std::to_string(capacity));
   }
-  if (counts.device() != keys.device() || counts.scalar_type() != at::kInt || counts.dim() != 1 ||
-      counts.size(0) != rows || !counts.is_contiguous()) {
-    fail_value("counts: expected a contiguous int32 [" + std::to_string(rows) + "] tensor on " + keys.device().str() +
-               ", got " + c10::toString(counts.scalar_type()) + " " + shape_of(counts) + " on " +
-               counts.device().str());
-  }
+  check_int32_rows(counts, "counts", keys, rows, 1);
   if (k < 1 || k > capacity) {
     fail_value("k: expected 1 <= k <= keys.size(1) = " + std::to_string(capacity) + ", got " + std::to_string(k));
   }
@@ -111,15 +115,6 @@ std::tuple<at::Tensor, at::Tensor> sort_keys(const at::Tensor& keys, const at::T
     throw std::runtime_error(std::string("sort_keys: CUDA launch failed: ") + cudaGetErrorString(status));
   }
   return {values, columns};
-}
-
-void check_int32_rows(const at::Tensor& tensor, const char* name, const at::Tensor& like, int64_t rows, int dims) {
-  if (tensor.device() != like.device() || tensor.scalar_type() != at::kInt || tensor.dim() != dims ||
-      tensor.size(0) != rows || !tensor.is_contiguous()) {
-    fail_value(std::string(name) + ": expected a contiguous int32 tensor of " + std::to_string(dims) +
-               " dimension(s) with " + std::to_string(rows) + " rows on " + like.device().str() + ", got " +
-               c10::toString(tensor.scalar_type()) + " " + shape_of(tensor) + " on " + tensor.device().str());
-  }
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> candidates_from_groups(

@@ -1,7 +1,8 @@
 // One block per row: the row's keys into shared memory (as unsigned keys of the same order),
 // a bitonic sort of the next power of two above its count, the first k decoded. For the
 // teacher's candidates from group maxima (kd_kernels/ops/topk_from_groups.py) at large k: 0.46 ms
-// over 8192 rows of ~1.3k keys on an H200, where a torch sort of the rows' keys took ~1.1 ms.
+// over 8192 rows of 1024 keys on an H200 (the profiler); with ~1.3k keys per row the whole
+// selection took 3.4 ms with it against 4.0 ms with a torch sort of the keys.
 #include "bitonic.cuh"
 #include "keys.cuh"
 #include "sort_keys.h"

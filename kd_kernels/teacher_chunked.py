@@ -36,7 +36,7 @@ DEFAULT_CHUNK_BYTES = 5 << 28  # 1.25 GiB of float32 logits per chunk
 LEAN_SLICE_BYTES = 48 << 20  # float32 logits of one lean tile
 LEAN_MERGE_BYTES = 16 << 20  # the lean merge's buffers, about
 LEAN_MAX_ROWS = 1024
-EPILOGUE_MAX_K = 1024  # the CUDA sort of each row's candidates limits k to 2048 (its 4096 slots / 2)
+EPILOGUE_MAX_K = 1024  # measured up to here; the CUDA sort's 4096 slots per row would hold k <= 2048
 EPILOGUE_ROW_MULTIPLE = 1024  # the epilogue matmul's L2 group of row tiles (8 × 128 rows)
 
 
@@ -96,9 +96,10 @@ def teacher_topk(hidden: torch.Tensor, weight: torch.Tensor, k: int, temperature
 
 def teacher_schedule(hidden: torch.Tensor, weight: torch.Tensor, k: int) -> str:
     """"epilogue" (the Triton matmul that also summarizes each row, then ~k groups read per
-    row) for 16-bit TMA-aligned inputs and k <= EPILOGUE_MAX_K, else "cublas" (H200, two runs:
-    at k = 1024 with the candidates ordered by the CUDA sort 1.21-1.33x the matmul against
-    1.26-1.32x for cuBLAS + the full-row selection; at k = 64 1.07-1.16x against 1.15-1.22x).
+    row) for 16-bit TMA-aligned inputs and k <= EPILOGUE_MAX_K, else "cublas" (H200, each timed
+    in its own block: at k = 1024 with the candidates ordered by the CUDA sort 1.20-1.33x the
+    matmul against 1.25-1.32x for cuBLAS + the full-row selection; at k = 64 1.04-1.16x against
+    1.15-1.22x; benchmarks/RESULTS.md).
     ``KD_KERNELS_TEACHER_SCHEDULE=cublas`` / ``=epilogue`` force one (A/B in the benchmark);
     "epilogue" where it does not apply (dtype, alignment) is an error."""
     from .ops.lm_head_group_maxima import epilogue_applies

@@ -116,8 +116,9 @@ def _store_in_rank_order(keys_ptr, count, values_ptr, columns_ptr, k, RANK_ROWS:
 
 @triton.jit
 def _topk_from_groups_kernel(logits_ptr, stride_row, tile_max2_ptr, tile_sum2_ptr, group_max_ptr, group_ids_ptr,
-                             thresholds_ptr, keys_ptr, counts_ptr, values_ptr, columns_ptr, lse_ptr, overflow_ptr, tiles, width, k,
-                             capacity, log2e_over_t, TILES: tl.constexpr, THRESHOLD_BLOCKS: tl.constexpr, MERGE: tl.constexpr,
+                             thresholds_ptr, keys_ptr, counts_ptr, values_ptr, columns_ptr, lse_ptr, overflow_ptr,
+                             tiles, width, k, capacity, log2e_over_t, TILES: tl.constexpr,
+                             THRESHOLD_BLOCKS: tl.constexpr, MERGE: tl.constexpr,
                              GROUPS_PER_TILE: tl.constexpr, GROUP_COLUMNS: tl.constexpr, GROUP_BLOCK: tl.constexpr,
                              GROUPS_PER_STEP: tl.constexpr, RANK_ROWS: tl.constexpr, RANK_COLUMNS: tl.constexpr,
                              RANK_IN_KERNEL: tl.constexpr, GATHER_IN_KERNEL: tl.constexpr,
@@ -213,35 +214,32 @@ def topk_from_group_maxima(logits: torch.Tensor, summaries, k: int, temperature:
     large_k = merge != groups // tiles
     rank_in_kernel = k <= RANK_MAX_K
     gather_in_cuda = GATHER_IN_CUDA and order == "cuda" and not rank_in_kernel
+    log2e_over_t = 1.4426950408889634 / temperature
     values = torch.empty(rows, k, dtype=torch.float32, device=device)
     columns = torch.empty(rows, k, dtype=torch.int32, device=device)
     lse = torch.empty(rows, dtype=torch.float32, device=device)
     overflow = torch.empty(rows, dtype=torch.int8, device=device)
-    keys = torch.empty(rows, capacity, dtype=torch.int64, device=device)
     counts = torch.empty(rows, dtype=torch.int32, device=device)
+    # the gather's keys where this kernel gathers; the threshold where the extension does
+    keys = counts if gather_in_cuda else torch.empty(rows, capacity, dtype=torch.int64, device=device)
+    thresholds = torch.empty(rows, dtype=torch.int32, device=device) if gather_in_cuda else counts
+    group_ids = torch.empty(rows, capacity, dtype=torch.int32, device=device)
     if rows:
-        group_ids = torch.empty(rows, capacity, dtype=torch.int32, device=device)
-        thresholds = torch.empty(rows, dtype=torch.int32, device=device) if gather_in_cuda else counts
         _topk_from_groups_kernel[(rows,)](
             logits, logits.stride(0), summaries.tile_max2, summaries.tile_sum2, summaries.group_max, group_ids,
-            thresholds, keys,
-            counts, values, columns, lse, overflow, tiles, width, k, capacity, 1.4426950408889634 / temperature,
+            thresholds, keys, counts, values, columns, lse, overflow, tiles, width, k, capacity, log2e_over_t,
             TILES=triton.next_power_of_2(tiles), THRESHOLD_BLOCKS=triton.next_power_of_2(-(-groups // merge)),
             MERGE=merge, GROUPS_PER_TILE=groups // tiles, GROUP_COLUMNS=summaries.group_columns,
             GROUP_BLOCK=GROUP_BLOCK[large_k], GROUPS_PER_STEP=GROUPS_PER_STEP[large_k],
             RANK_ROWS=RANK_TILE[large_k][0], RANK_COLUMNS=RANK_TILE[large_k][1], RANK_IN_KERNEL=rank_in_kernel,
             GATHER_IN_KERNEL=not gather_in_cuda, STAGES=stages,
             num_warps=SELECT_WARPS_LARGE_K if large_k else SELECT_WARPS)
-    if gather_in_cuda and rows and stages == 4:
+    if gather_in_cuda and stages == 4:
         from .topk_candidates import load_extension
 
-        top_values, top_columns, overflowed = load_extension().candidates_from_groups(
-            logits, group_ids, counts, thresholds, width, 1.4426950408889634 / temperature, k, capacity)
-        values.copy_(top_values)
-        columns.copy_(top_columns)
+        values, columns, overflowed = load_extension().candidates_from_groups(
+            logits, group_ids, counts, thresholds, width, log2e_over_t, k, capacity)
         overflow |= overflowed.to(torch.int8)
     elif not rank_in_kernel and stages == 4:
-        top_values, top_columns = top_of_counted_keys(keys, counts, k, order)
-        values.copy_(top_values)
-        columns.copy_(top_columns)
+        values, columns = top_of_counted_keys(keys, counts, k, order)
     return values.div_(temperature), columns, lse, overflow.bool()
