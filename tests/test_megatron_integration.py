@@ -5,17 +5,13 @@ Megatron's GPTModel forward needs CUDA (its attention allocates on the current C
 device), so the decoder's hidden states are stood in for by random ones here; the GPU
 example `examples/megatron_tp2_distill.py` runs the whole model.
 """
-import os
-import tempfile
-
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 megatron = pytest.importorskip("megatron.core")
 
-from helpers import relative_error  # noqa: E402
+from helpers import relative_error, spawn_ranks  # noqa: E402
 
 WORLD, VOCAB, PADDED, HIDDEN, ROWS = 2, 100, 102, 16, 11
 
@@ -38,8 +34,8 @@ def _gathered(weight):
     return torch.cat(parts)
 
 
-def _worker(rank, init_file):
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+def _worker(rank, world, init_file):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         from megatron.core import parallel_state
 
@@ -80,5 +76,4 @@ def _worker(rank, init_file):
 
 
 def test_megatron_output_layer_tp2_matches_reference():
-    with tempfile.TemporaryDirectory() as directory:
-        mp.spawn(_worker, args=(os.path.join(directory, "init"),), nprocs=WORLD, join=True)
+    spawn_ranks(_worker, WORLD)

@@ -7,15 +7,13 @@ teacher TP ≠ student TP.
 """
 import os
 import sys
-import tempfile
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import kd_kernels as kd
-from helpers import relative_error
+from helpers import relative_error, spawn_ranks
 from kd_kernels import reference
 from kd_kernels.distributed import CollectiveBytes
 from kd_kernels.options import DIVERGENCES
@@ -158,8 +156,7 @@ def _worker(rank, world, init_file):
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_vocab_parallel_matches_unsharded_reference(world):
-    with tempfile.TemporaryDirectory() as directory:
-        mp.spawn(_worker, args=(world, os.path.join(directory, "init")), nprocs=world, join=True)
+    spawn_ranks(_worker, world)
 
 
 def _nccl_worker(rank, world, init_file):
@@ -198,5 +195,4 @@ def _nccl_worker(rank, world, init_file):
 def test_gpu_nccl_two_ranks_match_one():
     if torch.cuda.device_count() < 2:
         pytest.skip("needs two CUDA devices")
-    with tempfile.TemporaryDirectory() as directory:
-        mp.spawn(_nccl_worker, args=(2, os.path.join(directory, "init")), nprocs=2, join=True)
+    spawn_ranks(_nccl_worker, 2)
