@@ -63,6 +63,9 @@ def bench_shape(name, n, h, v, ks, only=None, fused_sweep=False, interleave=Fals
             "ours from hidden (cuda, epilogue schedule)": lambda: with_env(
                 "KD_KERNELS_TEACHER_SCHEDULE", "epilogue",
                 lambda: kd.teacher_topk(hidden, weight, k=k, temperature=TEMPERATURE, backend="cuda")),
+            "ours from hidden (cuda, listed schedule)": lambda: with_env(
+                "KD_KERNELS_TEACHER_SCHEDULE", "listed",
+                lambda: kd.teacher_topk(hidden, weight, k=k, temperature=TEMPERATURE, backend="cuda")),
             "ours from hidden (cuda, cuBLAS schedule)": lambda: with_env(
                 "KD_KERNELS_TEACHER_SCHEDULE", "cublas",
                 lambda: kd.teacher_topk(hidden, weight, k=k, temperature=TEMPERATURE, backend="cuda")),

@@ -1,7 +1,9 @@
 """Where the epilogue schedule's time goes (issue #4): the matmul with row summaries per chunk,
-and the top-k from group maxima per chunk at several launch widths, against cuBLAS.
+and the top-k from group maxima per chunk at several launch widths, against cuBLAS. With
+``--listed``: the listed schedule's parts instead (the matmul storing no logits, the listing,
+the pair plan, the recomputed groups, the top-k among them) and the whole schedule.
 
-usage: python benchmarks/teacher_epilogue_parts.py [--selection-only]   (one H200; prints a table)
+usage: python benchmarks/teacher_epilogue_parts.py [--selection-only | --listed]   (one H200)
 """
 from __future__ import annotations
 
@@ -45,10 +47,48 @@ def selection(logits, summaries, k, width, warps, stages=4, rank_max_k=None, ran
     return call
 
 
+def listed_parts(hidden, weight, rows):
+    """The listed schedule's parts per chunk of rows, scaled to all rows, and the whole of it."""
+    from kd_kernels.ops.listed_group_logits import listed_group_logits, plan_pairs
+    from kd_kernels.ops.topk_from_groups import list_groups
+    from kd_kernels.ops.topk_of_listed import topk_of_listed
+    from kd_kernels.teacher_chunked import LISTED_PAIRS_PER_K, listed_chunk_rows, teacher_topk_listed
+
+    n, v = hidden.shape[0], weight.shape[0]
+    for k in (8, 64, 256):
+        default_chunk = listed_chunk_rows(n, v, k)
+        for chunk in sorted({default_chunk, 2048}):
+            part, scale = hidden[:chunk], n / chunk
+            matmul = time_ms(lambda: lm_head_logits_with_summaries(part, weight, None, v, TEMPERATURE, None))[0]
+            rows.append((f"k={k}, {chunk} rows: matmul, no logits stored (× {scale:.2f})", matmul * scale))
+            summaries = lm_head_logits_with_summaries(part, weight, None, v, TEMPERATURE, None)
+            rows.append((f"k={k}, {chunk} rows: list groups", scale * time_ms(
+                lambda: list_groups(summaries, k, TEMPERATURE))[0]))
+            _, thresholds, group_ids, listed = list_groups(summaries, k, TEMPERATURE)
+            groups, budget = summaries.group_max.shape[1], LISTED_PAIRS_PER_K * k * chunk
+            rows.append((f"k={k}, {chunk} rows: pair plan (listed per row: mean {listed.float().mean():.0f}, "
+                         f"max {listed.max().item()})", scale * time_ms(
+                             lambda: plan_pairs(group_ids, listed, groups, budget))[0]))
+            plan = plan_pairs(group_ids, listed, groups, budget)
+            rows.append((f"k={k}, {chunk} rows: recomputed groups", scale * time_ms(
+                lambda: listed_group_logits(part, weight, None, v, plan, summaries.group_columns))[0]))
+            group_logits = listed_group_logits(part, weight, None, v, plan, summaries.group_columns)
+
+            def select():
+                return topk_of_listed(group_logits, plan.offsets, group_ids, listed, thresholds, k, v)
+            redo = int((plan.overflow | select()[2]).sum())
+            rows.append((f"k={k}, {chunk} rows: top-k among them (rows to redo: {redo})", scale * time_ms(select)[0]))
+            rows.append((f"k={k}, {chunk} rows: the whole listed schedule", time_ms(
+                lambda: teacher_topk_listed(hidden, weight, k, TEMPERATURE, v, chunk_rows=chunk, select="cuda"))[0]))
+            print(rows[-1], flush=True)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--selection-only", action="store_true", help="skip the matmul parts")
-    selection_only = parser.parse_args().selection_only
+    parser.add_argument("--listed", action="store_true", help="the listed schedule's parts only")
+    args = parser.parse_args()
+    selection_only = args.selection_only
     n, h, v = 8192, 4096, 151936
     weight = (torch.randn(v, h, device="cuda") * 0.02).to(torch.bfloat16)
     hidden, entropy, _ = llm_like_hidden(n, h, weight)
@@ -56,6 +96,10 @@ def main():
     full = time_ms(lambda: hidden @ weight.T)[0]
     rows.append(("cuBLAS bf16, 8192 rows", full))
     rows.append(("cuBLAS fp32 out, 8192 rows", time_ms(lambda: torch.mm(hidden, weight.T, out_dtype=torch.float32))[0]))
+    if args.listed:
+        listed_parts(hidden, weight, rows)
+        print_table(rows, full, n, h, v, entropy)
+        return
     for chunk in () if selection_only else (2207, 2048, 1024):
         logits = torch.empty(chunk, padded_width(v), device="cuda")
         part = hidden[:chunk]
@@ -84,6 +128,10 @@ def main():
             call = selection(logits, summaries, k, v, 4, stages)
             rows.append((f"selection k={k}, stages to {what} (× 4)", 4 * time_ms(call)[0]))
             print(rows[-1], flush=True)
+    print_table(rows, full, n, h, v, entropy)
+
+
+def print_table(rows, full, n, h, v, entropy):
     print(f"{torch.cuda.get_device_name()}, N={n} H={h} V={v}, entropy {entropy:.2f} nats at τ=1")
     print("| part | ms for 8192 rows | × cuBLAS bf16 |")
     print("| --- | --- | --- |")

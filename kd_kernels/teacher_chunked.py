@@ -38,6 +38,8 @@ LEAN_MERGE_BYTES = 16 << 20  # the lean merge's buffers, about
 LEAN_MAX_ROWS = 1024
 EPILOGUE_MAX_K = 1024  # measured up to here; the CUDA sort's 4096 slots per row would hold k <= 2048
 EPILOGUE_ROW_MULTIPLE = 1024  # the epilogue matmul's L2 group of row tiles (8 × 128 rows)
+LISTED_BYTES = 48 << 20  # the listed schedule's buffers per chunk
+LISTED_PAIRS_PER_K = 2  # listed groups a row may use on average (k to ~1.5k on LLM logits), times k
 
 
 def _cuda_candidates(logits: torch.Tensor, k: int, temperature: float, width: int, column_start: int):
@@ -89,8 +91,11 @@ def teacher_topk(hidden: torch.Tensor, weight: torch.Tensor, k: int, temperature
     """hidden ``[N, H]``, weight ``[V, H]`` (this rank's shard under ``shard``) -> `TopK`
     float32, chunk by chunk of rows: through the epilogue matmul where it applies
     (`teacher_schedule`), else cuBLAS float32 logits and a full-row selection."""
-    if teacher_schedule(hidden, weight, k) == "epilogue":
+    schedule = teacher_schedule(hidden, weight, k)
+    if schedule == "epilogue":
         return teacher_topk_epilogue(hidden, weight, k, temperature, vocab_size, bias, chunk_rows, shard, select)
+    if schedule == "listed":
+        return teacher_topk_listed(hidden, weight, k, temperature, vocab_size, bias, chunk_rows, shard, select)
     return teacher_topk_cublas(hidden, weight, k, temperature, vocab_size, bias, chunk_rows, shard, select)
 
 
@@ -100,16 +105,18 @@ def teacher_schedule(hidden: torch.Tensor, weight: torch.Tensor, k: int) -> str:
     in its own block: at k = 1024 with the candidates ordered by the CUDA sort 1.20-1.33x the
     matmul against 1.25-1.32x for cuBLAS + the full-row selection; at k = 64 1.04-1.16x against
     1.15-1.22x; benchmarks/RESULTS.md).
-    ``KD_KERNELS_TEACHER_SCHEDULE=cublas`` / ``=epilogue`` force one (A/B in the benchmark);
-    "epilogue" where it does not apply (dtype, alignment) is an error."""
+    ``KD_KERNELS_TEACHER_SCHEDULE=cublas`` / ``=epilogue`` / ``=listed`` force one (A/B in the
+    benchmark; "listed", `teacher_topk_listed`, stores no logits and is not chosen by default
+    until it is timed on a GPU); "epilogue" or "listed" where the epilogue matmul does not apply
+    (dtype, alignment) is an error."""
     from .ops.lm_head_group_maxima import epilogue_applies
 
     forced = os.environ.get("KD_KERNELS_TEACHER_SCHEDULE", "")
-    if forced not in ("", "epilogue", "cublas"):
-        raise ValueError(f"KD_KERNELS_TEACHER_SCHEDULE: expected 'epilogue' or 'cublas', got {forced!r}")
+    if forced not in ("", "epilogue", "listed", "cublas"):
+        raise ValueError(f"KD_KERNELS_TEACHER_SCHEDULE: expected 'epilogue', 'listed' or 'cublas', got {forced!r}")
     applies = epilogue_applies(hidden, weight)
-    if forced == "epilogue" and not applies:
-        raise ValueError("KD_KERNELS_TEACHER_SCHEDULE=epilogue: needs bf16 / fp16 hidden and weight with rows at "
+    if forced in ("epilogue", "listed") and not applies:
+        raise ValueError(f"KD_KERNELS_TEACHER_SCHEDULE={forced}: needs bf16 / fp16 hidden and weight with rows at "
                          f"16-byte boundaries; got {hidden.dtype} / {weight.dtype}, hidden size {hidden.shape[1]}")
     return forced or ("epilogue" if applies and k <= EPILOGUE_MAX_K else "cublas")
 
@@ -149,6 +156,65 @@ def teacher_topk_epilogue(hidden: torch.Tensor, weight: torch.Tensor, k: int, te
     redo = overflow.nonzero().flatten()  # the schedule's one host sync
     if redo.numel():
         del logits, chunk  # the redo's logits take their place
+        _redo_rows(redo, hidden, weight, k, temperature, width, bias, chunk_rows, select, (values, indices, lse))
+    return _finish(values, indices.add_(column_start), lse, k, temperature, shard)
+
+
+def listed_chunk_rows(num_rows: int, width: int, k: int, group_columns: int = 32) -> int:
+    """Rows per chunk of the listed schedule: its buffers within LISTED_BYTES, in quarters of the
+    matmul's L2 group of row tiles. A row holds its group maxima (4 · V / group_columns bytes),
+    tile statistics (8 · V / 256), ~36 bytes per listed-group slot (capacity_for(k) slots:
+    ids, the plan's sort keys, destinations and rows, the selection's keys; an upper bound, not
+    all alive at once) and the recomputed logits (4 · group_columns per pair)."""
+    from .ops.topk_from_groups import capacity_for
+
+    per_row = (4 * width // group_columns + 8 * width // 256 + 36 * capacity_for(k)
+               + 4 * group_columns * LISTED_PAIRS_PER_K * k)
+    rows = LISTED_BYTES // per_row
+    if rows >= num_rows:
+        return num_rows
+    return max(EPILOGUE_ROW_MULTIPLE // 4, rows // (EPILOGUE_ROW_MULTIPLE // 4) * (EPILOGUE_ROW_MULTIPLE // 4))
+
+
+def teacher_topk_listed(hidden: torch.Tensor, weight: torch.Tensor, k: int, temperature: float, vocab_size: int,
+                        bias: Optional[torch.Tensor] = None, chunk_rows: Optional[int] = None, shard=None,
+                        select: str = "triton") -> TopK:
+    """hidden ``[N, H]``, weight ``[V, H]`` 16-bit -> `TopK` float32 without storing logits:
+    per chunk of rows the Triton matmul leaves only each row's tile statistics and group
+    maxima (ops/lm_head_group_maxima.py, ``logits=None``); the groups that can hold the top-k
+    are listed (ops/topk_from_groups.list_groups), their logits computed again from hidden ×
+    weight (ops/listed_group_logits.py, ~k · 32 columns a row) and the top-k taken among them
+    (ops/topk_of_listed.py). Memory beyond the outputs: ``listed_chunk_rows`` keeps it near
+    LISTED_BYTES whatever N. Rows that overflow (massive ties, more listed groups than the
+    budget) are redone by cuBLAS logits and the full-row selection ``select``."""
+    from .ops.listed_group_logits import listed_group_logits, plan_pairs
+    from .ops.lm_head_group_maxima import default_config, lm_head_logits_with_summaries
+    from .ops.topk_from_groups import list_groups
+    from .ops.topk_of_listed import topk_of_listed
+
+    num_rows = hidden.shape[0]
+    width, column_start = (vocab_size, 0) if shard is None else (shard.existing, shard.vocab_start)
+    group_columns = default_config().group_columns
+    chunk_rows = chunk_rows or listed_chunk_rows(num_rows, width, k, group_columns)
+    values = torch.empty(num_rows, k, dtype=torch.float32, device=hidden.device)
+    indices = torch.empty(num_rows, k, dtype=torch.int32, device=hidden.device)
+    lse = torch.empty(num_rows, dtype=torch.float32, device=hidden.device)
+    overflow = torch.empty(num_rows, dtype=torch.bool, device=hidden.device)
+    for start in range(0, num_rows, chunk_rows):
+        stop = min(start + chunk_rows, num_rows)
+        part = hidden[start:stop]
+        summaries = lm_head_logits_with_summaries(part, weight, bias, width, temperature, None)
+        lse[start:stop], thresholds, group_ids, listed = list_groups(summaries, k, temperature)
+        plan = plan_pairs(group_ids, listed, summaries.group_max.shape[1], LISTED_PAIRS_PER_K * k * (stop - start))
+        del summaries  # the group maxima's bytes go to the recomputed logits
+        group_logits = listed_group_logits(part, weight, bias, width, plan, group_columns)
+        chunk_values, indices[start:stop], chunk_overflow = topk_of_listed(
+            group_logits, plan.offsets, group_ids, listed, thresholds, k, width,
+            order="cuda" if select == "cuda" else "torch")
+        values[start:stop] = chunk_values.div_(temperature)
+        overflow[start:stop] = chunk_overflow | plan.overflow
+    redo = overflow.nonzero().flatten()  # the schedule's one host sync
+    if redo.numel():
         _redo_rows(redo, hidden, weight, k, temperature, width, bias, chunk_rows, select, (values, indices, lse))
     return _finish(values, indices.add_(column_start), lse, k, temperature, shard)
 

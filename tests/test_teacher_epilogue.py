@@ -159,8 +159,12 @@ def test_the_schedule_choice_and_its_switch(monkeypatch):
     assert teacher_schedule(*half, 2048) == "epilogue"
     with pytest.raises(ValueError, match="KD_KERNELS_TEACHER_SCHEDULE=epilogue: needs bf16 / fp16"):
         teacher_schedule(*single, 64)
+    monkeypatch.setenv("KD_KERNELS_TEACHER_SCHEDULE", "listed")
+    assert teacher_schedule(*half, 64) == "listed"
+    with pytest.raises(ValueError, match="KD_KERNELS_TEACHER_SCHEDULE=listed: needs bf16 / fp16"):
+        teacher_schedule(*odd, 64)
     monkeypatch.setenv("KD_KERNELS_TEACHER_SCHEDULE", "fast")
-    with pytest.raises(ValueError, match="expected 'epilogue' or 'cublas', got 'fast'"):
+    with pytest.raises(ValueError, match="expected 'epilogue', 'listed' or 'cublas', got 'fast'"):
         teacher_schedule(*half, 64)
 
 

@@ -54,17 +54,24 @@ def _check_teacher(rank, world, group, teacher_hidden, teacher_weight, backend):
 
 
 def _check_teacher_epilogue(rank, world, group, teacher_hidden, teacher_weight):
-    """16-bit inputs take the epilogue schedule on each shard; the merge is the same."""
+    """16-bit inputs take the epilogue schedule on each shard (and the listed one, forced); the
+    merge is the same."""
     from kd_kernels.teacher_chunked import teacher_schedule
 
     hidden, weight = teacher_hidden.half(), teacher_weight.half()
     local = _shard(weight, rank, world)
     assert teacher_schedule(hidden, local, K) == "epilogue"
     expected = reference.teacher_topk(hidden, weight, K, 2.0, VOCAB)
-    got = kd.teacher_topk(hidden, local, k=K, temperature=2.0, vocab_size=VOCAB, group=group, backend="triton")
-    assert torch.equal(got.indices.long(), expected.indices.long()), rank
-    assert torch.allclose(got.logprobs.double(), expected.logprobs, atol=1e-5)
-    assert torch.allclose(got.lse.double(), expected.lse, atol=1e-5)
+    for schedule in ("epilogue", "listed"):
+        os.environ["KD_KERNELS_TEACHER_SCHEDULE"] = schedule
+        try:
+            got = kd.teacher_topk(hidden, local, k=K, temperature=2.0, vocab_size=VOCAB, group=group,
+                                  backend="triton")
+        finally:
+            del os.environ["KD_KERNELS_TEACHER_SCHEDULE"]
+        assert torch.equal(got.indices.long(), expected.indices.long()), (rank, schedule)
+        assert torch.allclose(got.logprobs.double(), expected.logprobs, atol=1e-5)
+        assert torch.allclose(got.lse.double(), expected.lse, atol=1e-5)
 
 
 def _check_student(rank, world, group, problem, teacher, backend, lean=False, **options):

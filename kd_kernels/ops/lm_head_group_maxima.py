@@ -79,7 +79,7 @@ def _lm_head_group_maxima_kernel(hidden_desc, weight_desc, logits_desc, bias_ptr
                                  HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                                  BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
                                  GROUP_COLUMNS: tl.constexpr, SUBTILE: tl.constexpr, FLATTEN: tl.constexpr,
-                                 DOT_PRECISION: tl.constexpr):
+                                 DOT_PRECISION: tl.constexpr, STORE_LOGITS: tl.constexpr = True):
     row_tiles = tl.cdiv(num_rows, BLOCK_M)
     column_tiles = tl.cdiv(width, BLOCK_N)
     groups_per_tile: tl.constexpr = BLOCK_N // GROUP_COLUMNS
@@ -100,7 +100,9 @@ def _lm_head_group_maxima_kernel(hidden_desc, weight_desc, logits_desc, bias_ptr
         columns = column_tile * BLOCK_N + tl.arange(0, BLOCK_N)
         if HAS_BIAS:
             accumulator += tl.load(bias_ptr + columns, mask=columns < width, other=0.0).to(tl.float32)[None, :]
-        if SUBTILE:  # two stores of half the columns: half the shared-memory staging
+        if not STORE_LOGITS:
+            pass
+        elif SUBTILE:  # two stores of half the columns: half the shared-memory staging
             left, right = tl.split(tl.permute(tl.reshape(accumulator, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
             logits_desc.store([row_tile * BLOCK_M, column_tile * BLOCK_N], left)
             logits_desc.store([row_tile * BLOCK_M, column_tile * BLOCK_N + BLOCK_N // 2], right)
@@ -134,15 +136,16 @@ def epilogue_applies(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def lm_head_logits_with_summaries(hidden: torch.Tensor, weight: torch.Tensor, bias, width: int,
-                                  temperature: float, logits: torch.Tensor,
+                                  temperature: float, logits: torch.Tensor | None,
                                   config: GroupMaximaConfig | None = None) -> RowSummaries:
     """hidden ``[R, H]``, weight ``[≥ width, H]`` (bf16 / fp16, or float32 with IEEE products:
     the interpreter's tests), bias ``[≥ width]`` or None -> the float32 logits
     ``hidden @ weight[:width].T + bias`` written into ``logits [R, ≥ width]`` (rows 16-byte
-    aligned: `padded_width`), and the rows' `RowSummaries`."""
+    aligned: `padded_width`), and the rows' `RowSummaries`. ``logits=None``: the summaries
+    only, no logits stored (the listed schedule recomputes the few groups it needs)."""
     config = config or default_config()
     num_rows, hidden_size = hidden.shape
-    if logits.dtype != torch.float32:
+    if logits is not None and logits.dtype != torch.float32:
         raise ValueError(f"logits: expected a float32 buffer (rows of padded_width(width)), got {logits.dtype}")
     if config.block_n % config.group_columns:
         raise ValueError(f"config: group_columns {config.group_columns} must divide block_n {config.block_n}")
@@ -159,17 +162,22 @@ def lm_head_logits_with_summaries(hidden: torch.Tensor, weight: torch.Tensor, bi
         programs = min(tiles, torch.cuda.get_device_properties(device).multi_processor_count)
     else:
         programs = min(tiles, 3)  # the interpreter: still several tiles per program
-    store_columns = config.block_n // 2 if config.subtile else config.block_n
-    logits_desc = row_tile_descriptor(logits[:, :width], "logits", [config.block_m, store_columns],
+    hidden_desc = row_tile_descriptor(hidden, "hidden", [config.block_m, config.block_k],
                                       "the teacher's epilogue matmul")
+    if logits is None:
+        logits_desc = hidden_desc  # a stand-in: STORE_LOGITS=False compiles the stores away
+    else:
+        store_columns = config.block_n // 2 if config.subtile else config.block_n
+        logits_desc = row_tile_descriptor(logits[:, :width], "logits", [config.block_m, store_columns],
+                                          "the teacher's epilogue matmul")
     _lm_head_group_maxima_kernel[(programs,)](
-        row_tile_descriptor(hidden, "hidden", [config.block_m, config.block_k], "the teacher's epilogue matmul"),
+        hidden_desc,
         row_tile_descriptor(weight, "weight", [config.block_n, config.block_k], "the teacher's epilogue matmul"),
         logits_desc, bias if bias is not None else summaries.tile_max2, summaries.tile_max2, summaries.tile_sum2,
         summaries.group_max, num_rows, width, hidden_size, 1.4426950408889634 / temperature,
         HAS_BIAS=bias is not None, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         GROUP_M=config.group_m, NUM_PROGRAMS=programs, GROUP_COLUMNS=config.group_columns, SUBTILE=config.subtile,
-        FLATTEN=config.flatten,
+        FLATTEN=config.flatten, STORE_LOGITS=logits is not None,
         # float32 inputs get float32 products (tf32 would move logits by ~1e-3)
         DOT_PRECISION="ieee" if hidden.dtype == torch.float32 else "tf32",
         num_warps=config.num_warps, num_stages=config.num_stages)

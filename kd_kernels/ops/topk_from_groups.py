@@ -86,7 +86,7 @@ def _threshold(block_key, valid, k):
 
 
 @triton.jit
-def _store_in_rank_order(keys_ptr, count, values_ptr, columns_ptr, k, RANK_ROWS: tl.constexpr,
+def store_in_rank_order(keys_ptr, count, values_ptr, columns_ptr, k, RANK_ROWS: tl.constexpr,
                          RANK_COLUMNS: tl.constexpr):
     """The first k of ``count`` distinct keys in descending order, each at its rank (the number
     of larger keys: O(count²) compares, cheap at ~k candidates, no sort network), RANK_ROWS keys
@@ -191,7 +191,7 @@ def _topk_from_groups_kernel(logits_ptr, stride_row, tile_max2_ptr, tile_sum2_pt
     tl.store(counts_ptr + row, count)
     if RANK_IN_KERNEL:
         tl.debug_barrier()  # every thread's keys are in memory
-        _store_in_rank_order(keys_ptr + row * capacity, count, values_ptr + row * k, columns_ptr + row * k, k,
+        store_in_rank_order(keys_ptr + row * capacity, count, values_ptr + row * k, columns_ptr + row * k, k,
                              RANK_ROWS, RANK_COLUMNS)
 
 
@@ -243,3 +243,38 @@ def topk_from_group_maxima(logits: torch.Tensor, summaries, k: int, temperature:
     elif not rank_in_kernel and stages == 4:
         values, columns = top_of_counted_keys(keys, counts, k, order)
     return values.div_(temperature), columns, lse, overflow.bool()
+
+
+def list_groups(summaries, k: int, temperature: float, merge: int | None = None):
+    """Each row's logsumexp, threshold and the groups that can hold its top-k, from the
+    `RowSummaries` alone (no logits read): (lse ``[R]`` float32 at τ; thresholds ``[R]`` int32,
+    the ordered bits of T · log2e / τ, the smallest int32 where fewer than k blocks exist;
+    group_ids ``[R, capacity_for(k)]`` int32, the first ``listed`` in column order; listed
+    ``[R]`` int32, the count of groups whose maximum reaches T (may exceed the capacity: such a
+    row overflows)). At least k listed groups hold an element ≥ T each, where k blocks exist.
+    ``merge``: adjacent groups per threshold block (None: `threshold_merge`; 1, the k-th largest
+    group maximum, lists the fewest groups)."""
+    rows, tiles = summaries.tile_max2.shape
+    groups = summaries.group_max.shape[1]
+    device = summaries.group_max.device
+    merge = merge or threshold_merge(k, groups, groups // tiles)
+    if merge < 1 or (groups // tiles) % merge:
+        raise ValueError(f"merge: expected a divisor of the {groups // tiles} groups per tile, got {merge}")
+    large_k = merge != groups // tiles
+    capacity = capacity_for(k)
+    lse = torch.empty(rows, dtype=torch.float32, device=device)
+    thresholds = torch.empty(rows, dtype=torch.int32, device=device)
+    listed = torch.empty(rows, dtype=torch.int32, device=device)
+    overflow = torch.empty(rows, dtype=torch.int8, device=device)  # the kernel's; listed > capacity says it
+    group_ids = torch.empty(rows, capacity, dtype=torch.int32, device=device)
+    if rows:
+        unused = summaries.group_max  # the gather's operands: this call stops before the gather
+        _topk_from_groups_kernel[(rows,)](
+            unused, 0, summaries.tile_max2, summaries.tile_sum2, summaries.group_max, group_ids, thresholds,
+            unused, listed, unused, unused, lse, overflow, tiles, 0, k, capacity, 1.4426950408889634 / temperature,
+            TILES=triton.next_power_of_2(tiles), THRESHOLD_BLOCKS=triton.next_power_of_2(-(-groups // merge)),
+            MERGE=merge, GROUPS_PER_TILE=groups // tiles, GROUP_COLUMNS=summaries.group_columns,
+            GROUP_BLOCK=GROUP_BLOCK[large_k], GROUPS_PER_STEP=GROUPS_PER_STEP[large_k],
+            RANK_ROWS=RANK_TILE[large_k][0], RANK_COLUMNS=RANK_TILE[large_k][1], RANK_IN_KERNEL=False,
+            GATHER_IN_KERNEL=False, STAGES=4, num_warps=SELECT_WARPS_LARGE_K if large_k else SELECT_WARPS)
+    return lse, thresholds, group_ids, listed

@@ -1,0 +1,135 @@
+"""The teacher's listed schedule against the float64 reference: the epilogue matmul storing
+no logits (ops/lm_head_group_maxima.py, ``logits=None``), the listing of the groups that can
+hold the top-k (ops/topk_from_groups.list_groups), their logits computed again
+(ops/listed_group_logits.py) and the top-k among them (ops/topk_of_listed.py); overflowing
+rows redone exactly. Interpreter tiles: 16 rows × 32 columns, groups of 8."""
+import pytest
+import torch
+
+from helpers import HAS_CUDA, check_teacher_topk as _check
+from kd_kernels import reference
+from kd_kernels.ops.listed_group_logits import listed_group_logits, plan_pairs
+from kd_kernels.ops.lm_head_group_maxima import lm_head_logits_with_summaries, padded_width
+from kd_kernels.ops.topk_from_groups import capacity_for, list_groups
+from kd_kernels.teacher_chunked import teacher_topk_listed
+
+pytestmark = pytest.mark.interpret
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+
+
+def _problem(seed, rows=37, columns=203, dtype=torch.float32, scale=1.0):
+    generator = torch.Generator().manual_seed(seed)
+    hidden = (scale * torch.randn(rows, 16, generator=generator)).to(DEVICE, dtype)
+    weight = torch.randn(columns, 16, generator=generator).to(DEVICE, dtype)
+    bias = torch.randn(columns, generator=generator).to(DEVICE, dtype)
+    return hidden, weight, bias
+
+
+def test_summaries_without_logits_equal_those_with_them():
+    hidden, weight, bias = _problem(1)
+    logits = torch.empty(37, padded_width(200), dtype=torch.float32, device=DEVICE)
+    stored = lm_head_logits_with_summaries(hidden, weight, bias, 200, 0.7, logits)
+    alone = lm_head_logits_with_summaries(hidden, weight, bias, 200, 0.7, None)
+    for name in ("tile_max2", "tile_sum2", "group_max"):
+        assert torch.equal(getattr(stored, name), getattr(alone, name)), name
+
+
+@pytest.mark.parametrize("k, merge", [(3, None), (6, 1), (12, None)])
+def test_the_listed_groups_hold_the_top_k_and_their_logits_are_recomputed(k, merge):
+    hidden, weight, bias = _problem(k)
+    width = 200
+    summaries = lm_head_logits_with_summaries(hidden, weight, bias, width, 2.0, None)
+    lse, thresholds, group_ids, listed = list_groups(summaries, k, 2.0, merge)
+    exact = reference.lm_head_logits(hidden, weight, bias)[:, :width].cpu()
+    assert torch.allclose(lse.double().cpu(), torch.logsumexp(exact / 2.0, -1), atol=1e-5, rtol=0)
+    groups = summaries.group_max.shape[1]
+    columns_per_group = summaries.group_columns
+    top_groups = exact.topk(k, dim=-1).indices // columns_per_group
+    for row in range(37):
+        mine = group_ids[row, :listed[row]].cpu()
+        assert k <= listed[row] <= capacity_for(k)
+        assert torch.equal(mine, mine.sort().values)  # column order, no repeats
+        assert set(top_groups[row].tolist()) <= set(mine.tolist()), row
+    plan = plan_pairs(group_ids, listed, groups, budget=int(listed.sum()))
+    assert not plan.overflow.any()
+    recomputed = listed_group_logits(hidden, weight, bias, width, plan, columns_per_group).cpu()
+    padded = torch.full((37, groups * columns_per_group), float("-inf"), dtype=torch.float64)
+    padded[:, :width] = exact
+    for row in range(37):
+        offset = int(plan.offsets[row])
+        expected = padded.view(37, groups, columns_per_group)[row, group_ids[row, :listed[row]].long().cpu()]
+        assert torch.allclose(recomputed[offset:offset + int(listed[row])].double(), expected, atol=1e-5, rtol=0)
+
+
+def test_pairs_past_the_budget_flag_their_rows():
+    group_ids = torch.tensor([[0, 2, 0], [1, 2, 3], [4, 0, 0]], dtype=torch.int32, device=DEVICE)
+    listed = torch.tensor([2, 3, 1], dtype=torch.int32, device=DEVICE)
+    plan = plan_pairs(group_ids, listed, groups=5, budget=4)  # row 1's pairs end at 5, row 2's at 6
+    assert plan.overflow.tolist() == [False, True, True]
+    assert plan.offsets.tolist() == [0, 2, 5]
+    # the pairs in the budget, sorted by group: (row 0, group 0), (row 1, group 1), (0, 2), (1, 2)
+    kept = int(plan.group_start[-1])
+    assert kept == 4
+    assert plan.rows[:kept].tolist() == [0, 1, 0, 1] and plan.destinations[:kept].tolist() == [0, 2, 1, 3]
+    assert plan.group_start.tolist() == [0, 1, 2, 4, 4, 4]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("k, temperature, chunk_rows", [(1, 1.0, None), (6, 0.7, 16), (40, 2.0, 20)])
+def test_listed_schedule_matches_the_reference(dtype, k, temperature, chunk_rows):
+    hidden, weight, bias = _problem(k + 300, dtype=dtype)
+    top = teacher_topk_listed(hidden, weight, k, temperature, 200, bias, chunk_rows)
+    logits = reference.lm_head_logits(hidden, weight, bias)
+    _check(top, reference.teacher_topk(hidden, weight, k, temperature, 200, bias), 1e-5, logits, temperature, 200)
+    assert top.temperature == temperature and (top.indices < 200).all()
+
+
+def test_listed_schedule_ties_fewer_columns_than_k_and_overflow():
+    generator = torch.Generator().manual_seed(8)
+    hidden = torch.randn(20, 16, generator=generator).half()
+    hidden[[2, 11, 19]] = 0  # logits = weight[:, 0]: 0 everywhere but 1 at the last column
+    hidden[[2, 11, 19], 0] = 1
+    weight = torch.randn(300, 16, generator=generator).half()
+    weight[:, 0] = 0
+    weight[299, 0] = 1
+    top = teacher_topk_listed(hidden.to(DEVICE), weight.to(DEVICE), 5, 1.0, 300, chunk_rows=8)
+    assert top.indices[[2, 11, 19]].tolist() == [[299, 0, 1, 2, 3]] * 3  # redone: every group ties
+    logits = reference.lm_head_logits(hidden, weight)
+    _check(top, reference.teacher_topk(hidden, weight, 5, 1.0, 300), 1e-5, logits, 1.0, 300)
+    for k, width in ((12, 7), (40, 32)):  # fewer columns than k: within one group, over whole groups
+        few = teacher_topk_listed(hidden.to(DEVICE), weight.to(DEVICE), k, 0.5, width)
+        expected = reference.teacher_topk(hidden, weight, k, 0.5, width)
+        assert torch.equal(few.indices[:, :width].cpu(), expected.indices[:, :width].to(torch.int32).cpu())
+        assert torch.isneginf(few.logprobs[:, width:]).all() and (few.indices[:, width:] == 0).all()
+
+
+def test_the_public_function_takes_the_listed_schedule_when_forced(monkeypatch):
+    import kd_kernels as kd
+    import kd_kernels.teacher_chunked as chunked
+
+    hidden, weight, _ = _problem(9, rows=18, columns=150, dtype=torch.float16)
+    calls = []
+    original = chunked.teacher_topk_listed
+    monkeypatch.setattr(chunked, "teacher_topk_listed", lambda *a, **kw: calls.append(1) or original(*a, **kw))
+    monkeypatch.setenv("KD_KERNELS_TEACHER_SCHEDULE", "listed")
+    listed = kd.teacher_topk(hidden, weight, k=8, temperature=2.0, backend="triton")
+    assert calls == [1]
+    monkeypatch.setenv("KD_KERNELS_TEACHER_SCHEDULE", "cublas")
+    cublas = kd.teacher_topk(hidden, weight, k=8, temperature=2.0, backend="triton")
+    assert torch.equal(listed.indices, cublas.indices)
+    assert torch.allclose(listed.logprobs, cublas.logprobs, atol=1e-5, rtol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("k", [8, 64, 256])
+def test_gpu_real_shape_listed_with_massive_ties(k):
+    generator = torch.Generator(device="cuda").manual_seed(k + 11)
+    hidden = (0.2 * torch.randn(2100, 4096, device="cuda", generator=generator)).bfloat16()
+    hidden[[0, 1000, 2099]] = 0  # logits = the bias: 0 but for a 1 at the last existing column
+    weight = (torch.randn(151_936, 4096, device="cuda", generator=generator) * 0.02).bfloat16()
+    bias = torch.zeros(151_936, device="cuda", dtype=torch.bfloat16)
+    bias[151_899] = 1
+    top = teacher_topk_listed(hidden, weight, k, 2.0, 151_900, bias, chunk_rows=768)  # 3 chunks, the last 564 rows
+    assert top.indices[[0, 1000, 2099]].tolist() == [[151_899] + list(range(k - 1))] * 3  # redone
+    exact_logits = reference.lm_head_logits(hidden, weight, bias)
+    _check(top, reference.teacher_topk(hidden, weight, k, 2.0, 151_900, bias), 1e-4, exact_logits, 2.0, 151_900)
