@@ -66,6 +66,13 @@ def _chunk_candidates(logits: torch.Tensor, bias: Optional[torch.Tensor], k: int
     return values, columns + column_start, lse_tempered
 
 
+def _outputs(num_rows: int, k: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Empty tempered values ``[N, k]`` float32, ids ``[N, k]`` int32 (ids < 2^31) and lse ``[N]``."""
+    return (torch.empty(num_rows, k, dtype=torch.float32, device=device),
+            torch.empty(num_rows, k, dtype=torch.int32, device=device),
+            torch.empty(num_rows, dtype=torch.float32, device=device))
+
+
 def _finish(values, indices, lse_tempered, k, temperature, shard) -> TopK:
     """`TopK` from tempered values ``[N, k]`` float32 (turned into log-probs in place: no copy
     of N·k) and int32 ids."""
@@ -143,9 +150,7 @@ def teacher_topk_epilogue(hidden: torch.Tensor, weight: torch.Tensor, k: int, te
         if chunk_rows < num_rows:  # whole L2 groups of row tiles: 2207-row chunks cost 3-10 % more than 2048 (H200)
             chunk_rows = max(EPILOGUE_ROW_MULTIPLE, chunk_rows // EPILOGUE_ROW_MULTIPLE * EPILOGUE_ROW_MULTIPLE)
     logits = torch.empty(min(chunk_rows, num_rows), padded_width(width), dtype=torch.float32, device=hidden.device)
-    values = torch.empty(num_rows, k, dtype=torch.float32, device=hidden.device)
-    indices = torch.empty(num_rows, k, dtype=torch.int32, device=hidden.device)
-    lse = torch.empty(num_rows, dtype=torch.float32, device=hidden.device)
+    values, indices, lse = _outputs(num_rows, k, hidden.device)
     overflow = torch.empty(num_rows, dtype=torch.bool, device=hidden.device)
     for start in range(0, num_rows, chunk_rows):
         stop = min(start + chunk_rows, num_rows)
@@ -196,9 +201,7 @@ def teacher_topk_listed(hidden: torch.Tensor, weight: torch.Tensor, k: int, temp
     width, column_start = (vocab_size, 0) if shard is None else (shard.existing, shard.vocab_start)
     group_columns = default_config().group_columns
     chunk_rows = chunk_rows or listed_chunk_rows(num_rows, width, k, group_columns)
-    values = torch.empty(num_rows, k, dtype=torch.float32, device=hidden.device)
-    indices = torch.empty(num_rows, k, dtype=torch.int32, device=hidden.device)
-    lse = torch.empty(num_rows, dtype=torch.float32, device=hidden.device)
+    values, indices, lse = _outputs(num_rows, k, hidden.device)
     overflow = torch.empty(num_rows, dtype=torch.bool, device=hidden.device)
     for start in range(0, num_rows, chunk_rows):
         stop = min(start + chunk_rows, num_rows)
@@ -241,9 +244,7 @@ def teacher_topk_cublas(hidden: torch.Tensor, weight: torch.Tensor, k: int, temp
     width, column_start = (vocab_size, 0) if shard is None else (shard.existing, shard.vocab_start)
     chunk_rows = _chunk_rows(chunk_rows, num_rows, weight.shape[0])
     logits = torch.empty(min(chunk_rows, num_rows), weight.shape[0], dtype=torch.float32, device=hidden.device)
-    values = torch.empty(num_rows, k, dtype=torch.float32, device=hidden.device)
-    indices = torch.empty(num_rows, k, dtype=torch.int32, device=hidden.device)  # ids < 2^31
-    lse = torch.empty(num_rows, dtype=torch.float32, device=hidden.device)
+    values, indices, lse = _outputs(num_rows, k, hidden.device)
     for start in range(0, num_rows, chunk_rows):
         stop = min(start + chunk_rows, num_rows)
         chunk = lm_head_logits_fp32(hidden[start:stop], weight, logits[:stop - start])
@@ -283,9 +284,7 @@ def teacher_topk_tiled(hidden: torch.Tensor, weight: torch.Tensor, k: int, tempe
     chunk_rows, slice_columns = tile or lean_tile(num_rows, k)
     buffer = torch.empty(min(chunk_rows, num_rows), min(slice_columns, width), dtype=torch.float32,
                          device=hidden.device)
-    values = torch.empty(num_rows, k, dtype=torch.float32, device=hidden.device)
-    indices = torch.empty(num_rows, k, dtype=torch.int32, device=hidden.device)  # ids < 2^31
-    lse = torch.empty(num_rows, dtype=torch.float32, device=hidden.device)
+    values, indices, lse = _outputs(num_rows, k, hidden.device)
     for row_start in range(0, num_rows, chunk_rows):
         rows = slice(row_start, min(row_start + chunk_rows, num_rows))
         running = None

@@ -13,7 +13,7 @@ from kd_kernels import reference
 from kd_kernels.ops.lm_head_group_maxima import default_config, lm_head_logits_with_summaries, padded_width
 from kd_kernels.ops import topk_from_groups as groups_module
 from kd_kernels.ops.topk_from_groups import topk_from_group_maxima
-from kd_kernels.teacher_chunked import teacher_schedule, teacher_topk_epilogue
+from kd_kernels.teacher_chunked import teacher_schedule, teacher_topk_epilogue, teacher_topk_listed
 
 pytestmark = pytest.mark.interpret
 DEVICE = "cuda" if HAS_CUDA else "cpu"
@@ -115,14 +115,15 @@ def test_a_large_k_ranked_in_the_kernel_or_sorted_outside(monkeypatch, rank_max_
     assert torch.allclose(lse.double().cpu(), torch.logsumexp(exact / 2.0, -1).cpu(), atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("schedule", [teacher_topk_epilogue, teacher_topk_listed])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("k, temperature, chunk_rows", [(1, 1.0, None), (6, 0.7, 16), (40, 2.0, 20)])
-def test_epilogue_schedule_matches_the_reference(dtype, k, temperature, chunk_rows):
+def test_the_epilogue_schedules_match_the_reference(schedule, dtype, k, temperature, chunk_rows):
     generator = torch.Generator().manual_seed(k + 300)
     hidden = torch.randn(37, 16, generator=generator).to(DEVICE, dtype)
     weight = torch.randn(203, 16, generator=generator).to(DEVICE, dtype)
     bias = torch.randn(203, generator=generator).to(DEVICE, dtype)
-    top = teacher_topk_epilogue(hidden, weight, k, temperature, 200, bias, chunk_rows)
+    top = schedule(hidden, weight, k, temperature, 200, bias, chunk_rows)
     logits = reference.lm_head_logits(hidden, weight, bias)
     _check(top, reference.teacher_topk(hidden, weight, k, temperature, 200, bias), 1e-5, logits, temperature, 200)
     assert top.temperature == temperature and (top.indices < 200).all()

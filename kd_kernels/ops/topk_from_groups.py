@@ -86,6 +86,25 @@ def _threshold(block_key, valid, k):
 
 
 @triton.jit
+def listed_columns(row_group_ids_ptr, start, usable, lanes, GROUP_COLUMNS: tl.constexpr):
+    """(in the list, column) of each lane of the step reading listed groups ``start, …`` of a
+    row (``GROUP_COLUMNS`` lanes a group; ``usable`` groups listed)."""
+    entry = start + lanes // GROUP_COLUMNS
+    in_list = entry < usable
+    group = tl.load(row_group_ids_ptr + entry, mask=in_list, other=0)
+    return in_list, group * GROUP_COLUMNS + lanes % GROUP_COLUMNS
+
+
+@triton.jit
+def append_keys(row_keys_ptr, count, capacity, take, values, columns):
+    """The taken (value, column) keys stored at a row's next slots, in lane order (those past
+    ``capacity`` dropped: the caller flags the row); returns the new count, which may pass it."""
+    position = count + tl.cumsum(take.to(tl.int32), axis=0) - 1
+    tl.store(row_keys_ptr + position, value_column_key(values, columns), mask=take & (position < capacity))
+    return count + tl.sum(take.to(tl.int32), axis=0)
+
+
+@triton.jit
 def store_in_rank_order(keys_ptr, count, values_ptr, columns_ptr, k, RANK_ROWS: tl.constexpr,
                          RANK_COLUMNS: tl.constexpr):
     """The first k of ``count`` distinct keys in descending order, each at its rank (the number
@@ -176,16 +195,11 @@ def _topk_from_groups_kernel(logits_ptr, stride_row, tile_max2_ptr, tile_sum2_pt
     lanes = tl.arange(0, GROUPS_PER_STEP * GROUP_COLUMNS)
     count = tl.zeros([], tl.int32)
     for start in range(0, usable, GROUPS_PER_STEP):
-        entry = start + lanes // GROUP_COLUMNS
-        in_list = entry < usable
-        group = tl.load(group_ids_ptr + row * capacity + entry, mask=in_list, other=0)
-        columns = group * GROUP_COLUMNS + lanes % GROUP_COLUMNS
+        in_list, columns = listed_columns(group_ids_ptr + row * capacity, start, usable, lanes, GROUP_COLUMNS)
         exists = in_list & (columns < width)
         z = tl.load(logits_ptr + row * stride_row + columns, mask=exists, other=float("-inf"))
         take = exists & (ordered_bits(z * log2e_over_t) >= threshold)
-        position = count + tl.cumsum(take.to(tl.int32), axis=0) - 1
-        tl.store(keys_ptr + row * capacity + position, value_column_key(z, columns), mask=take & (position < capacity))
-        count += tl.sum(take.to(tl.int32), axis=0)
+        count = append_keys(keys_ptr + row * capacity, count, capacity, take, z, columns)
     tl.store(overflow_ptr + row, ((listed > capacity) | (count > capacity)).to(tl.int8))
     count = tl.minimum(count, capacity)
     tl.store(counts_ptr + row, count)

@@ -21,8 +21,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .sort_keys import ordered_bits, top_of_counted_keys, value_column_key
-from .topk_from_groups import RANK_MAX_K, RANK_TILE, capacity_for, store_in_rank_order
+from .sort_keys import ordered_bits, top_of_counted_keys
+from .topk_from_groups import (RANK_MAX_K, RANK_TILE, append_keys, capacity_for, listed_columns,
+                               store_in_rank_order)
 
 GROUPS_PER_STEP = 16
 SELECT_WARPS = 1 if os.environ.get("TRITON_INTERPRET") == "1" else 2
@@ -50,15 +51,10 @@ def _topk_of_listed_kernel(group_logits_ptr, offsets_ptr, group_ids_ptr, listed_
     floor = tl.where(tl.load(thresholds_ptr + row) == -2147483648, -2147483648, floor)
     count = tl.zeros([], tl.int32)
     for start in range(0, usable, GROUPS_PER_STEP):
-        entry = start + lanes // GROUP_COLUMNS
-        in_list = entry < usable
-        group = tl.load(group_ids_ptr + row * capacity + entry, mask=in_list, other=0)
-        columns = group * GROUP_COLUMNS + lanes % GROUP_COLUMNS
+        in_list, columns = listed_columns(group_ids_ptr + row * capacity, start, usable, lanes, GROUP_COLUMNS)
         z = tl.load(row_logits + start * GROUP_COLUMNS + lanes, mask=in_list, other=float("-inf"))
         take = in_list & (columns < width) & (ordered_bits(z) >= floor)
-        position = count + tl.cumsum(take.to(tl.int32), axis=0) - 1
-        tl.store(keys_ptr + row * capacity + position, value_column_key(z, columns), mask=take & (position < capacity))
-        count += tl.sum(take.to(tl.int32), axis=0)
+        count = append_keys(keys_ptr + row * capacity, count, capacity, take, z, columns)
     tl.store(overflow_ptr + row, (count > capacity).to(tl.int8))
     count = tl.minimum(count, capacity)
     tl.store(counts_ptr + row, count)
