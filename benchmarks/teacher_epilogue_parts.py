@@ -18,7 +18,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from harness import llm_like_hidden, time_ms  # noqa: E402
 from kd_kernels.ops import topk_from_groups as groups_module  # noqa: E402
-from kd_kernels.ops.lm_head_group_maxima import lm_head_logits_with_summaries, padded_width  # noqa: E402
+from kd_kernels.ops.lm_head_group_maxima import (  # noqa: E402
+    GroupMaximaConfig, lm_head_logits_with_summaries, padded_width)
 
 TEMPERATURE = 2.0
 
@@ -61,6 +62,10 @@ def listed_parts(hidden, weight, rows):
             part, scale = hidden[:chunk], n / chunk
             matmul = time_ms(lambda: lm_head_logits_with_summaries(part, weight, None, v, TEMPERATURE, None))[0]
             rows.append((f"k={k}, {chunk} rows: matmul, no logits stored (× {scale:.2f})", matmul * scale))
+            if k == 8:  # without the store's staging 4 stages fit (sm_90 compile: 200 KB of shared memory)
+                four = GroupMaximaConfig(num_stages=4)
+                rows.append((f"{chunk} rows: matmul, no logits stored, 4 stages (× {scale:.2f})", scale * time_ms(
+                    lambda: lm_head_logits_with_summaries(part, weight, None, v, TEMPERATURE, None, four))[0]))
             summaries = lm_head_logits_with_summaries(part, weight, None, v, TEMPERATURE, None)
             rows.append((f"k={k}, {chunk} rows: list groups", scale * time_ms(
                 lambda: list_groups(summaries, k, TEMPERATURE))[0]))
