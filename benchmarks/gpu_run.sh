@@ -10,6 +10,7 @@
 #   RUN_TEACHER=0  benchmarks/bench_teacher_topk.py $TEACHER_ARGS
 #   RUN_TP2=0      two GPUs: the TP = 2 Megatron example and bench_vocab_parallel.py
 #   RUN_E2E=0      benchmarks/bench_e2e_throughput.py $E2E_ARGS (the driver's layouts vs one process)
+#   RUN_PARTS=0    benchmarks/teacher_epilogue_parts.py $PARTS_ARGS (e.g. --listed, --selection-only)
 # *_ARGS are evaluated by the shell (quote names with spaces inside them); *_TIMEOUT in seconds.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -49,4 +50,9 @@ if [ "${RUN_E2E:-0}" = 1 ]; then
   eval timeout "${E2E_TIMEOUT:-330}" python benchmarks/bench_e2e_throughput.py --profile "${E2E_ARGS:-}" \
     --out "$OUT/e2e_throughput.json" > "$OUT/e2e_throughput.log" 2>&1
   grep -v "Warn\|logging.cc" "$OUT/e2e_throughput.log" | grep "^|\|student step\|GPU"
+fi
+if [ "${RUN_PARTS:-0}" = 1 ]; then
+  eval timeout "${PARTS_TIMEOUT:-300}" python benchmarks/teacher_epilogue_parts.py "${PARTS_ARGS:-}" \
+    > "$OUT/teacher_parts.log" 2>&1
+  grep "^|\|Error\|error" "$OUT/teacher_parts.log" | tail -40
 fi
