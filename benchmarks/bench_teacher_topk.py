@@ -66,6 +66,9 @@ def bench_shape(name, n, h, v, ks, only=None, fused_sweep=False, interleave=Fals
             "ours from hidden (cuda, listed schedule)": lambda: with_env(
                 "KD_KERNELS_TEACHER_SCHEDULE", "listed",
                 lambda: kd.teacher_topk(hidden, weight, k=k, temperature=TEMPERATURE, backend="cuda")),
+            "ours from hidden (cuda, listed schedule, 1024-row chunks)": lambda: with_env(
+                "KD_KERNELS_TEACHER_SCHEDULE", "listed",
+                lambda: kd.teacher_topk(hidden, weight, k=k, temperature=TEMPERATURE, backend="cuda", chunk_rows=1024)),
             "ours from hidden (cuda, cuBLAS schedule)": lambda: with_env(
                 "KD_KERNELS_TEACHER_SCHEDULE", "cublas",
                 lambda: kd.teacher_topk(hidden, weight, k=k, temperature=TEMPERATURE, backend="cuda")),

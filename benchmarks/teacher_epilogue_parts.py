@@ -58,7 +58,7 @@ def listed_parts(hidden, weight, rows):
     n, v = hidden.shape[0], weight.shape[0]
     for k in (8, 64, 256):
         default_chunk = listed_chunk_rows(n, v, k)
-        for chunk in sorted({default_chunk, 2048}):
+        for chunk in sorted({default_chunk, 2048, 1024}):  # 1024 rows: ~48 MiB of buffers at k = 64
             part, scale = hidden[:chunk], n / chunk
             matmul = time_ms(lambda: lm_head_logits_with_summaries(part, weight, None, v, TEMPERATURE, None))[0]
             rows.append((f"k={k}, {chunk} rows: matmul, no logits stored (× {scale:.2f})", matmul * scale))
@@ -69,12 +69,12 @@ def listed_parts(hidden, weight, rows):
             summaries = lm_head_logits_with_summaries(part, weight, None, v, TEMPERATURE, None)
             rows.append((f"k={k}, {chunk} rows: list groups", scale * time_ms(
                 lambda: list_groups(summaries, k, TEMPERATURE))[0]))
-            _, thresholds, group_ids, listed = list_groups(summaries, k, TEMPERATURE)
-            groups, budget = summaries.group_max.shape[1], LISTED_PAIRS_PER_K * k * chunk
+            _, thresholds, group_ids, listed, group_counts, ranks = list_groups(summaries, k, TEMPERATURE)
+            budget = LISTED_PAIRS_PER_K * k * chunk
             rows.append((f"k={k}, {chunk} rows: pair plan (listed per row: mean {listed.float().mean():.0f}, "
-                         f"max {listed.max().item()})", scale * time_ms(
-                             lambda: plan_pairs(group_ids, listed, groups, budget))[0]))
-            plan = plan_pairs(group_ids, listed, groups, budget)
+                         f"max {listed.max().item()}; groups listed: {int((group_counts > 0).sum())})", scale * time_ms(
+                             lambda: plan_pairs(group_ids, listed, group_counts, ranks, budget))[0]))
+            plan = plan_pairs(group_ids, listed, group_counts, ranks, budget)
             rows.append((f"k={k}, {chunk} rows: recomputed groups", scale * time_ms(
                 lambda: listed_group_logits(part, weight, None, v, plan, summaries.group_columns))[0]))
             group_logits = listed_group_logits(part, weight, None, v, plan, summaries.group_columns)

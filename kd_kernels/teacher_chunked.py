@@ -38,7 +38,10 @@ LEAN_MERGE_BYTES = 16 << 20  # the lean merge's buffers, about
 LEAN_MAX_ROWS = 1024
 EPILOGUE_MAX_K = 1024  # measured up to here; the CUDA sort's 4096 slots per row would hold k <= 2048
 EPILOGUE_ROW_MULTIPLE = 1024  # the epilogue matmul's L2 group of row tiles (8 × 128 rows)
-LISTED_BYTES = 48 << 20  # the listed schedule's buffers per chunk
+# the listed schedule's buffers per chunk: every chunk reads all listed groups' weights again
+# (nearly the whole lm_head: 1.2 GB, ~0.26 ms at S1), so few large chunks (S1: one of 8192
+# rows, ~390 MB) rather than the 64 MiB a chunk of ~1300 rows would take
+LISTED_BYTES = 512 << 20
 LISTED_PAIRS_PER_K = 2  # listed groups a row may use on average (k to ~1.5k on LLM logits), times k
 
 
@@ -168,12 +171,12 @@ def teacher_topk_epilogue(hidden: torch.Tensor, weight: torch.Tensor, k: int, te
 def listed_chunk_rows(num_rows: int, width: int, k: int, group_columns: int = 32) -> int:
     """Rows per chunk of the listed schedule: its buffers within LISTED_BYTES, in quarters of the
     matmul's L2 group of row tiles. A row holds its group maxima (4 · V / group_columns bytes),
-    tile statistics (8 · V / 256), ~36 bytes per listed-group slot (capacity_for(k) slots:
-    ids, the plan's sort keys, destinations and rows, the selection's keys; an upper bound, not
-    all alive at once) and the recomputed logits (4 · group_columns per pair)."""
+    tile statistics (8 · V / 256), 28 bytes per listed-group slot (capacity_for(k) slots:
+    ids, ranks, the plan's rows and destinations, the selection's keys) and the recomputed
+    logits (4 · group_columns per pair)."""
     from .ops.topk_from_groups import capacity_for
 
-    per_row = (4 * width // group_columns + 8 * width // 256 + 36 * capacity_for(k)
+    per_row = (4 * width // group_columns + 8 * width // 256 + 28 * capacity_for(k)
                + 4 * group_columns * LISTED_PAIRS_PER_K * k)
     rows = LISTED_BYTES // per_row
     if rows >= num_rows:
@@ -189,8 +192,8 @@ def teacher_topk_listed(hidden: torch.Tensor, weight: torch.Tensor, k: int, temp
     maxima (ops/lm_head_group_maxima.py, ``logits=None``); the groups that can hold the top-k
     are listed (ops/topk_from_groups.list_groups), their logits computed again from hidden ×
     weight (ops/listed_group_logits.py, ~k · 32 columns a row) and the top-k taken among them
-    (ops/topk_of_listed.py). Memory beyond the outputs: ``listed_chunk_rows`` keeps it near
-    LISTED_BYTES whatever N. Rows that overflow (massive ties, more listed groups than the
+    (ops/topk_of_listed.py). Memory beyond the outputs: ``listed_chunk_rows`` keeps it under
+    LISTED_BYTES whatever N (``chunk_rows`` sets it: ~47 KB a row at V = 151,936, k = 64). Rows that overflow (massive ties, more listed groups than the
     budget) are redone by cuBLAS logits and the full-row selection ``select``."""
     from .ops.listed_group_logits import listed_group_logits, plan_pairs
     from .ops.lm_head_group_maxima import default_config, lm_head_logits_with_summaries
@@ -207,8 +210,8 @@ def teacher_topk_listed(hidden: torch.Tensor, weight: torch.Tensor, k: int, temp
         stop = min(start + chunk_rows, num_rows)
         part = hidden[start:stop]
         summaries = lm_head_logits_with_summaries(part, weight, bias, width, temperature, None)
-        lse[start:stop], thresholds, group_ids, listed = list_groups(summaries, k, temperature)
-        plan = plan_pairs(group_ids, listed, summaries.group_max.shape[1], LISTED_PAIRS_PER_K * k * (stop - start))
+        lse[start:stop], thresholds, group_ids, listed, group_counts, ranks = list_groups(summaries, k, temperature)
+        plan = plan_pairs(group_ids, listed, group_counts, ranks, LISTED_PAIRS_PER_K * k * (stop - start))
         del summaries  # the group maxima's bytes go to the recomputed logits
         group_logits = listed_group_logits(part, weight, bias, width, plan, group_columns)
         chunk_values, indices[start:stop], chunk_overflow = topk_of_listed(

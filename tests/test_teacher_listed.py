@@ -40,7 +40,7 @@ def test_the_listed_groups_hold_the_top_k_and_their_logits_are_recomputed(k, mer
     hidden, weight, bias = _problem(k)
     width = 200
     summaries = lm_head_logits_with_summaries(hidden, weight, bias, width, 2.0, None)
-    lse, thresholds, group_ids, listed = list_groups(summaries, k, 2.0, merge)
+    lse, thresholds, group_ids, listed, group_counts, ranks = list_groups(summaries, k, 2.0, merge)
     exact = reference.lm_head_logits(hidden, weight, bias)[:, :width].cpu()
     assert torch.allclose(lse.double().cpu(), torch.logsumexp(exact / 2.0, -1), atol=1e-5, rtol=0)
     groups = summaries.group_max.shape[1]
@@ -51,7 +51,12 @@ def test_the_listed_groups_hold_the_top_k_and_their_logits_are_recomputed(k, mer
         assert k <= listed[row] <= capacity_for(k)
         assert torch.equal(mine, mine.sort().values)  # column order, no repeats
         assert set(top_groups[row].tolist()) <= set(mine.tolist()), row
-    plan = plan_pairs(group_ids, listed, groups, budget=int(listed.sum()))
+    # each group's count, and its pairs' ranks 0, 1, ... among them
+    pairs = [(int(g), int(r)) for row in range(37) for g, r in zip(group_ids[row, :listed[row]], ranks[row, :listed[row]])]
+    assert torch.equal(group_counts.cpu(), torch.bincount(torch.tensor([g for g, _ in pairs]), minlength=groups).int())
+    for group in range(groups):
+        assert sorted(r for g, r in pairs if g == group) == list(range(int(group_counts[group])))
+    plan = plan_pairs(group_ids, listed, group_counts, ranks, budget=int(listed.sum()))
     assert not plan.overflow.any()
     recomputed = listed_group_logits(hidden, weight, bias, width, plan, columns_per_group).cpu()
     padded = torch.full((37, groups * columns_per_group), float("-inf"), dtype=torch.float64)
@@ -62,17 +67,19 @@ def test_the_listed_groups_hold_the_top_k_and_their_logits_are_recomputed(k, mer
         assert torch.allclose(recomputed[offset:offset + int(listed[row])].double(), expected, atol=1e-5, rtol=0)
 
 
-def test_pairs_past_the_budget_flag_their_rows():
-    group_ids = torch.tensor([[0, 2, 0], [1, 2, 3], [4, 0, 0]], dtype=torch.int32, device=DEVICE)
-    listed = torch.tensor([2, 3, 1], dtype=torch.int32, device=DEVICE)
-    plan = plan_pairs(group_ids, listed, groups=5, budget=4)  # row 1's pairs end at 5, row 2's at 6
-    assert plan.overflow.tolist() == [False, True, True]
-    assert plan.offsets.tolist() == [0, 2, 5]
-    # the pairs in the budget, sorted by group: (row 0, group 0), (row 1, group 1), (0, 2), (1, 2)
-    kept = int(plan.group_start[-1])
-    assert kept == 4
-    assert plan.rows[:kept].tolist() == [0, 1, 0, 1] and plan.destinations[:kept].tolist() == [0, 2, 1, 3]
-    assert plan.group_start.tolist() == [0, 1, 2, 4, 4, 4]
+def test_pairs_grouped_by_group_and_past_the_budget_not_computed():
+    group_ids = torch.tensor([[0, 2, 0], [1, 2, 3], [4, 0, 0], [1, 3, 4]], dtype=torch.int32, device=DEVICE)
+    listed = torch.tensor([2, 3, 1, 4], dtype=torch.int32, device=DEVICE)  # row 3 lists more than its 3 slots
+    ranks = torch.tensor([[0, 1, 0], [0, 0, 0], [0, 0, 0], [1, 1, 1]], dtype=torch.int32, device=DEVICE)
+    group_counts = torch.tensor([1, 2, 2, 2, 2], dtype=torch.int32, device=DEVICE)
+    plan = plan_pairs(group_ids, listed, group_counts, ranks, budget=4)  # row 1's pairs end at 5, row 2's at 6
+    assert plan.overflow.tolist() == [False, True, True, True]
+    assert plan.offsets.tolist() == [0, 2, 5, 6]
+    assert plan.group_start.tolist() == [0, 1, 3, 5, 7, 9]
+    # by group: (row 0, slot 0) | (1, 0) (3, 0) | (1, 1) (0, 1) | (1, 2) (3, 1) | (2, 0) (3, 2); overflowing rows' -1
+    assert plan.rows[:9].tolist() == [0, 1, 3, 1, 0, 1, 3, 2, 3]
+    assert plan.destinations[:9].tolist() == [0, -1, -1, -1, 1, -1, -1, -1, -1]
+    assert plan.item_group.tolist()[:5] == [0, 1, 2, 3, 4] and (plan.item_group[5:] == 5).all()
 
 
 def test_listed_schedule_ties_fewer_columns_than_k_and_overflow():

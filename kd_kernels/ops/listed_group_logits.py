@@ -3,7 +3,7 @@ listed schedule's matmul stores no logits (ops/lm_head_group_maxima.py with ``lo
 and only the ~k groups per row that can hold its top-k (ops/topk_from_groups.list_groups)
 are multiplied out a second time, ~k · GROUP_COLUMNS / V of the matmul's work.
 
-The (row, listed group) pairs are sorted by group (`plan_pairs`): one program takes up to
+The (row, listed group) pairs are grouped by group (`plan_pairs`): one program takes up to
 ``BLOCK_ROWS`` pairs of one group and multiplies their gathered hidden rows by the group's
 ``GROUP_COLUMNS`` weight rows, so a group's weights are read once per block of rows that
 listed it (common tokens are listed by most rows), not once per row.
@@ -26,14 +26,14 @@ NUM_WARPS = 1 if os.environ.get("TRITON_INTERPRET") == "1" else 8
 
 @dataclasses.dataclass
 class PairPlan:
-    """(row, listed group) pairs of a chunk, sorted by group. ``offsets [R]`` int64: where row
+    """(row, listed group) pairs of a chunk, grouped by group. ``offsets [R]`` int64: where row
     r's pairs start in the row-major (row, listed slot) order, the order of the recomputed
-    logits; ``rows``, ``destinations`` ``[R · C]`` (int32, int64): each sorted pair's row and
-    position in that order; ``group_start [G + 1]`` int64: group g's pairs are
-    ``[group_start[g], group_start[g + 1])`` of the sorted ones; ``item_group [items]`` int32
-    and ``item_end [G]`` int64: program i takes block ``i - item_end[g - 1]`` of group
-    ``g = item_group[i]`` (G: nothing to do); ``overflow [R]`` bool: rows whose pairs did not
-    fit the budget (not computed: redo them)."""
+    logits; ``rows`` int32, ``destinations`` int64 ``[P]``: each grouped pair's row and position
+    in that order (-1: not computed, its row overflows); ``group_start [G + 1]`` int64: group
+    g's pairs are ``[group_start[g], group_start[g + 1])``; ``item_group [items]`` int32 and
+    ``item_end [G]`` int64: program i takes block ``i - item_end[g - 1]`` of group
+    ``g = item_group[i]`` (G: nothing to do); ``overflow [R]`` bool: rows with more listed
+    groups than their capacity, or whose pairs pass the budget (redo them)."""
     offsets: torch.Tensor
     rows: torch.Tensor
     destinations: torch.Tensor
@@ -44,29 +44,50 @@ class PairPlan:
     budget: int
 
 
-def plan_pairs(group_ids: torch.Tensor, listed: torch.Tensor, groups: int, budget: int) -> PairPlan:
-    """group_ids ``[R, C]`` int32 (row r's first ``min(listed[r], C)`` valid), listed ``[R]``
-    int32, groups per row G, budget = the most pairs computed (rows past it overflow) ->
-    `PairPlan`, on the device without a host sync."""
+@triton.jit
+def _place_pairs_kernel(group_ids_ptr, ranks_ptr, listed_ptr, offsets_ptr, group_start_ptr, overflow_ptr,
+                        rows_ptr, destinations_ptr, capacity, budget, SLOTS: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    listed = tl.load(listed_ptr + row)
+    usable = tl.minimum(listed, capacity)
+    offset = tl.load(offsets_ptr + row)
+    overflows = (listed > capacity) | (offset + usable > budget)
+    tl.store(overflow_ptr + row, overflows.to(tl.int8))
+    for start in range(0, usable, SLOTS):
+        slot = start + tl.arange(0, SLOTS)
+        mine = slot < usable
+        group = tl.load(group_ids_ptr + row * capacity + slot, mask=mine, other=0)
+        place = tl.load(group_start_ptr + group, mask=mine, other=0) + tl.load(ranks_ptr + row * capacity + slot,
+                                                                               mask=mine, other=0)
+        tl.store(rows_ptr + place, row.to(tl.int32), mask=mine)
+        tl.store(destinations_ptr + place, tl.where(overflows, -1, offset + slot), mask=mine)
+
+
+def plan_pairs(group_ids: torch.Tensor, listed: torch.Tensor, group_counts: torch.Tensor, ranks: torch.Tensor,
+               budget: int) -> PairPlan:
+    """`list_groups`' group_ids and ranks ``[R, C]`` int32 (row r's first ``min(listed[r], C)``
+    valid), listed ``[R]`` int32 and group_counts ``[G]`` int32; budget = the most pairs
+    computed (rows past it overflow) -> `PairPlan`, on the device without a host sync: a
+    counting sort by group (the ranks came from the listing's atomics), no sort of R · C keys."""
     rows, capacity = group_ids.shape
     device = group_ids.device
     counts = listed.clamp(max=capacity).long()
-    ends = torch.cumsum(counts, 0)
-    offsets = ends - counts
-    slots = torch.arange(capacity, device=device)
-    destinations = offsets[:, None] + slots[None, :]
-    valid = (slots[None, :] < counts[:, None]) & (destinations < budget)
-    # group in the high half, destination in the low: one sort orders by group; groups == G sort last
-    keys = torch.where(valid, (group_ids.long() << 32) | destinations, groups << 32).flatten()
-    keys = torch.sort(keys).values
-    sorted_groups, sorted_destinations = keys >> 32, keys & 0xFFFFFFFF
-    pair_rows = torch.searchsorted(ends, sorted_destinations, right=True).clamp_(max=max(rows - 1, 0))
-    group_start = torch.searchsorted(sorted_groups, torch.arange(groups + 1, device=device))
-    item_end = torch.cumsum((group_start[1:] - group_start[:-1] + BLOCK_ROWS - 1) // BLOCK_ROWS, 0)
-    most_items = -(-min(budget, rows * capacity) // BLOCK_ROWS) + groups
+    offsets = torch.cumsum(counts, 0) - counts
+    ends = torch.cumsum(group_counts.long(), 0)
+    group_start = torch.cat([ends.new_zeros(1), ends])
+    pairs = rows * capacity  # every slot: a bound of the counted pairs without a sync
+    pair_rows = torch.empty(pairs, dtype=torch.int32, device=device)
+    destinations = torch.empty(pairs, dtype=torch.int64, device=device)
+    overflow = torch.empty(rows, dtype=torch.int8, device=device)
+    if rows:
+        _place_pairs_kernel[(rows,)](group_ids, ranks, listed, offsets, group_start, overflow, pair_rows, destinations,
+                                     capacity, budget, SLOTS=min(256, triton.next_power_of_2(capacity)),
+                                     num_warps=1 if os.environ.get("TRITON_INTERPRET") == "1" else 2)
+    item_end = torch.cumsum((group_counts.long() + BLOCK_ROWS - 1) // BLOCK_ROWS, 0)
+    most_items = -(-pairs // BLOCK_ROWS) + group_counts.numel()
     item_group = torch.searchsorted(item_end, torch.arange(most_items, device=device), right=True)
-    return PairPlan(offsets, pair_rows.to(torch.int32), sorted_destinations, group_start, item_group.to(torch.int32),
-                    item_end, (listed > capacity) | (ends > budget), budget)
+    return PairPlan(offsets, pair_rows, destinations, group_start, item_group.to(torch.int32), item_end,
+                    overflow.bool(), budget)
 
 
 @triton.jit
@@ -97,9 +118,9 @@ def _listed_group_logits_kernel(hidden_ptr, weight_ptr, bias_ptr, out_ptr, pair_
     if HAS_BIAS:
         accumulator += tl.load(bias_ptr + columns, mask=exists, other=0.0).to(tl.float32)[None, :]
     accumulator = tl.where(exists[None, :], accumulator, float("-inf"))
-    destinations = tl.load(destinations_ptr + pair, mask=in_block, other=0)
+    destinations = tl.load(destinations_ptr + pair, mask=in_block, other=-1)
     tl.store(out_ptr + destinations[:, None] * GROUP_COLUMNS + tl.arange(0, GROUP_COLUMNS)[None, :], accumulator,
-             mask=in_block[:, None])
+             mask=(destinations >= 0)[:, None])
 
 
 def listed_group_logits(hidden: torch.Tensor, weight: torch.Tensor, bias, width: int, plan: PairPlan,

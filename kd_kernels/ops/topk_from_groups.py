@@ -135,13 +135,13 @@ def store_in_rank_order(keys_ptr, count, values_ptr, columns_ptr, k, RANK_ROWS: 
 
 @triton.jit
 def _topk_from_groups_kernel(logits_ptr, stride_row, tile_max2_ptr, tile_sum2_ptr, group_max_ptr, group_ids_ptr,
-                             thresholds_ptr, keys_ptr, counts_ptr, values_ptr, columns_ptr, lse_ptr, overflow_ptr,
+                             thresholds_ptr, group_counts_ptr, ranks_ptr, keys_ptr, counts_ptr, values_ptr, columns_ptr, lse_ptr, overflow_ptr,
                              tiles, width, k, capacity, log2e_over_t, TILES: tl.constexpr,
                              THRESHOLD_BLOCKS: tl.constexpr, MERGE: tl.constexpr,
                              GROUPS_PER_TILE: tl.constexpr, GROUP_COLUMNS: tl.constexpr, GROUP_BLOCK: tl.constexpr,
                              GROUPS_PER_STEP: tl.constexpr, RANK_ROWS: tl.constexpr, RANK_COLUMNS: tl.constexpr,
                              RANK_IN_KERNEL: tl.constexpr, GATHER_IN_KERNEL: tl.constexpr,
-                             STAGES: tl.constexpr = 4):
+                             STAGES: tl.constexpr = 4, COUNT_GROUPS: tl.constexpr = False):
     # STAGES < 4 stops early (benchmarks/teacher_epilogue_parts.py times the stages): 1 the lse,
     # 2 the threshold, 3 the listed groups, 4 everything
     row = tl.program_id(0).to(tl.int64)
@@ -179,6 +179,9 @@ def _topk_from_groups_kernel(logits_ptr, stride_row, tile_max2_ptr, tile_sum2_pt
         candidate = (group < groups) & (ordered_bits(block_max2) >= threshold)
         slot = listed + tl.cumsum(candidate.to(tl.int32), axis=0) - 1
         tl.store(group_ids_ptr + row * capacity + slot, group, mask=candidate & (slot < capacity))
+        if COUNT_GROUPS:  # the listed schedule's pairs by group: each (row, group) pair's place among the group's
+            rank = tl.atomic_add(group_counts_ptr + group, 1, mask=candidate & (slot < capacity), sem="relaxed")
+            tl.store(ranks_ptr + row * capacity + slot, rank, mask=candidate & (slot < capacity))
         listed += tl.sum(candidate.to(tl.int32), axis=0)
     tl.debug_barrier()  # every thread's group ids are in memory
 
@@ -241,7 +244,7 @@ def topk_from_group_maxima(logits: torch.Tensor, summaries, k: int, temperature:
     if rows:
         _topk_from_groups_kernel[(rows,)](
             logits, logits.stride(0), summaries.tile_max2, summaries.tile_sum2, summaries.group_max, group_ids,
-            thresholds, keys, counts, values, columns, lse, overflow, tiles, width, k, capacity, log2e_over_t,
+            thresholds, group_ids, group_ids, keys, counts, values, columns, lse, overflow, tiles, width, k, capacity, log2e_over_t,
             TILES=triton.next_power_of_2(tiles), THRESHOLD_BLOCKS=triton.next_power_of_2(-(-groups // merge)),
             MERGE=merge, GROUPS_PER_TILE=groups // tiles, GROUP_COLUMNS=summaries.group_columns,
             GROUP_BLOCK=GROUP_BLOCK[large_k], GROUPS_PER_STEP=GROUPS_PER_STEP[large_k],
@@ -265,9 +268,11 @@ def list_groups(summaries, k: int, temperature: float, merge: int | None = None)
     the ordered bits of T · log2e / τ, the smallest int32 where fewer than k blocks exist;
     group_ids ``[R, capacity_for(k)]`` int32, the first ``listed`` in column order; listed
     ``[R]`` int32, the count of groups whose maximum reaches T (may exceed the capacity: such a
-    row overflows)). At least k listed groups hold an element ≥ T each, where k blocks exist.
-    ``merge``: adjacent groups per threshold block (None: `threshold_merge`; 1, the k-th largest
-    group maximum, lists the fewest groups)."""
+    row overflows); group_counts ``[G]`` int32, how many rows list each group (within their
+    capacity); ranks ``[R, capacity_for(k)]`` int32, each listed pair's place among its group's
+    pairs, in the order the rows' atomics came). At least k listed groups hold an element ≥ T
+    each, where k blocks exist. ``merge``: adjacent groups per threshold block (None:
+    `threshold_merge`; 1, the k-th largest group maximum, lists the fewest groups)."""
     rows, tiles = summaries.tile_max2.shape
     groups = summaries.group_max.shape[1]
     device = summaries.group_max.device
@@ -281,14 +286,18 @@ def list_groups(summaries, k: int, temperature: float, merge: int | None = None)
     listed = torch.empty(rows, dtype=torch.int32, device=device)
     overflow = torch.empty(rows, dtype=torch.int8, device=device)  # the kernel's; listed > capacity says it
     group_ids = torch.empty(rows, capacity, dtype=torch.int32, device=device)
+    group_counts = torch.zeros(groups, dtype=torch.int32, device=device)
+    ranks = torch.empty(rows, capacity, dtype=torch.int32, device=device)
     if rows:
         unused = summaries.group_max  # the gather's operands: this call stops before the gather
         _topk_from_groups_kernel[(rows,)](
             unused, 0, summaries.tile_max2, summaries.tile_sum2, summaries.group_max, group_ids, thresholds,
-            unused, listed, unused, unused, lse, overflow, tiles, 0, k, capacity, 1.4426950408889634 / temperature,
+            group_counts, ranks, unused, listed, unused, unused, lse, overflow, tiles, 0, k, capacity,
+            1.4426950408889634 / temperature,
             TILES=triton.next_power_of_2(tiles), THRESHOLD_BLOCKS=triton.next_power_of_2(-(-groups // merge)),
             MERGE=merge, GROUPS_PER_TILE=groups // tiles, GROUP_COLUMNS=summaries.group_columns,
             GROUP_BLOCK=GROUP_BLOCK[large_k], GROUPS_PER_STEP=GROUPS_PER_STEP[large_k],
             RANK_ROWS=RANK_TILE[large_k][0], RANK_COLUMNS=RANK_TILE[large_k][1], RANK_IN_KERNEL=False,
-            GATHER_IN_KERNEL=False, STAGES=4, num_warps=SELECT_WARPS_LARGE_K if large_k else SELECT_WARPS)
-    return lse, thresholds, group_ids, listed
+            GATHER_IN_KERNEL=False, STAGES=4, COUNT_GROUPS=True,
+            num_warps=SELECT_WARPS_LARGE_K if large_k else SELECT_WARPS)
+    return lse, thresholds, group_ids, listed, group_counts, ranks
