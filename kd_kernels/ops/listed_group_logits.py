@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-# sm_90 compile (no GPU run yet): 64 rows × 64 deep at 8 warps, 192 registers, no spills; at
+# sm_90 compile (no GPU run yet): 64 rows × 64 deep at 8 warps, 157 registers, no spills; at
 # 4 warps or 128 deep the gathered rows' 64-bit addresses take 246-255 registers and spill
 BLOCK_ROWS = 16 if os.environ.get("TRITON_INTERPRET") == "1" else 64
 BLOCK_K = 16 if os.environ.get("TRITON_INTERPRET") == "1" else 64
@@ -103,24 +103,24 @@ def _listed_group_logits_kernel(hidden_ptr, weight_ptr, bias_ptr, out_ptr, pair_
     start = tl.load(group_start_ptr + group) + (item - first_item) * BLOCK_ROWS
     stop = tl.load(group_start_ptr + group + 1)
     pair = start + tl.arange(0, BLOCK_ROWS)
-    in_block = pair < stop
-    rows = tl.load(pair_rows_ptr + pair, mask=in_block, other=0).to(tl.int64)
+    destinations = tl.load(destinations_ptr + pair, mask=pair < stop, other=-1)
+    live = destinations >= 0  # in the block, and its row not overflowing
+    rows = tl.load(pair_rows_ptr + pair, mask=live, other=0).to(tl.int64)
     columns = group * GROUP_COLUMNS + tl.arange(0, GROUP_COLUMNS)
     exists = columns < width
     accumulator = tl.zeros([BLOCK_ROWS, GROUP_COLUMNS], tl.float32)
     for step in range(0, hidden_size, BLOCK_K):
         depth = step + tl.arange(0, BLOCK_K)
         a = tl.load(hidden_ptr + rows[:, None] * stride_hidden + depth[None, :],
-                    mask=in_block[:, None] & (depth < hidden_size)[None, :], other=0.0)
+                    mask=live[:, None] & (depth < hidden_size)[None, :], other=0.0)
         b = tl.load(weight_ptr + columns.to(tl.int64)[:, None] * stride_weight + depth[None, :],
                     mask=exists[:, None] & (depth < hidden_size)[None, :], other=0.0)
         accumulator = tl.dot(a, tl.trans(b), accumulator, input_precision=DOT_PRECISION)
     if HAS_BIAS:
         accumulator += tl.load(bias_ptr + columns, mask=exists, other=0.0).to(tl.float32)[None, :]
     accumulator = tl.where(exists[None, :], accumulator, float("-inf"))
-    destinations = tl.load(destinations_ptr + pair, mask=in_block, other=-1)
     tl.store(out_ptr + destinations[:, None] * GROUP_COLUMNS + tl.arange(0, GROUP_COLUMNS)[None, :], accumulator,
-             mask=(destinations >= 0)[:, None])
+             mask=live[:, None])
 
 
 def listed_group_logits(hidden: torch.Tensor, weight: torch.Tensor, bias, width: int, plan: PairPlan,
