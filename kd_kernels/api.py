@@ -85,7 +85,9 @@ def teacher_topk(hidden: torch.Tensor, weight: torch.Tensor, k: int = 64, *, tem
             1.20-1.33x at k = 1024 on cuda, whose sort orders the candidates past k = 256;
             timed alternating with the matmul 1.20-1.25x and 1.45-1.49x: benchmarks/RESULTS.md);
             the backend's own selection then only redoes rows of massive ties.
-            ``KD_KERNELS_TEACHER_SCHEDULE=cublas`` forces cuBLAS logits + the full-row selection.
+            ``KD_KERNELS_TEACHER_SCHEDULE=cublas`` forces cuBLAS logits + the full-row selection;
+            ``=listed`` the same matmul storing no logits, the ~k column groups per row that can
+            hold the top-k computed again (not yet timed on a GPU; ≤ 512 MiB of buffers).
         chunk_rows: rows per chunk on the GPU backends (``chunk_rows · V · 4`` bytes); None: ~1.25 GiB.
         lean: tiles of rows × vocab columns instead of row chunks: 48 MiB of float32 logits
             plus ~16 MiB for merging slices, whatever N and V; one matmul and one merge per tile.
