@@ -134,6 +134,20 @@ def store_in_rank_order(keys_ptr, count, values_ptr, columns_ptr, k, RANK_ROWS: 
 
 
 @triton.jit
+def finish_row(row, count, overflowed, keys_ptr, counts_ptr, overflow_ptr, values_ptr, columns_ptr, k, capacity,
+               RANK_IN_KERNEL: tl.constexpr, RANK_ROWS: tl.constexpr, RANK_COLUMNS: tl.constexpr):
+    """A row's overflow flag and candidate count (at most ``capacity``) stored, and with
+    RANK_IN_KERNEL its first k keys in order into values and columns."""
+    tl.store(overflow_ptr + row, overflowed.to(tl.int8))
+    count = tl.minimum(count, capacity)
+    tl.store(counts_ptr + row, count)
+    if RANK_IN_KERNEL:
+        tl.debug_barrier()  # every thread's keys are in memory
+        store_in_rank_order(keys_ptr + row * capacity, count, values_ptr + row * k, columns_ptr + row * k, k,
+                            RANK_ROWS, RANK_COLUMNS)
+
+
+@triton.jit
 def _topk_from_groups_kernel(logits_ptr, stride_row, tile_max2_ptr, tile_sum2_ptr, group_max_ptr, group_ids_ptr,
                              thresholds_ptr, group_counts_ptr, ranks_ptr, keys_ptr, counts_ptr, values_ptr, columns_ptr, lse_ptr, overflow_ptr,
                              tiles, width, k, capacity, log2e_over_t, TILES: tl.constexpr,
@@ -203,13 +217,8 @@ def _topk_from_groups_kernel(logits_ptr, stride_row, tile_max2_ptr, tile_sum2_pt
         z = tl.load(logits_ptr + row * stride_row + columns, mask=exists, other=float("-inf"))
         take = exists & (ordered_bits(z * log2e_over_t) >= threshold)
         count = append_keys(keys_ptr + row * capacity, count, capacity, take, z, columns)
-    tl.store(overflow_ptr + row, ((listed > capacity) | (count > capacity)).to(tl.int8))
-    count = tl.minimum(count, capacity)
-    tl.store(counts_ptr + row, count)
-    if RANK_IN_KERNEL:
-        tl.debug_barrier()  # every thread's keys are in memory
-        store_in_rank_order(keys_ptr + row * capacity, count, values_ptr + row * k, columns_ptr + row * k, k,
-                             RANK_ROWS, RANK_COLUMNS)
+    finish_row(row, count, (listed > capacity) | (count > capacity), keys_ptr, counts_ptr, overflow_ptr, values_ptr,
+               columns_ptr, k, capacity, RANK_IN_KERNEL, RANK_ROWS, RANK_COLUMNS)
 
 
 def topk_from_group_maxima(logits: torch.Tensor, summaries, k: int, temperature: float, width: int,

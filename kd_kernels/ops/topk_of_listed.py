@@ -22,8 +22,7 @@ import triton
 import triton.language as tl
 
 from .sort_keys import ordered_bits, top_of_counted_keys
-from .topk_from_groups import (RANK_MAX_K, RANK_TILE, append_keys, capacity_for, listed_columns,
-                               store_in_rank_order)
+from .topk_from_groups import RANK_MAX_K, RANK_TILE, append_keys, capacity_for, finish_row, listed_columns
 
 GROUPS_PER_STEP = 16
 SELECT_WARPS = 1 if os.environ.get("TRITON_INTERPRET") == "1" else 2
@@ -55,13 +54,8 @@ def _topk_of_listed_kernel(group_logits_ptr, offsets_ptr, group_ids_ptr, listed_
         z = tl.load(row_logits + start * GROUP_COLUMNS + lanes, mask=in_list, other=float("-inf"))
         take = in_list & (columns < width) & (ordered_bits(z) >= floor)
         count = append_keys(keys_ptr + row * capacity, count, capacity, take, z, columns)
-    tl.store(overflow_ptr + row, (count > capacity).to(tl.int8))
-    count = tl.minimum(count, capacity)
-    tl.store(counts_ptr + row, count)
-    if RANK_IN_KERNEL:
-        tl.debug_barrier()  # every thread's keys are in memory
-        store_in_rank_order(keys_ptr + row * capacity, count, values_ptr + row * k, columns_ptr + row * k, k,
-                            RANK_ROWS, RANK_COLUMNS)
+    finish_row(row, count, count > capacity, keys_ptr, counts_ptr, overflow_ptr, values_ptr, columns_ptr, k, capacity,
+               RANK_IN_KERNEL, RANK_ROWS, RANK_COLUMNS)
 
 
 def topk_of_listed(group_logits: torch.Tensor, offsets: torch.Tensor, group_ids: torch.Tensor, listed: torch.Tensor,
