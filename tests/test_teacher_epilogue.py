@@ -188,15 +188,16 @@ def test_the_public_function_takes_the_epilogue_schedule_and_both_agree(monkeypa
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("schedule", [teacher_topk_epilogue, teacher_topk_listed])
 @pytest.mark.parametrize("k", [8, 64, 256, 1024])
-def test_gpu_real_shape_epilogue_with_massive_ties(k):
+def test_gpu_real_shape_epilogue_schedules_with_massive_ties(schedule, k):
     generator = torch.Generator(device="cuda").manual_seed(k + 7)
     hidden = (0.2 * torch.randn(2100, 4096, device="cuda", generator=generator)).bfloat16()
     hidden[[0, 1000, 2099]] = 0  # logits = the bias: 0 but for a 1 at the last existing column
     weight = (torch.randn(151_936, 4096, device="cuda", generator=generator) * 0.02).bfloat16()
     bias = torch.zeros(151_936, device="cuda", dtype=torch.bfloat16)
     bias[151_899] = 1
-    top = teacher_topk_epilogue(hidden, weight, k, 2.0, 151_900, bias, chunk_rows=1024)  # 3 chunks, the last 52 rows
+    top = schedule(hidden, weight, k, 2.0, 151_900, bias, chunk_rows=1024)  # 3 chunks, the last 52 rows
     # more candidates than slots, filled in column order: only the redo finds column 151,899
     assert top.indices[[0, 1000, 2099]].tolist() == [[151_899] + list(range(k - 1))] * 3
     exact_logits = reference.lm_head_logits(hidden, weight, bias)
