@@ -116,3 +116,13 @@ def test_the_public_function_takes_the_listed_schedule_when_forced(monkeypatch):
     cublas = kd.teacher_topk(hidden, weight, k=8, temperature=2.0, backend="triton")
     assert torch.equal(listed.indices, cublas.indices)
     assert torch.allclose(listed.logprobs, cublas.logprobs, atol=1e-5, rtol=0)
+
+
+def test_a_k_past_the_rank_limit_is_ordered_by_a_sort(monkeypatch):
+    from kd_kernels.ops import topk_of_listed as listed_module
+
+    monkeypatch.setattr(listed_module, "RANK_MAX_K", 4)  # k = 12: the candidates' keys sorted outside the kernel
+    hidden, weight, bias = _problem(12, dtype=torch.float16)
+    top = teacher_topk_listed(hidden, weight, 12, 0.7, 200, bias)
+    logits = reference.lm_head_logits(hidden, weight, bias)
+    _check(top, reference.teacher_topk(hidden, weight, 12, 0.7, 200, bias), 1e-5, logits, 0.7, 200)
