@@ -40,6 +40,10 @@ def eager_teacher(hidden, weight, k):
 
 
 _compiled_teacher = torch.compile(eager_teacher)
+# (backend, schedule forced by KD_KERNELS_TEACHER_SCHEDULE, label suffix, teacher_topk options)
+FORCED_SCHEDULES = [("cuda", "epilogue", "", {}), ("cuda", "listed", "", {}),
+                    ("cuda", "listed", ", 1024-row chunks", dict(chunk_rows=1024)), ("cuda", "cuBLAS", "", {}),
+                    ("triton", "cuBLAS", "", {})]
 
 
 def bench_shape(name, n, h, v, ks, only=None, fused_sweep=False, interleave=False):
@@ -60,21 +64,11 @@ def bench_shape(name, n, h, v, ks, only=None, fused_sweep=False, interleave=Fals
                                                                backend="cuda"),
             "ours from hidden (triton)": lambda: kd.teacher_topk(hidden, weight, k=k, temperature=TEMPERATURE,
                                                                  backend="triton"),
-            "ours from hidden (cuda, epilogue schedule)": lambda: with_env(
-                "KD_KERNELS_TEACHER_SCHEDULE", "epilogue",
-                lambda: kd.teacher_topk(hidden, weight, k=k, temperature=TEMPERATURE, backend="cuda")),
-            "ours from hidden (cuda, listed schedule)": lambda: with_env(
-                "KD_KERNELS_TEACHER_SCHEDULE", "listed",
-                lambda: kd.teacher_topk(hidden, weight, k=k, temperature=TEMPERATURE, backend="cuda")),
-            "ours from hidden (cuda, listed schedule, 1024-row chunks)": lambda: with_env(
-                "KD_KERNELS_TEACHER_SCHEDULE", "listed",
-                lambda: kd.teacher_topk(hidden, weight, k=k, temperature=TEMPERATURE, backend="cuda", chunk_rows=1024)),
-            "ours from hidden (cuda, cuBLAS schedule)": lambda: with_env(
-                "KD_KERNELS_TEACHER_SCHEDULE", "cublas",
-                lambda: kd.teacher_topk(hidden, weight, k=k, temperature=TEMPERATURE, backend="cuda")),
-            "ours from hidden (triton, cuBLAS schedule)": lambda: with_env(
-                "KD_KERNELS_TEACHER_SCHEDULE", "cublas",
-                lambda: kd.teacher_topk(hidden, weight, k=k, temperature=TEMPERATURE, backend="triton")),
+            **{f"ours from hidden ({backend}, {schedule} schedule{label})": (
+                lambda backend=backend, schedule=schedule, options=options: with_env(
+                    "KD_KERNELS_TEACHER_SCHEDULE", schedule.lower(),
+                    lambda: kd.teacher_topk(hidden, weight, k=k, temperature=TEMPERATURE, backend=backend, **options)))
+               for backend, schedule, label, options in FORCED_SCHEDULES},
             "ours from hidden (triton fused)": lambda: kd.teacher_topk(hidden, weight, k=k, temperature=TEMPERATURE,
                                                                        backend="triton", fused=True),
             **{f"ours from hidden (triton fused {tiles})": (lambda tiles=tiles: with_env(

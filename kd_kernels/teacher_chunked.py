@@ -39,8 +39,9 @@ LEAN_MAX_ROWS = 1024
 EPILOGUE_MAX_K = 1024  # measured up to here; the CUDA sort's 4096 slots per row would hold k <= 2048
 EPILOGUE_ROW_MULTIPLE = 1024  # the epilogue matmul's L2 group of row tiles (8 × 128 rows)
 # the listed schedule's buffers per chunk: every chunk reads all listed groups' weights again
-# (nearly the whole lm_head: 1.2 GB, ~0.26 ms at S1), so few large chunks (S1: one of 8192
-# rows, ~390 MB) rather than the 64 MiB a chunk of ~1300 rows would take
+# (nearly the whole lm_head: 1.2 GB at S1, ~0.26 ms at 4.8 TB/s), so few large chunks (S1: one
+# of 8192 rows, ~390 MB by `listed_chunk_rows`' estimate, not measured) rather than the 64 MiB
+# a chunk of ~1300 rows would take
 LISTED_BYTES = 512 << 20
 LISTED_PAIRS_PER_K = 2  # listed groups a row may use on average (k to ~1.5k on LLM logits), times k
 
@@ -193,8 +194,9 @@ def teacher_topk_listed(hidden: torch.Tensor, weight: torch.Tensor, k: int, temp
     are listed (ops/topk_from_groups.list_groups), their logits computed again from hidden ×
     weight (ops/listed_group_logits.py, ~k · 32 columns a row) and the top-k taken among them
     (ops/topk_of_listed.py). Memory beyond the outputs: ``listed_chunk_rows`` keeps it under
-    LISTED_BYTES whatever N (``chunk_rows`` sets it: ~47 KB a row at V = 151,936, k = 64). Rows that overflow (massive ties, more listed groups than the
-    budget) are redone by cuBLAS logits and the full-row selection ``select``."""
+    LISTED_BYTES whatever N (``chunk_rows`` sets it: by that estimate ~47 KB a row at
+    V = 151,936, k = 64). Rows that overflow (massive ties, more listed groups than the budget)
+    are redone by cuBLAS logits and the full-row selection ``select``."""
     from .ops.listed_group_logits import listed_group_logits, plan_pairs
     from .ops.lm_head_group_maxima import default_config, lm_head_logits_with_summaries
     from .ops.topk_from_groups import list_groups

@@ -100,14 +100,13 @@ def _lm_head_group_maxima_kernel(hidden_desc, weight_desc, logits_desc, bias_ptr
         columns = column_tile * BLOCK_N + tl.arange(0, BLOCK_N)
         if HAS_BIAS:
             accumulator += tl.load(bias_ptr + columns, mask=columns < width, other=0.0).to(tl.float32)[None, :]
-        if not STORE_LOGITS:
-            pass
-        elif SUBTILE:  # two stores of half the columns: half the shared-memory staging
-            left, right = tl.split(tl.permute(tl.reshape(accumulator, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
-            logits_desc.store([row_tile * BLOCK_M, column_tile * BLOCK_N], left)
-            logits_desc.store([row_tile * BLOCK_M, column_tile * BLOCK_N + BLOCK_N // 2], right)
-        else:
-            logits_desc.store([row_tile * BLOCK_M, column_tile * BLOCK_N], accumulator)
+        if STORE_LOGITS:
+            if SUBTILE:  # two stores of half the columns: half the shared-memory staging
+                left, right = tl.split(tl.permute(tl.reshape(accumulator, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
+                logits_desc.store([row_tile * BLOCK_M, column_tile * BLOCK_N], left)
+                logits_desc.store([row_tile * BLOCK_M, column_tile * BLOCK_N + BLOCK_N // 2], right)
+            else:
+                logits_desc.store([row_tile * BLOCK_M, column_tile * BLOCK_N], accumulator)
         z = tl.where(columns[None, :] < width, accumulator, float("-inf"))
         z2 = z * log2e_over_t
         tile_max2 = tl.max(z2, axis=1)

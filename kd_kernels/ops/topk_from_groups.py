@@ -43,6 +43,7 @@ SELECT_STAGES = 4  # fewer: the profiling stops of the kernel (benchmarks/teache
 # (H200) 5.5-6.4 ms ranked, 4.0-4.4 ms with a torch sort, 3.4-3.5 ms with the CUDA sort (cutting
 # the ~1.3k candidates to k first by bisection cost more than it saved: 3.9 / 4.5 ms)
 RANK_MAX_K = 256
+_LOG2E = 1.4426950408889634
 # order="cuda" past RANK_MAX_K: the listed groups' candidates gathered and sorted by the
 # extension (csrc/candidates_from_groups.cu) instead of gathered here and sorted there. Off
 # until it is timed on a GPU (the gather here is ~2 of the 3.4 ms at k = 1024, 8192 rows)
@@ -149,8 +150,9 @@ def finish_row(row, count, overflowed, keys_ptr, counts_ptr, overflow_ptr, value
 
 @triton.jit
 def _topk_from_groups_kernel(logits_ptr, stride_row, tile_max2_ptr, tile_sum2_ptr, group_max_ptr, group_ids_ptr,
-                             thresholds_ptr, group_counts_ptr, ranks_ptr, keys_ptr, counts_ptr, values_ptr, columns_ptr, lse_ptr, overflow_ptr,
-                             tiles, width, k, capacity, log2e_over_t, TILES: tl.constexpr,
+                             thresholds_ptr, group_counts_ptr, ranks_ptr, keys_ptr, counts_ptr, values_ptr,
+                             columns_ptr, lse_ptr, overflow_ptr, tiles, width, k, capacity, log2e_over_t,
+                             TILES: tl.constexpr,
                              THRESHOLD_BLOCKS: tl.constexpr, MERGE: tl.constexpr,
                              GROUPS_PER_TILE: tl.constexpr, GROUP_COLUMNS: tl.constexpr, GROUP_BLOCK: tl.constexpr,
                              GROUPS_PER_STEP: tl.constexpr, RANK_ROWS: tl.constexpr, RANK_COLUMNS: tl.constexpr,
@@ -221,6 +223,20 @@ def _topk_from_groups_kernel(logits_ptr, stride_row, tile_max2_ptr, tile_sum2_pt
                columns_ptr, k, capacity, RANK_IN_KERNEL, RANK_ROWS, RANK_COLUMNS)
 
 
+def _launch(summaries, k: int, merge: int | None = None) -> dict:
+    """The selection kernel's shape constants and warps for these summaries and k (``merge``
+    groups per threshold block; None: `threshold_merge`)."""
+    tiles = summaries.tile_max2.shape[1]
+    groups = summaries.group_max.shape[1]
+    merge = merge or threshold_merge(k, groups, groups // tiles)
+    large_k = merge != groups // tiles
+    return dict(TILES=triton.next_power_of_2(tiles), THRESHOLD_BLOCKS=triton.next_power_of_2(-(-groups // merge)),
+                MERGE=merge, GROUPS_PER_TILE=groups // tiles, GROUP_COLUMNS=summaries.group_columns,
+                GROUP_BLOCK=GROUP_BLOCK[large_k], GROUPS_PER_STEP=GROUPS_PER_STEP[large_k],
+                RANK_ROWS=RANK_TILE[large_k][0], RANK_COLUMNS=RANK_TILE[large_k][1],
+                num_warps=SELECT_WARPS_LARGE_K if large_k else SELECT_WARPS)
+
+
 def topk_from_group_maxima(logits: torch.Tensor, summaries, k: int, temperature: float, width: int,
                            order: str = "torch"):
     """logits ``[R, ≥ width]`` float32 and their `RowSummaries` -> (values ``[R, k]`` float32 =
@@ -234,13 +250,10 @@ def topk_from_group_maxima(logits: torch.Tensor, summaries, k: int, temperature:
     device = logits.device
     stages = SELECT_STAGES
     tiles = summaries.tile_max2.shape[1]
-    groups = summaries.group_max.shape[1]
     capacity = capacity_for(k)
-    merge = threshold_merge(k, groups, groups // tiles)
-    large_k = merge != groups // tiles
     rank_in_kernel = k <= RANK_MAX_K
     gather_in_cuda = GATHER_IN_CUDA and order == "cuda" and not rank_in_kernel
-    log2e_over_t = 1.4426950408889634 / temperature
+    log2e_over_t = _LOG2E / temperature
     values = torch.empty(rows, k, dtype=torch.float32, device=device)
     columns = torch.empty(rows, k, dtype=torch.int32, device=device)
     lse = torch.empty(rows, dtype=torch.float32, device=device)
@@ -253,13 +266,9 @@ def topk_from_group_maxima(logits: torch.Tensor, summaries, k: int, temperature:
     if rows:
         _topk_from_groups_kernel[(rows,)](
             logits, logits.stride(0), summaries.tile_max2, summaries.tile_sum2, summaries.group_max, group_ids,
-            thresholds, group_ids, group_ids, keys, counts, values, columns, lse, overflow, tiles, width, k, capacity, log2e_over_t,
-            TILES=triton.next_power_of_2(tiles), THRESHOLD_BLOCKS=triton.next_power_of_2(-(-groups // merge)),
-            MERGE=merge, GROUPS_PER_TILE=groups // tiles, GROUP_COLUMNS=summaries.group_columns,
-            GROUP_BLOCK=GROUP_BLOCK[large_k], GROUPS_PER_STEP=GROUPS_PER_STEP[large_k],
-            RANK_ROWS=RANK_TILE[large_k][0], RANK_COLUMNS=RANK_TILE[large_k][1], RANK_IN_KERNEL=rank_in_kernel,
-            GATHER_IN_KERNEL=not gather_in_cuda, STAGES=stages,
-            num_warps=SELECT_WARPS_LARGE_K if large_k else SELECT_WARPS)
+            thresholds, group_ids, group_ids, keys, counts, values, columns, lse, overflow, tiles, width, k, capacity,
+            log2e_over_t, RANK_IN_KERNEL=rank_in_kernel, GATHER_IN_KERNEL=not gather_in_cuda, STAGES=stages,
+            **_launch(summaries, k))
     if gather_in_cuda and stages == 4:
         from .topk_candidates import load_extension
 
@@ -285,10 +294,8 @@ def list_groups(summaries, k: int, temperature: float, merge: int | None = None)
     rows, tiles = summaries.tile_max2.shape
     groups = summaries.group_max.shape[1]
     device = summaries.group_max.device
-    merge = merge or threshold_merge(k, groups, groups // tiles)
-    if merge < 1 or (groups // tiles) % merge:
+    if merge is not None and (merge < 1 or (groups // tiles) % merge):
         raise ValueError(f"merge: expected a divisor of the {groups // tiles} groups per tile, got {merge}")
-    large_k = merge != groups // tiles
     capacity = capacity_for(k)
     lse = torch.empty(rows, dtype=torch.float32, device=device)
     thresholds = torch.empty(rows, dtype=torch.int32, device=device)
@@ -302,11 +309,6 @@ def list_groups(summaries, k: int, temperature: float, merge: int | None = None)
         _topk_from_groups_kernel[(rows,)](
             unused, 0, summaries.tile_max2, summaries.tile_sum2, summaries.group_max, group_ids, thresholds,
             group_counts, ranks, unused, listed, unused, unused, lse, overflow, tiles, 0, k, capacity,
-            1.4426950408889634 / temperature,
-            TILES=triton.next_power_of_2(tiles), THRESHOLD_BLOCKS=triton.next_power_of_2(-(-groups // merge)),
-            MERGE=merge, GROUPS_PER_TILE=groups // tiles, GROUP_COLUMNS=summaries.group_columns,
-            GROUP_BLOCK=GROUP_BLOCK[large_k], GROUPS_PER_STEP=GROUPS_PER_STEP[large_k],
-            RANK_ROWS=RANK_TILE[large_k][0], RANK_COLUMNS=RANK_TILE[large_k][1], RANK_IN_KERNEL=False,
-            GATHER_IN_KERNEL=False, STAGES=4, COUNT_GROUPS=True,
-            num_warps=SELECT_WARPS_LARGE_K if large_k else SELECT_WARPS)
+            _LOG2E / temperature, RANK_IN_KERNEL=False, GATHER_IN_KERNEL=False, STAGES=4, COUNT_GROUPS=True,
+            **_launch(summaries, k, merge))
     return lse, thresholds, group_ids, listed, group_counts, ranks

@@ -71,7 +71,6 @@ def topk_of_listed(group_logits: torch.Tensor, offsets: torch.Tensor, group_ids:
         raise ValueError(f"group_ids: expected {capacity_for(k)} slots per row for k = {k}, got {capacity}")
     device = group_logits.device
     rank_in_kernel = k <= RANK_MAX_K
-    large_k = not rank_in_kernel
     values = torch.empty(rows, k, dtype=torch.float32, device=device)
     columns = torch.empty(rows, k, dtype=torch.int32, device=device)
     overflow = torch.empty(rows, dtype=torch.int8, device=device)
@@ -81,7 +80,7 @@ def topk_of_listed(group_logits: torch.Tensor, offsets: torch.Tensor, group_ids:
         _topk_of_listed_kernel[(rows,)](
             group_logits, offsets, group_ids, listed, thresholds, keys, counts, values, columns, overflow, width, k,
             capacity, group_logits.shape[0], GROUP_COLUMNS=group_logits.shape[1], GROUPS_PER_STEP=GROUPS_PER_STEP,
-            RANK_ROWS=RANK_TILE[large_k][0], RANK_COLUMNS=RANK_TILE[large_k][1], RANK_IN_KERNEL=rank_in_kernel,
+            RANK_ROWS=RANK_TILE[0][0], RANK_COLUMNS=RANK_TILE[0][1], RANK_IN_KERNEL=rank_in_kernel,
             num_warps=SELECT_WARPS)
     if not rank_in_kernel:
         values, columns = top_of_counted_keys(keys, counts, k, order)
