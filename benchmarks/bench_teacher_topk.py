@@ -26,7 +26,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import kd_kernels as kd  # noqa: E402
 from harness import (environment, llm_like_hidden, peak_extra_gib, time_interleaved_ms, time_ms,  # noqa: E402
-                     with_env, write_json)
+                     with_attribute, with_env, write_json)
+from kd_kernels.ops import topk_from_groups  # noqa: E402
 from shapes import TEACHER_SHAPES  # noqa: E402
 
 TEMPERATURE = 2.0
@@ -62,6 +63,11 @@ def bench_shape(name, n, h, v, ks, only=None, fused_sweep=False, interleave=Fals
             "floor: lm_head matmul": lambda: hidden @ weight.T,
             "ours from hidden (cuda)": lambda: kd.teacher_topk(hidden, weight, k=k, temperature=TEMPERATURE,
                                                                backend="cuda"),
+            # past RANK_MAX_K (a sort orders the candidates): the candidates gathered by the Triton
+            # selection and sorted by the extension, as before GATHER_IN_CUDA
+            "ours from hidden (cuda, candidates gathered in Triton)": lambda: with_attribute(
+                topk_from_groups, "GATHER_IN_CUDA", False,
+                lambda: kd.teacher_topk(hidden, weight, k=k, temperature=TEMPERATURE, backend="cuda")),
             "ours from hidden (triton)": lambda: kd.teacher_topk(hidden, weight, k=k, temperature=TEMPERATURE,
                                                                  backend="triton"),
             **{f"ours from hidden ({backend}, {schedule} schedule{label})": (
@@ -97,6 +103,8 @@ def bench_shape(name, n, h, v, ks, only=None, fused_sweep=False, interleave=Fals
         for label, fn in providers.items():
             if only and not label.startswith("floor") and not any(part in label for part in only):
                 continue
+            if "gathered in Triton" in label and k <= topk_from_groups.RANK_MAX_K:
+                continue  # the same path as the default there
             try:
                 median, low, high = time_ms(fn, warmup=2, repeats=7)
                 memory = peak_extra_gib(fn, keep_bytes=n * k * 8 + n * 4)  # beyond the top-k itself

@@ -28,6 +28,17 @@ def environment_variable(name, value):
             os.environ[name] = before
 
 
+def with_attribute(module, name, value, fn):
+    """fn() with ``module.name`` set to ``value``, restored after (launch settings the kernels
+    read at each call)."""
+    before = getattr(module, name)
+    setattr(module, name, value)
+    try:
+        return fn()
+    finally:
+        setattr(module, name, before)
+
+
 def with_env(name, value, fn):
     """fn() with the environment variable ``name`` set to ``value``."""
     with environment_variable(name, value):
