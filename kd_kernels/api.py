@@ -82,12 +82,14 @@ def teacher_topk(hidden: torch.Tensor, weight: torch.Tensor, k: int = 64, *, tem
             select; no compiled extension needed). bf16 / fp16 inputs with k <= 1024 take, on
             either GPU backend, a Triton matmul whose epilogue also summarizes each row, then
             read ~k groups of each row (on an H200 1.03-1.18x the bare matmul at k <= 64,
-            1.20-1.33x at k = 1024 on cuda, whose sort orders the candidates past k = 256;
-            timed alternating with the matmul 1.20-1.25x and 1.45-1.49x: benchmarks/RESULTS.md);
+            1.15-1.23x at k = 1024 on cuda, whose extension gathers and sorts the candidates
+            past k = 256; timed in turn with the matmul 1.17-1.26x and 1.31-1.40x in the latest
+            runs: benchmarks/RESULTS.md);
             the backend's own selection then only redoes rows of massive ties.
             ``KD_KERNELS_TEACHER_SCHEDULE=cublas`` forces cuBLAS logits + the full-row selection;
             ``=listed`` the same matmul storing no logits, the ~k column groups per row that can
-            hold the top-k computed again (not yet timed on a GPU; ≤ 512 MiB of buffers).
+            hold the top-k computed again (≤ 512 MiB of buffers; timed no faster than the
+            default: 1.01-1.07x in blocks at k <= 64, 2.1x at k = 1024).
         chunk_rows: rows per chunk on the GPU backends (``chunk_rows · V · 4`` bytes); None: ~1.25 GiB.
         lean: tiles of rows × vocab columns instead of row chunks: 48 MiB of float32 logits
             plus ~16 MiB for merging slices, whatever N and V; one matmul and one merge per tile.
