@@ -18,6 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from harness import llm_like_hidden, time_ms  # noqa: E402
 from kd_kernels.ops.lm_head_group_maxima import lm_head_logits_with_summaries  # noqa: E402
 from kd_kernels.ops.topk_from_groups import topk_from_group_maxima  # noqa: E402
+from teacher_epilogue_parts import print_table  # noqa: E402
 
 TEMPERATURE = 2.0
 
@@ -59,11 +60,7 @@ def main():
             one = time_ms(lambda: topk_from_group_maxima(logits, summaries, k, TEMPERATURE, columns, "cuda"))[0]
             rows.append((f"top-k from group maxima of one {columns}-column slice, k={k} (× {slices} slices)",
                          one * slices))
-    print(f"{torch.cuda.get_device_name()}, N={n} H={h} V={v}, entropy {entropy:.2f} nats at τ=1")
-    print("| part | ms for all rows | × cuBLAS bf16 |")
-    print("| --- | --- | --- |")
-    for what, ms in rows:
-        print(f"| {what} | {ms:.3f} | {ms / floor:.3f} |")
+    print_table(rows, floor, n, h, v, entropy)
 
 
 if __name__ == "__main__":
