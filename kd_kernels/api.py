@@ -83,7 +83,7 @@ def teacher_topk(hidden: torch.Tensor, weight: torch.Tensor, k: int = 64, *, tem
             either GPU backend, a Triton matmul whose epilogue also summarizes each row, then
             read ~k groups of each row (on an H200 1.03-1.18x the bare matmul at k <= 64,
             1.15-1.23x at k = 1024 on cuda, whose extension gathers and sorts the candidates
-            past k = 256; timed in turn with the matmul 1.17-1.26x and 1.31-1.40x in the latest
+            past k = 256; timed in turn with the matmul 1.17-1.31x and 1.31-1.40x in the latest
             runs: benchmarks/RESULTS.md);
             the backend's own selection then only redoes rows of massive ties.
             ``KD_KERNELS_TEACHER_SCHEDULE=cublas`` forces cuBLAS logits + the full-row selection;
