@@ -41,7 +41,7 @@ EPILOGUE_ROW_MULTIPLE = 1024  # the epilogue matmul's L2 group of row tiles (8 Ã
 # the listed schedule's buffers per chunk: every chunk reads all listed groups' weights again
 # (nearly the whole lm_head: 1.2 GB at S1, ~0.26 ms at 4.8 TB/s), so few large chunks (S1: one
 # of 8192 rows, 227 MiB measured at k = 64 on an H200) rather than the 64 MiB a chunk of ~1300
-# rows would take (1024-row chunks: 34-48 MiB, 1.27-1.30x the matmul against 1.01-1.07x)
+# rows would take (1024-row chunks: 30-48 MiB, 1.22-1.33x the matmul against 1.01-1.07x)
 LISTED_BYTES = 512 << 20
 LISTED_PAIRS_PER_K = 2  # listed groups a row may use on average (k to ~1.5k on LLM logits), times k
 
@@ -114,7 +114,7 @@ def teacher_schedule(hidden: torch.Tensor, weight: torch.Tensor, k: int) -> str:
     """"epilogue" (the Triton matmul that also summarizes each row, then ~k groups read per
     row) for 16-bit TMA-aligned inputs and k <= EPILOGUE_MAX_K, else "cublas" (H200, each timed
     in its own block: at k = 1024 with the candidates gathered and sorted by the extension
-    1.15-1.23x the matmul against 1.29-1.34x for cuBLAS + the full-row selection in the same
+    1.15-1.23x the matmul against 1.25-1.34x for cuBLAS + the full-row selection in the same
     runs; at k = 64 1.04-1.16x against 1.12-1.22x; benchmarks/RESULTS.md).
     ``KD_KERNELS_TEACHER_SCHEDULE=cublas`` / ``=epilogue`` / ``=listed`` force one (A/B in the
     benchmark; "listed", `teacher_topk_listed`, stores no logits and is not chosen by default:
