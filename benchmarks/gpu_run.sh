@@ -2,6 +2,8 @@
 # One GPU-machine call: build the CUDA extension, GPU tests, then the runs chosen by the flags
 # below, each under its own time limit; logs and JSON under $OUT (8 files at most come back).
 # usage (device tool): source .devpkgs/device-env.sh && [FLAGS] bash benchmarks/gpu_run.sh
+# Put KD_KERNELS_GIT_SHA=<this checkout's short sha> among the FLAGS: the device copy's .git can be
+# stale, and the JSON and logs name their commit from it otherwise.
 #   BUILD_CUDA=1   build kd_kernels._C with the documented command and use it in place
 #   RUN_TESTS=1    pytest -m "$TEST_MARKERS" (default "gpu") $TEST_PATHS (default tests/); not "interpret":
 #                  the image's numpy 2.4 breaks the Triton 3.6 interpreter (CI pins numpy<2.4)
