@@ -82,6 +82,24 @@ def test_speed_switches_give_the_same_bits(dtype, k, switch, monkeypatch):
         assert torch.equal(results[1].indices.cpu(), expected.indices.cpu())
 
 
+@pytest.mark.parametrize("width, narrow_by_default", [(12_288, "1"), (16_384, "1"), (16_385, "0"), (151_936, "0")])
+def test_float32_rows_take_narrow_blocks_up_to_16384_columns(width, narrow_by_default, monkeypatch):
+    """The default block shape of float32 rows follows their length (short rows, such as the
+    lean schedule's tiles, are faster with narrow blocks): the default gives the bits of that
+    shape forced, and the reference's top-k."""
+    logits = _llm_like_logits(1500, width, torch.float32, seed=width)
+    monkeypatch.delenv("KD_KERNELS_TOPK_NARROW", raising=False)
+    default = kd.teacher_topk_from_logits(logits, k=64, temperature=2.0, backend="cuda")
+    monkeypatch.setenv("KD_KERNELS_TOPK_NARROW", narrow_by_default)
+    forced = kd.teacher_topk_from_logits(logits, k=64, temperature=2.0, backend="cuda")
+    assert torch.equal(default.indices, forced.indices)
+    assert torch.equal(default.logprobs, forced.logprobs) and torch.equal(default.lse, forced.lse)
+    monkeypatch.setenv("KD_KERNELS_TOPK_NARROW", "0" if narrow_by_default == "1" else "1")
+    other = kd.teacher_topk_from_logits(logits, k=64, temperature=2.0, backend="cuda")
+    assert not torch.equal(other.lse, default.lse)  # the shapes sum in other orders: the check above tells them apart
+    check_teacher_topk(default, reference.teacher_topk_from_logits(logits, 64, 2.0, width), 1e-5, logits, 2.0, width)
+
+
 def test_the_pass_one_margin_changes_no_bit(monkeypatch):
     """KD_KERNELS_TOPK_MARGIN only decides how often pass 2 runs (0: nearly always)."""
     logits = _llm_like_logits(1500, 151_936, torch.bfloat16, seed=9)

@@ -1,0 +1,48 @@
+"""A/B of a switch of the CUDA top-k kernel inside the lean teacher schedule (`lean=True`: the
+kernel runs on 1024-row × 12,288-column float32 tiles, short rows it was not tuned for), the
+two settings and the bare matmul timed in turn within each repetition, at 8192 × 4096 × 151,936.
+
+usage: python benchmarks/lean_select_ab.py --switch KD_KERNELS_TOPK_NARROW [--values 0,1] [--ks 8,64,1024]
+"""
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import kd_kernels as kd  # noqa: E402
+from harness import environment, llm_like_hidden, time_interleaved_ms, with_env  # noqa: E402
+
+TEMPERATURE = 2.0
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--switch", required=True, help="environment variable the kernel reads")
+    parser.add_argument("--values", default="0,1", help="its values for A and B")
+    parser.add_argument("--ks", default="8,64,1024")
+    parser.add_argument("--repeats", type=int, default=9)
+    args = parser.parse_args()
+    value_a, value_b = args.values.split(",")
+    n, h, v = 8192, 4096, 151_936
+    weight = (torch.randn(v, h, device="cuda") * 0.02).to(torch.bfloat16)
+    hidden, entropy, _ = llm_like_hidden(n, h, weight)
+    print(f"environment: {environment()}; N={n} H={h} V={v}, entropy {entropy:.2f} nats at τ=1; "
+          f"A: {args.switch}={value_a}, B: {args.switch}={value_b}")
+    print("| k | matmul ms | A ms | B ms | A / matmul | B / matmul | B / A (medians) |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for k in [int(x) for x in args.ks.split(",")]:
+        def lean(choice, k=k):
+            return lambda: with_env(args.switch, choice, lambda: kd.teacher_topk(
+                hidden, weight, k=k, temperature=TEMPERATURE, backend="cuda", lean=True))
+        calls = {"matmul": (lambda: hidden @ weight.T, None), "A": (lean(value_a), None), "B": (lean(value_b), None)}
+        summary, ratios = time_interleaved_ms(calls, warmup=2, repeats=args.repeats)
+        a, b = (summary[label][0] for label in ("A", "B"))
+        print(f"| {k} | {summary['matmul'][0]:.2f} | {a:.2f} | {b:.2f} | {ratios['A']:.3f} | {ratios['B']:.3f} | "
+              f"{b / a:.3f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
