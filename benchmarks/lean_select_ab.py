@@ -4,7 +4,6 @@ two settings and the bare matmul timed in turn within each repetition, at 8192 Ã
 
 usage: python benchmarks/lean_select_ab.py --switch KD_KERNELS_TOPK_NARROW [--values 0,1] [--ks 8,64,1024]
 """
-import argparse
 import os
 import sys
 
@@ -14,17 +13,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import kd_kernels as kd  # noqa: E402
 from harness import environment, llm_like_hidden, time_interleaved_ms, with_env  # noqa: E402
+from teacher_select_ab import switch_arguments  # noqa: E402
 
 TEMPERATURE = 2.0
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--switch", required=True, help="environment variable the kernel reads")
-    parser.add_argument("--values", default="0,1", help="its values for A and B")
-    parser.add_argument("--ks", default="8,64,1024")
-    parser.add_argument("--repeats", type=int, default=9)
-    args = parser.parse_args()
+    args = switch_arguments(__doc__, repeats=9)
     value_a, value_b = args.values.split(",")
     n, h, v = 8192, 4096, 151_936
     weight = (torch.randn(v, h, device="cuda") * 0.02).to(torch.bfloat16)

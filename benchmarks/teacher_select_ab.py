@@ -19,13 +19,18 @@ from harness import environment, llm_like_hidden, time_interleaved_ms  # noqa: E
 from shapes import TEACHER_SHAPES  # noqa: E402
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def switch_arguments(description, repeats=15):
+    """The command line of a switch A/B: --switch NAME, --values A,B, --ks, --repeats."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--switch", required=True, help="environment variable the kernel reads")
     parser.add_argument("--values", default="0,1", help="its values for A and B")
     parser.add_argument("--ks", default="8,64,1024")
-    parser.add_argument("--repeats", type=int, default=15)
-    args = parser.parse_args()
+    parser.add_argument("--repeats", type=int, default=repeats)
+    return parser.parse_args()
+
+
+def main():
+    args = switch_arguments(__doc__)
     value_a, value_b = args.values.split(",")
     print(f"environment: {environment()}; A: {args.switch}={value_a}, B: {args.switch}={value_b}")
     print("| shape | logits | k | A ms | B ms | B / A (median of pairs) | A % of copy | B % of copy |")
