@@ -13,13 +13,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import kd_kernels as kd  # noqa: E402
 from harness import environment, llm_like_hidden, time_interleaved_ms, with_env  # noqa: E402
-from teacher_select_ab import switch_arguments  # noqa: E402
+from teacher_select_ab import switch_parser  # noqa: E402
 
 TEMPERATURE = 2.0
 
 
 def main():
-    args = switch_arguments(__doc__, repeats=9)
+    args = switch_parser(__doc__, repeats=9).parse_args()
     value_a, value_b = args.values.split(",")
     n, h, v = 8192, 4096, 151_936
     weight = (torch.randn(v, h, device="cuda") * 0.02).to(torch.bfloat16)

@@ -4,6 +4,7 @@ on both alike), from bf16 and fp32 logits in memory at the teacher shapes, with 
 of the bf16 logits in the same rotation for the bandwidth reference.
 
 usage: python benchmarks/teacher_select_ab.py --switch KD_KERNELS_TOPK_FILTER [--values 0,1] [--ks 8,64,1024]
+       [--widths 16384,32768] [--dtypes float32]
 """
 import argparse
 import os
@@ -19,18 +20,21 @@ from harness import environment, llm_like_hidden, time_interleaved_ms  # noqa: E
 from shapes import TEACHER_SHAPES  # noqa: E402
 
 
-def switch_arguments(description, repeats=15):
+def switch_parser(description, repeats=15):
     """The command line of a switch A/B: --switch NAME, --values A,B, --ks, --repeats."""
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--switch", required=True, help="environment variable the kernel reads")
     parser.add_argument("--values", default="0,1", help="its values for A and B")
     parser.add_argument("--ks", default="8,64,1024")
     parser.add_argument("--repeats", type=int, default=repeats)
-    return parser.parse_args()
+    return parser
 
 
 def main():
-    args = switch_arguments(__doc__)
+    parser = switch_parser(__doc__)
+    parser.add_argument("--widths", default="", help="row lengths to cut the logits to (default: the vocabulary)")
+    parser.add_argument("--dtypes", default="bfloat16,float32")
+    args = parser.parse_args()
     value_a, value_b = args.values.split(",")
     print(f"environment: {environment()}; A: {args.switch}={value_a}, B: {args.switch}={value_b}")
     print("| shape | logits | k | A ms | B ms | B / A (median of pairs) | A % of copy | B % of copy |")
@@ -40,8 +44,9 @@ def main():
         hidden, _, _ = llm_like_hidden(n, h, weight)
         logits_bf16 = hidden @ weight.T
         del hidden, weight
-        for dtype in (torch.bfloat16, torch.float32):
-            logits = logits_bf16 if dtype == torch.bfloat16 else logits_bf16.float()
+        for dtype, width in [(getattr(torch, d), int(w)) for d in args.dtypes.split(",")
+                             for w in (args.widths or str(v)).split(",")]:
+            logits = logits_bf16[:, :width].to(dtype).contiguous()
             for k in [int(x) for x in args.ks.split(",")]:
                 def select(choice, k=k, logits=logits):
                     return lambda: with_env(args.switch, choice, lambda: kd.teacher_topk_from_logits(
@@ -52,7 +57,8 @@ def main():
                 copy_gbs = 2 * logits_bf16.numel() * 2 / summary["copy"][0] / 1e6
                 share = {label: logits.numel() * logits.element_size() / summary[label][0] / 1e6 / copy_gbs
                          for label in ("A", "B")}
-                print(f"| {name} | {str(dtype)[6:]} | {k} | {summary['A'][0]:.3f} | {summary['B'][0]:.3f} | "
+                print(f"| {name}, {logits.shape[1]} columns | {str(dtype)[6:]} | {k} | {summary['A'][0]:.3f} | "
+                      f"{summary['B'][0]:.3f} | "
                       f"{ratios['B']:.3f} | {100 * share['A']:.1f} | {100 * share['B']:.1f} |", flush=True)
         logits = logits_bf16 = None  # frees them before the next shape
         torch.cuda.empty_cache()

@@ -48,12 +48,12 @@ struct Narrow {
 // 16-bit rows are bound by instructions (twice the elements per byte), so the serial work of
 // each row hides better behind three streaming blocks than behind one: 4-13 % faster there;
 // float32 rows are bound by HBM and gain nothing consistent at vocabulary length (A/B in turn,
-// NOTES), but short ones do: on the lean schedule's 12,288-column float32 tiles (where this
-// kernel ran at ~820 GB/s) the whole lean call was 9-10 % faster with narrow blocks timed in
-// turn, 1-6 % in blocks (H200), the serial work of a row weighing more against fewer bytes
+// NOTES: 0.98-1.03x at 128k-152k columns), but shorter ones do, the serial work of a row weighing
+// more against fewer bytes: k = 64, narrow / wide time 0.69-0.71 at 12,288 columns (the lean
+// schedule's tiles), 0.71-0.73 at 19,000, 0.78-0.79 at 32,768, 0.86-0.87 at 65,536 (H200)
 template <typename T>
 constexpr bool kNarrowDefault = sizeof(T) == 2;
-constexpr int64_t kNarrowMaxFloat32Width = 16384;
+constexpr int64_t kNarrowMaxFloat32Width = 65536;
 constexpr int kSamplesPerThread = 8;
 constexpr bool kPipelineDefault = true;  // the cp.async pass 1 for 16-bit logits: +1-3 points of copy bandwidth (NOTES)
 constexpr bool kFilterDefault = true;  // drop pass-1 candidates below T before the sort: 1-5 % faster (NOTES)

@@ -82,8 +82,8 @@ def test_speed_switches_give_the_same_bits(dtype, k, switch, monkeypatch):
         assert torch.equal(results[1].indices.cpu(), expected.indices.cpu())
 
 
-@pytest.mark.parametrize("width, narrow_by_default", [(12_288, "1"), (16_384, "1"), (16_385, "0"), (151_936, "0")])
-def test_float32_rows_take_narrow_blocks_up_to_16384_columns(width, narrow_by_default, monkeypatch):
+@pytest.mark.parametrize("width, narrow_by_default", [(12_288, "1"), (65_536, "1"), (65_537, "0"), (151_936, "0")])
+def test_float32_rows_take_narrow_blocks_up_to_65536_columns(width, narrow_by_default, monkeypatch):
     """The default block shape of float32 rows follows their length (short rows, such as the
     lean schedule's tiles, are faster with narrow blocks): the default gives the bits of that
     shape forced, and the reference's top-k."""
