@@ -43,6 +43,9 @@ EPILOGUE_ROW_MULTIPLE = 1024  # the epilogue matmul's L2 group of row tiles (8 Ã
 # of 8192 rows, 227 MiB measured at k = 64 on an H200) rather than the 64 MiB a chunk of ~1300
 # rows would take (1024-row chunks: 30-48 MiB, 1.22-1.33x the matmul against 1.01-1.07x)
 LISTED_BYTES = 512 << 20
+# the sliced schedule: a float32 vocab slice of a chunk of rows and the rows' candidate keys
+SLICED_BYTES = 56 << 20
+SLICED_MAX_K = 256
 LISTED_PAIRS_PER_K = 2  # listed groups a row may use on average (k to ~1.5k on LLM logits), times k
 
 
@@ -107,6 +110,8 @@ def teacher_topk(hidden: torch.Tensor, weight: torch.Tensor, k: int, temperature
         return teacher_topk_epilogue(hidden, weight, k, temperature, vocab_size, bias, chunk_rows, shard, select)
     if schedule == "listed":
         return teacher_topk_listed(hidden, weight, k, temperature, vocab_size, bias, chunk_rows, shard, select)
+    if schedule == "sliced":
+        return teacher_topk_sliced(hidden, weight, k, temperature, vocab_size, bias, shard, select)
     return teacher_topk_cublas(hidden, weight, k, temperature, vocab_size, bias, chunk_rows, shard, select)
 
 
@@ -116,17 +121,19 @@ def teacher_schedule(hidden: torch.Tensor, weight: torch.Tensor, k: int) -> str:
     in its own block: at k = 1024 with the candidates gathered and sorted by the extension
     1.15-1.23x the matmul against 1.25-1.34x for cuBLAS + the full-row selection in the same
     runs; at k = 64 1.04-1.16x against 1.12-1.22x; benchmarks/RESULTS.md).
-    ``KD_KERNELS_TEACHER_SCHEDULE=cublas`` / ``=epilogue`` / ``=listed`` force one (A/B in the
-    benchmark; "listed", `teacher_topk_listed`, stores no logits and is not chosen by default:
-    timed no faster, 2.1x at k = 1024); "epilogue" or "listed" where the epilogue matmul does not apply
-    (dtype, alignment) is an error."""
+    ``KD_KERNELS_TEACHER_SCHEDULE=cublas`` / ``=epilogue`` / ``=listed`` / ``=sliced`` force one
+    (A/B in the benchmark; "listed", `teacher_topk_listed`, stores no logits and is not chosen by
+    default: timed no faster, 2.1x at k = 1024; "sliced", `teacher_topk_sliced`, stays within
+    SLICED_BYTES, not yet timed); the three epilogue-matmul schedules where that matmul does not
+    apply (dtype, alignment) are an error."""
     from .ops.lm_head_group_maxima import epilogue_applies
 
     forced = os.environ.get("KD_KERNELS_TEACHER_SCHEDULE", "")
-    if forced not in ("", "epilogue", "listed", "cublas"):
-        raise ValueError(f"KD_KERNELS_TEACHER_SCHEDULE: expected 'epilogue', 'listed' or 'cublas', got {forced!r}")
+    if forced not in ("", "epilogue", "listed", "sliced", "cublas"):
+        raise ValueError("KD_KERNELS_TEACHER_SCHEDULE: expected 'epilogue', 'listed', 'sliced' or 'cublas', "
+                         f"got {forced!r}")
     applies = epilogue_applies(hidden, weight)
-    if forced in ("epilogue", "listed") and not applies:
+    if forced in ("epilogue", "listed", "sliced") and not applies:
         raise ValueError(f"KD_KERNELS_TEACHER_SCHEDULE={forced}: needs bf16 / fp16 hidden and weight with rows at "
                          f"16-byte boundaries; got {hidden.dtype} / {weight.dtype}, hidden size {hidden.shape[1]}")
     return forced or ("epilogue" if applies and k <= EPILOGUE_MAX_K else "cublas")
@@ -224,6 +231,69 @@ def teacher_topk_listed(hidden: torch.Tensor, weight: torch.Tensor, k: int, temp
     redo = overflow.nonzero().flatten()  # the schedule's one host sync
     if redo.numel():
         _redo_rows(redo, hidden, weight, k, temperature, width, bias, chunk_rows, select, (values, indices, lse))
+    return _finish(values, indices.add_(column_start), lse, k, temperature, shard)
+
+
+def sliced_capacity(k: int) -> int:
+    """Candidate keys a row of the sliced schedule holds: room for ~3k new ones between two
+    compactions to k (fewer compactions), a power of two (the compaction's block)."""
+    return max(64, _next_power_of_2(4 * k))
+
+
+def sliced_tile(num_rows: int, k: int) -> tuple[int, int]:
+    """(rows, columns) of the sliced schedule: the keys take at most a quarter of SLICED_BYTES,
+    the float32 slice the rest (whole 128-column tiles, at most 4096: the kernel's block)."""
+    key_bytes = 8 * sliced_capacity(k)
+    rows = max(1, min(num_rows, 4096, SLICED_BYTES // 4 // key_bytes))
+    columns = (SLICED_BYTES - rows * key_bytes) // (4 * rows) // 128 * 128
+    return rows, max(128, min(4096, columns))
+
+
+def _next_power_of_2(value: int) -> int:
+    return 1 << max(0, value - 1).bit_length()
+
+
+def teacher_topk_sliced(hidden: torch.Tensor, weight: torch.Tensor, k: int, temperature: float, vocab_size: int,
+                        bias: Optional[torch.Tensor] = None, shard=None, select: str = "triton",
+                        tile: Optional[tuple[int, int]] = None) -> TopK:
+    """hidden ``[N, H]``, weight ``[V, H]`` 16-bit -> `TopK` float32 within SLICED_BYTES beyond
+    the outputs whatever N and V: per chunk of rows, vocab slice after vocab slice (``tile`` =
+    (rows, columns), None: `sliced_tile`), the epilogue matmul writes the slice's float32
+    logits and summaries, and each row keeps the slice's elements reaching its running floor
+    (ops/slice_candidates.py); one ranking of each row's keys at the end. Rows whose keys
+    overflow (massive ties) are redone by cuBLAS logits and the full-row selection."""
+    from .ops.lm_head_group_maxima import lm_head_logits_with_summaries, padded_width
+    from .ops.slice_candidates import SliceState, append_slice_candidates
+    from .ops.sort_keys import top_of_counted_keys
+
+    if not 1 <= k <= SLICED_MAX_K:
+        raise ValueError(f"k: the sliced schedule takes 1 <= k <= {SLICED_MAX_K}, got {k}")
+    num_rows = hidden.shape[0]
+    width, column_start = (vocab_size, 0) if shard is None else (shard.existing, shard.vocab_start)
+    chunk_rows, slice_columns = tile or sliced_tile(num_rows, k)
+    buffer = torch.empty(min(chunk_rows, num_rows), padded_width(min(slice_columns, width)), dtype=torch.float32,
+                         device=hidden.device)
+    values, indices, lse = _outputs(num_rows, k, hidden.device)
+    overflow = torch.empty(num_rows, dtype=torch.bool, device=hidden.device)
+    for start in range(0, num_rows, chunk_rows):
+        stop = min(start + chunk_rows, num_rows)
+        logits = buffer[:stop - start]
+        state = SliceState.empty(stop - start, sliced_capacity(k), hidden.device)
+        for slice_start in range(0, width, slice_columns):
+            part = slice(slice_start, min(slice_start + slice_columns, width))
+            summaries = lm_head_logits_with_summaries(hidden[start:stop], weight[part], None if bias is None else
+                                                      bias[part], part.stop - part.start, temperature, logits)
+            append_slice_candidates(logits, summaries, state, part.stop - part.start, slice_start, k)
+        top_values, indices[start:stop] = top_of_counted_keys(state.keys, state.counts, k,
+                                                              "cuda" if select == "cuda" else "torch")
+        values[start:stop] = top_values.div_(temperature)
+        lse[start:stop] = (state.max2 + torch.log2(state.sum2)) * math.log(2.0)
+        overflow[start:stop] = state.overflow.bool()
+    redo = overflow.nonzero().flatten()  # the schedule's one host sync
+    if redo.numel():
+        del buffer, logits
+        _redo_rows(redo, hidden, weight, k, temperature, width, bias, max(1, SLICED_BYTES // (4 * weight.shape[0])),
+                   select, (values, indices, lse))
     return _finish(values, indices.add_(column_start), lse, k, temperature, shard)
 
 

@@ -52,3 +52,14 @@ def check_teacher_topk(top, expected, atol, logits, temperature, vocab_size):
     assert (same | ((exact_at_ours - expected.logprobs.cpu()).abs() <= atol)).all()
     assert all(len(set(row)) == len(row) for row in top.indices.tolist())
     assert torch.allclose(top.lse.double().cpu(), expected.lse.cpu(), atol=atol, rtol=0)
+
+
+def small_teacher_problem(seed, rows=37, columns=203, dtype=torch.float32, scale=1.0):
+    """hidden ``[rows, 16]``, weight ``[columns, 16]``, bias ``[columns]`` of ``dtype``, on the
+    GPU where there is one (the interpreter's tiles are 16 rows × 32 columns)."""
+    generator = torch.Generator().manual_seed(seed)
+    device = "cuda" if HAS_CUDA else "cpu"
+    hidden = (scale * torch.randn(rows, 16, generator=generator)).to(device, dtype)
+    weight = torch.randn(columns, 16, generator=generator).to(device, dtype)
+    bias = torch.randn(columns, generator=generator).to(device, dtype)
+    return hidden, weight, bias

@@ -7,7 +7,7 @@ real shape on a GPU: beside the epilogue schedule's, tests/test_teacher_epilogue
 import pytest
 import torch
 
-from helpers import HAS_CUDA, check_teacher_topk as _check
+from helpers import HAS_CUDA, check_teacher_topk as _check, small_teacher_problem
 from kd_kernels import reference
 from kd_kernels.ops.listed_group_logits import listed_group_logits, plan_pairs
 from kd_kernels.ops.lm_head_group_maxima import lm_head_logits_with_summaries, padded_width
@@ -18,12 +18,8 @@ pytestmark = pytest.mark.interpret
 DEVICE = "cuda" if HAS_CUDA else "cpu"
 
 
-def _problem(seed, rows=37, columns=203, dtype=torch.float32, scale=1.0):
-    generator = torch.Generator().manual_seed(seed)
-    hidden = (scale * torch.randn(rows, 16, generator=generator)).to(DEVICE, dtype)
-    weight = torch.randn(columns, 16, generator=generator).to(DEVICE, dtype)
-    bias = torch.randn(columns, generator=generator).to(DEVICE, dtype)
-    return hidden, weight, bias
+def _problem(seed, rows=37, **options):
+    return small_teacher_problem(seed, rows, **options)
 
 
 def test_summaries_without_logits_equal_those_with_them():
@@ -101,21 +97,23 @@ def test_listed_schedule_ties_fewer_columns_than_k_and_overflow():
         assert torch.isneginf(few.logprobs[:, width:]).all() and (few.indices[:, width:] == 0).all()
 
 
-def test_the_public_function_takes_the_listed_schedule_when_forced(monkeypatch):
+@pytest.mark.parametrize("schedule, function", [("listed", "teacher_topk_listed"), ("sliced", "teacher_topk_sliced")])
+def test_the_public_function_takes_a_schedule_when_forced(schedule, function, monkeypatch):
+    """The opt-in schedules (this file's and tests/test_teacher_sliced.py's) through kd.teacher_topk."""
     import kd_kernels as kd
     import kd_kernels.teacher_chunked as chunked
 
     hidden, weight, _ = _problem(9, rows=18, columns=150, dtype=torch.float16)
     calls = []
-    original = chunked.teacher_topk_listed
-    monkeypatch.setattr(chunked, "teacher_topk_listed", lambda *a, **kw: calls.append(1) or original(*a, **kw))
-    monkeypatch.setenv("KD_KERNELS_TEACHER_SCHEDULE", "listed")
-    listed = kd.teacher_topk(hidden, weight, k=8, temperature=2.0, backend="triton")
+    original = getattr(chunked, function)
+    monkeypatch.setattr(chunked, function, lambda *a, **kw: calls.append(1) or original(*a, **kw))
+    monkeypatch.setenv("KD_KERNELS_TEACHER_SCHEDULE", schedule)
+    forced = kd.teacher_topk(hidden, weight, k=8, temperature=2.0, backend="triton")
     assert calls == [1]
     monkeypatch.setenv("KD_KERNELS_TEACHER_SCHEDULE", "cublas")
     cublas = kd.teacher_topk(hidden, weight, k=8, temperature=2.0, backend="triton")
-    assert torch.equal(listed.indices, cublas.indices)
-    assert torch.allclose(listed.logprobs, cublas.logprobs, atol=1e-5, rtol=0)
+    assert torch.equal(forced.indices, cublas.indices)
+    assert torch.allclose(forced.logprobs, cublas.logprobs, atol=1e-5, rtol=0)
 
 
 def test_a_k_past_the_rank_limit_is_ordered_by_a_sort(monkeypatch):

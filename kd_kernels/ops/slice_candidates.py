@@ -1,0 +1,125 @@
+"""The sliced teacher schedule's per-slice step (issue #4's ≤ 64 MiB target): after the epilogue
+matmul wrote one vocab slice of float32 logits and its row summaries, each row merges the
+slice's tile statistics into its running logsumexp and appends the slice's elements that reach
+its running floor (a lower bound of the row's k-th largest logit) to its candidate keys. When
+the keys would pass their capacity, the row keeps only those reaching the k-th largest value of
+its keys and the new elements, which becomes its floor. Only groups whose maximum reaches the
+floor are read. One ranking of the few survivors ends the row (`sort_keys.top_of_counted_keys`).
+
+State per row: running max2 / sum2 (log2 units at τ, as `RowSummaries`), floor (a logit before
+τ), keys ``[R, capacity]`` int64, count, overflow (massive ties past the capacity: redo).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .sort_keys import ordered_bits, value_of_key
+from .topk_from_groups import append_keys
+
+
+@dataclass
+class SliceState:
+    """The running state of rows across vocab slices (see the module docstring)."""
+    max2: torch.Tensor
+    sum2: torch.Tensor
+    floors: torch.Tensor
+    keys: torch.Tensor
+    counts: torch.Tensor
+    overflow: torch.Tensor
+
+    @classmethod
+    def empty(cls, rows: int, capacity: int, device) -> "SliceState":
+        return cls(torch.full((rows,), float("-inf"), device=device), torch.zeros(rows, device=device),
+                   torch.full((rows,), float("-inf"), device=device),
+                   torch.empty(rows, capacity, dtype=torch.int64, device=device),
+                   torch.zeros(rows, dtype=torch.int32, device=device),
+                   torch.zeros(rows, dtype=torch.int8, device=device))
+
+
+@triton.jit
+def _kth_largest_bits(existing_bits, new_bits, k):
+    """The k-th largest of two blocks of ordered value bits (int32; INT32_MIN where empty),
+    by bisection: the largest t with at least k bits >= t."""
+    low = tl.full([], -2147483648, tl.int64)
+    high = tl.full([], 2147483648, tl.int64)  # exclusive
+    for _ in range(32):
+        middle = (low + high) // 2
+        reaching = (tl.sum((existing_bits.to(tl.int64) >= middle).to(tl.int32), axis=0)
+                    + tl.sum((new_bits.to(tl.int64) >= middle).to(tl.int32), axis=0))
+        low = tl.where(reaching >= k, middle, low)
+        high = tl.where(reaching >= k, high, middle)
+    return low.to(tl.int32)
+
+
+@triton.jit
+def _slice_candidates_kernel(logits_ptr, logits_stride, tile_max2_ptr, tile_sum2_ptr, group_max_ptr, max2_ptr,
+                             sum2_ptr, floors_ptr, keys_ptr, counts_ptr, overflow_ptr, tiles, groups, width,
+                             column_start, k, capacity, GROUP_COLUMNS: tl.constexpr, BLOCK_TILES: tl.constexpr,
+                             BLOCK_COLUMNS: tl.constexpr, BLOCK_KEYS: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    tile = tl.arange(0, BLOCK_TILES)
+    tile_max2 = tl.load(tile_max2_ptr + row * tiles + tile, mask=tile < tiles, other=float("-inf"))
+    tile_sum2 = tl.load(tile_sum2_ptr + row * tiles + tile, mask=tile < tiles, other=0.0)
+    running_max2 = tl.load(max2_ptr + row)
+    merged_max2 = tl.maximum(running_max2, tl.max(tile_max2, axis=0))
+    # an all -inf row so far keeps sum 0 (-inf - -inf would make NaN)
+    anchor = tl.where(merged_max2 == float("-inf"), 0.0, merged_max2)
+    merged_sum2 = (tl.load(sum2_ptr + row) * tl.exp2(running_max2 - anchor)
+                   + tl.sum(tile_sum2 * tl.exp2(tile_max2 - anchor), axis=0))
+    tl.store(max2_ptr + row, merged_max2)
+    tl.store(sum2_ptr + row, merged_sum2)
+
+    floor = tl.load(floors_ptr + row)
+    count = tl.load(counts_ptr + row)
+    row_keys_ptr = keys_ptr + row * capacity
+    column = tl.arange(0, BLOCK_COLUMNS)
+    inside = column < width
+    group_max = tl.load(group_max_ptr + row * groups + column // GROUP_COLUMNS, mask=inside, other=float("-inf"))
+    listed = inside & (group_max >= floor)
+    values = tl.load(logits_ptr + row * logits_stride + column, mask=listed, other=float("-inf"))
+    take = listed & (values >= floor)
+    new_count = tl.sum(take.to(tl.int32), axis=0)
+    if count + new_count > capacity:  # keep what reaches the k-th largest of the keys and the new ones
+        slot = tl.arange(0, BLOCK_KEYS)
+        held = slot < count
+        keys = tl.load(row_keys_ptr + slot, mask=held, other=0)
+        held_bits = tl.where(held, (keys >> 32).to(tl.int32), -2147483648)
+        new_bits = tl.where(take, ordered_bits(values), -2147483648)
+        kth = _kth_largest_bits(held_bits, new_bits, k)
+        kept = held & (held_bits >= kth)
+        position = tl.cumsum(kept.to(tl.int32), axis=0) - 1
+        tl.debug_barrier()  # every held key is read before any is moved down
+        tl.store(row_keys_ptr + position, keys, mask=kept)
+        count = tl.sum(kept.to(tl.int32), axis=0)
+        take = take & (new_bits >= kth)
+        floor = value_of_key(kth.to(tl.int64) << 32)
+        tl.store(floors_ptr + row, floor)
+    count = append_keys(row_keys_ptr, count, capacity, take, values, column_start + column)
+    tl.store(counts_ptr + row, tl.minimum(count, capacity))
+    overflowed = tl.load(overflow_ptr + row) | (count > capacity).to(tl.int8)
+    tl.store(overflow_ptr + row, overflowed)
+
+
+def append_slice_candidates(logits: torch.Tensor, summaries, state: SliceState, width: int, column_start: int,
+                            k: int) -> None:
+    """One vocab slice: logits ``[R, ≥ width]`` float32 (this slice's columns, the first at
+    global id ``column_start``) and their `RowSummaries` -> ``state`` updated in place."""
+    rows, tiles = summaries.tile_max2.shape
+    capacity = state.keys.shape[1]
+    if rows == 0:
+        return
+    # a whole slice a program; a thread's share of it bounds the registers (sm_90 compile of 4096
+    # columns: 238 registers at 4 warps, 150 at 8, 94 at 16), so the warps grow with the slice
+    block_columns = triton.next_power_of_2(width)
+    if block_columns > 4096:
+        raise ValueError(f"width: a slice of at most 4096 columns, got {width}")
+    _slice_candidates_kernel[(rows,)](
+        logits, logits.stride(0), summaries.tile_max2, summaries.tile_sum2, summaries.group_max, state.max2,
+        state.sum2, state.floors, state.keys, state.counts, state.overflow, tiles, summaries.group_max.shape[1],
+        width, column_start, k, capacity, GROUP_COLUMNS=summaries.group_columns,
+        BLOCK_TILES=triton.next_power_of_2(tiles), BLOCK_COLUMNS=block_columns,
+        BLOCK_KEYS=triton.next_power_of_2(capacity), num_warps=max(4, min(16, block_columns // 256)))

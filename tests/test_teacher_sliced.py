@@ -1,0 +1,83 @@
+"""The teacher's sliced schedule against the float64 reference: vocab slices of the epilogue
+matmul, each row's running logsumexp and floor, candidate keys compacted to the k-th largest
+when they would pass their capacity (ops/slice_candidates.py), one ranking at the end, rows of
+massive ties redone exactly. Interpreter tiles: 16 rows × 32 columns, groups of 8."""
+import pytest
+import torch
+
+from helpers import HAS_CUDA, check_teacher_topk, small_teacher_problem
+from kd_kernels import reference
+from kd_kernels.teacher_chunked import sliced_capacity, sliced_tile, teacher_topk_sliced, SLICED_BYTES
+
+pytestmark = pytest.mark.interpret
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+
+
+def _problem(seed, rows=21, **options):
+    return small_teacher_problem(seed, rows, **options)
+
+
+@pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-5), (torch.float16, 1e-4)])
+@pytest.mark.parametrize("k, tile", [(3, (16, 32)), (5, (8, 64)), (40, (16, 32)), (70, (21, 96))])
+def test_sliced_schedule_matches_the_reference(k, tile, dtype, atol):
+    """Slices of 32-96 columns against capacities of 64 and 256 keys: k = 3 and 5 compact in
+    the first slices (more new elements than the capacity), 40 and 70 after several."""
+    hidden, weight, bias = _problem(k, dtype=dtype)
+    top = teacher_topk_sliced(hidden, weight, k, 2.0, 200, bias, tile=tile)
+    expected = reference.teacher_topk(hidden, weight, k, 2.0, 200, bias)
+    check_teacher_topk(top, expected, atol, reference.lm_head_logits(hidden, weight, bias), 2.0, 200)
+
+
+def test_sliced_schedule_fewer_columns_than_k_and_massive_ties():
+    hidden, weight, bias = _problem(7, columns=96)
+    hidden[[2, 9]] = 0  # logits = the bias rounded alike: every element of those rows ties
+    bias[:] = 0.25
+    bias[77] = 1.0
+    top = teacher_topk_sliced(hidden, weight, 100, 1.0, 90, bias, tile=(16, 32))  # 90 columns < k
+    expected = reference.teacher_topk(hidden, weight, 100, 1.0, 90, bias)
+    assert torch.equal(top.indices[:, :90].cpu(), expected.indices[:, :90].to(torch.int32).cpu())
+    assert torch.allclose(top.logprobs[:, :90].double().cpu(), expected.logprobs[:, :90].cpu(), atol=1e-5, rtol=0)
+    assert torch.allclose(top.lse.double().cpu(), expected.lse.cpu(), atol=1e-5, rtol=0)
+    assert top.indices[2, 0] == 77 and torch.equal(top.indices[2, 1:90].cpu(), torch.tensor(
+        [c for c in range(90) if c != 77], dtype=torch.int32))  # ties: lower id first
+    assert torch.isneginf(top.logprobs[:, 90:]).all() and (top.indices[:, 90:] == 0).all()
+
+
+def test_sliced_schedule_redoes_rows_whose_ties_overflow_the_keys():
+    """Rows where more than the capacity of elements tie at the k-th value overflow and are
+    redone by the full-row selection: lower ids first among the ties."""
+    hidden, weight, bias = _problem(8, columns=300)
+    hidden[[0, 20]] = 0
+    bias[:] = 0.5
+    top = teacher_topk_sliced(hidden, weight, 4, 1.0, 300, bias, tile=(16, 64))  # 300 ties > 64 keys
+    expected = reference.teacher_topk(hidden, weight, 4, 1.0, 300, bias)
+    check_teacher_topk(top, expected, 1e-5, reference.lm_head_logits(hidden, weight, bias), 1.0, 300)
+    assert top.indices[0].tolist() == [0, 1, 2, 3] and top.indices[20].tolist() == [0, 1, 2, 3]
+
+
+def test_sliced_tile_stays_within_its_bytes():
+    for num_rows in (1, 8192, 100_000):
+        for k in (1, 8, 64, 256):
+            rows, columns = sliced_tile(num_rows, k)
+            assert rows * (columns * 4 + sliced_capacity(k) * 8) <= SLICED_BYTES
+            assert columns % 128 == 0 and columns <= 4096 and rows <= num_rows
+
+
+def test_sliced_schedule_rejects_k_past_its_limit():
+    hidden, weight, bias = _problem(1)
+    with pytest.raises(ValueError, match="k: the sliced schedule takes"):
+        teacher_topk_sliced(hidden, weight, 257, 1.0, 200, bias)
+
+
+def test_an_element_just_above_the_floor_in_a_later_slice_enters():
+    """Row logits = the bias: the top-3 of the first slices (3, 2, 1) set the floor to 1 when
+    their keys are compacted; a later slice's 1.005 must still replace the 1."""
+    hidden, weight, _ = _problem(3, rows=2, columns=256)
+    hidden[:] = 0
+    bias = -torch.rand(256, generator=torch.Generator().manual_seed(0)).to(DEVICE)  # below 0, distinct
+    bias[[0, 1, 2]] = torch.tensor([3.0, 2.0, 1.0], device=DEVICE)
+    bias[200] = 1.005
+    top = teacher_topk_sliced(hidden, weight, 3, 1.0, 256, bias, tile=(16, 32))  # compaction at the third slice
+    assert top.indices.tolist() == [[0, 1, 200]] * 2
+    check_teacher_topk(top, reference.teacher_topk(hidden, weight, 3, 1.0, 256, bias), 1e-5,
+                       reference.lm_head_logits(hidden, weight, bias), 1.0, 256)
