@@ -111,6 +111,8 @@ def teacher_topk(hidden: torch.Tensor, weight: torch.Tensor, k: int, temperature
     if schedule == "listed":
         return teacher_topk_listed(hidden, weight, k, temperature, vocab_size, bias, chunk_rows, shard, select)
     if schedule == "sliced":
+        if chunk_rows is not None:
+            raise ValueError(f"chunk_rows: the sliced schedule sizes its own tiles (sliced_tile); got {chunk_rows}")
         return teacher_topk_sliced(hidden, weight, k, temperature, vocab_size, bias, shard, select)
     return teacher_topk_cublas(hidden, weight, k, temperature, vocab_size, bias, chunk_rows, shard, select)
 

@@ -63,10 +63,15 @@ def test_sliced_tile_stays_within_its_bytes():
             assert columns % 128 == 0 and columns <= 4096 and rows <= num_rows
 
 
-def test_sliced_schedule_rejects_k_past_its_limit():
+def test_sliced_schedule_rejects_k_past_its_limit_and_a_chunk_size(monkeypatch):
+    import kd_kernels as kd
+
     hidden, weight, bias = _problem(1)
     with pytest.raises(ValueError, match="k: the sliced schedule takes"):
         teacher_topk_sliced(hidden, weight, 257, 1.0, 200, bias)
+    monkeypatch.setenv("KD_KERNELS_TEACHER_SCHEDULE", "sliced")
+    with pytest.raises(ValueError, match="chunk_rows: the sliced schedule sizes its own tiles"):
+        kd.teacher_topk(hidden.half(), weight.half(), k=4, backend="triton", chunk_rows=8)
 
 
 def test_an_element_just_above_the_floor_in_a_later_slice_enters():
