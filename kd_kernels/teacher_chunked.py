@@ -18,7 +18,10 @@ The lean schedule (`teacher_topk_tiled`) instead takes tiles of rows Ã— vocab co
 of float32 logits whatever N and V) and merges each slice's top-k into the row chunk's
 running one. `teacher_topk_fused` writes no logits at all: the top-k is selected in the
 epilogue of a Triton matmul (ops/lm_head_topk.py), per vocab split, and the splits are
-merged here.
+merged here. Opt-in, forced by KD_KERNELS_TEACHER_SCHEDULE: the listed schedule
+(`teacher_topk_listed`: no logits stored, the listed groups computed again) and the sliced one
+(`teacher_topk_sliced`: the epilogue matmul over vocab slices within SLICED_BYTES, each row
+keeping the elements that reach its running k-th value).
 """
 from __future__ import annotations
 
@@ -43,10 +46,10 @@ EPILOGUE_ROW_MULTIPLE = 1024  # the epilogue matmul's L2 group of row tiles (8 Ã
 # of 8192 rows, 227 MiB measured at k = 64 on an H200) rather than the 64 MiB a chunk of ~1300
 # rows would take (1024-row chunks: 30-48 MiB, 1.22-1.33x the matmul against 1.01-1.07x)
 LISTED_BYTES = 512 << 20
+LISTED_PAIRS_PER_K = 2  # listed groups a row may use on average (k to ~1.5k on LLM logits), times k
 # the sliced schedule: a float32 vocab slice of a chunk of rows and the rows' candidate keys
 SLICED_BYTES = 56 << 20
 SLICED_MAX_K = 256
-LISTED_PAIRS_PER_K = 2  # listed groups a row may use on average (k to ~1.5k on LLM logits), times k
 
 
 def _cuda_candidates(logits: torch.Tensor, k: int, temperature: float, width: int, column_start: int):
