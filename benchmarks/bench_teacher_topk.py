@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import kd_kernels as kd  # noqa: E402
 from harness import (environment, llm_like_hidden, peak_extra_gib, time_interleaved_ms, time_ms,  # noqa: E402
-                     with_attribute, with_env, write_json)
+                     with_attributes, with_env, write_json)
 from kd_kernels.ops import topk_from_groups  # noqa: E402
 from kd_kernels.teacher_chunked import SLICED_MAX_K  # noqa: E402
 from shapes import TEACHER_SHAPES  # noqa: E402
@@ -66,8 +66,8 @@ def bench_shape(name, n, h, v, ks, only=None, fused_sweep=False, interleave=Fals
                                                                backend="cuda"),
             # past RANK_MAX_K (a sort orders the candidates): the candidates gathered by the Triton
             # selection and sorted by the extension, as before GATHER_IN_CUDA
-            "ours from hidden (cuda, candidates gathered in Triton)": lambda: with_attribute(
-                topk_from_groups, "GATHER_IN_CUDA", False,
+            "ours from hidden (cuda, candidates gathered in Triton)": lambda: with_attributes(
+                topk_from_groups, dict(GATHER_IN_CUDA=False),
                 lambda: kd.teacher_topk(hidden, weight, k=k, temperature=TEMPERATURE, backend="cuda")),
             "ours from hidden (triton)": lambda: kd.teacher_topk(hidden, weight, k=k, temperature=TEMPERATURE,
                                                                  backend="triton"),

@@ -28,15 +28,17 @@ def environment_variable(name, value):
             os.environ[name] = before
 
 
-def with_attribute(module, name, value, fn):
-    """fn() with ``module.name`` set to ``value``, restored after (launch settings the kernels
-    read at each call)."""
-    before = getattr(module, name)
-    setattr(module, name, value)
+def with_attributes(module, settings, fn):
+    """fn() with the ``module`` attributes named in ``settings`` set to its values, restored
+    after (launch settings the kernels read at each call)."""
+    before = {name: getattr(module, name) for name in settings}
+    for name, value in settings.items():
+        setattr(module, name, value)
     try:
         return fn()
     finally:
-        setattr(module, name, before)
+        for name, value in before.items():
+            setattr(module, name, value)
 
 
 def with_env(name, value, fn):

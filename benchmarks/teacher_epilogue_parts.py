@@ -16,7 +16,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from harness import llm_like_hidden, time_ms  # noqa: E402
+from harness import llm_like_hidden, time_ms, with_attributes  # noqa: E402
 from kd_kernels.ops import topk_from_groups as groups_module  # noqa: E402
 from kd_kernels.ops.lm_head_group_maxima import (  # noqa: E402
     GroupMaximaConfig, lm_head_logits_with_summaries, padded_width)
@@ -36,16 +36,8 @@ def selection(logits, summaries, k, width, warps, stages=4, rank_max_k=None, ran
         settings.update(SELECT_WARPS_LARGE_K=large_k_launch[0],
                         GROUPS_PER_STEP=(groups_module.GROUPS_PER_STEP[0], large_k_launch[1]))
 
-    def call():
-        saved = {name: getattr(groups_module, name) for name in settings}
-        for name, value in settings.items():
-            setattr(groups_module, name, value)
-        try:
-            return groups_module.topk_from_group_maxima(logits, summaries, k, TEMPERATURE, width, order)
-        finally:
-            for name, value in saved.items():
-                setattr(groups_module, name, value)
-    return call
+    return lambda: with_attributes(groups_module, settings, lambda: groups_module.topk_from_group_maxima(
+        logits, summaries, k, TEMPERATURE, width, order))
 
 
 def listed_parts(hidden, weight, rows):
