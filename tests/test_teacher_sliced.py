@@ -86,3 +86,24 @@ def test_an_element_just_above_the_floor_in_a_later_slice_enters():
     assert top.indices.tolist() == [[0, 1, 200]] * 2
     check_teacher_topk(top, reference.teacher_topk(hidden, weight, 3, 1.0, 256, bias), 1e-5,
                        reference.lm_head_logits(hidden, weight, bias), 1.0, 256)
+
+
+def test_a_compaction_sets_the_floor_to_the_kth_largest_of_the_keys_and_the_new_elements():
+    """Three 32-column slices into 64 keys at k = 3: the third slice compacts, and each row's
+    floor becomes the third largest of all 96 logits (not of the 64 held keys alone); the keys
+    left are those reaching it."""
+    from kd_kernels.ops.lm_head_group_maxima import lm_head_logits_with_summaries, padded_width
+    from kd_kernels.ops.slice_candidates import SliceState, append_slice_candidates
+
+    hidden, weight, bias = _problem(4, rows=5, columns=96)
+    state = SliceState.empty(5, 64, hidden.device)
+    buffer = torch.empty(5, padded_width(32), device=hidden.device)
+    seen = []
+    for start in (0, 32, 64):
+        summaries = lm_head_logits_with_summaries(hidden, weight[start:start + 32], bias[start:start + 32], 32, 1.0,
+                                                  buffer)
+        append_slice_candidates(buffer, summaries, state, 32, start, 3)
+        seen.append(buffer[:, :32].clone())
+    third = torch.cat(seen, dim=1).topk(3, dim=-1).values[:, 2]
+    assert torch.equal(state.floors, third)
+    assert state.counts.tolist() == [3] * 5 and not state.overflow.any()

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from .sort_keys import ordered_bits, value_of_key
-from .topk_from_groups import append_keys
+from .topk_from_groups import append_keys, kth_largest_bits
 
 
 @dataclass
@@ -38,21 +38,6 @@ class SliceState:
                    torch.empty(rows, capacity, dtype=torch.int64, device=device),
                    torch.zeros(rows, dtype=torch.int32, device=device),
                    torch.zeros(rows, dtype=torch.int8, device=device))
-
-
-@triton.jit
-def _kth_largest_bits(existing_bits, new_bits, k):
-    """The k-th largest of two blocks of ordered value bits (int32; INT32_MIN where empty),
-    by bisection: the largest t with at least k bits >= t."""
-    low = tl.full([], -2147483648, tl.int64)
-    high = tl.full([], 2147483648, tl.int64)  # exclusive
-    for _ in range(32):
-        middle = (low + high) // 2
-        reaching = (tl.sum((existing_bits.to(tl.int64) >= middle).to(tl.int32), axis=0)
-                    + tl.sum((new_bits.to(tl.int64) >= middle).to(tl.int32), axis=0))
-        low = tl.where(reaching >= k, middle, low)
-        high = tl.where(reaching >= k, high, middle)
-    return low.to(tl.int32)
 
 
 @triton.jit
@@ -87,9 +72,9 @@ def _slice_candidates_kernel(logits_ptr, logits_stride, tile_max2_ptr, tile_sum2
         slot = tl.arange(0, BLOCK_KEYS)
         held = slot < count
         keys = tl.load(row_keys_ptr + slot, mask=held, other=0)
-        held_bits = tl.where(held, (keys >> 32).to(tl.int32), -2147483648)
-        new_bits = tl.where(take, ordered_bits(values), -2147483648)
-        kth = _kth_largest_bits(held_bits, new_bits, k)
+        held_bits = (keys >> 32).to(tl.int32)
+        new_bits = ordered_bits(values)
+        kth = kth_largest_bits(held_bits, held, k, new_bits, take)
         kept = held & (held_bits >= kth)
         position = tl.cumsum(kept.to(tl.int32), axis=0) - 1
         tl.debug_barrier()  # every held key is read before any is moved down

@@ -73,14 +73,17 @@ def capacity_for(k: int) -> int:
 
 
 @triton.jit
-def _threshold(block_key, valid, k):
-    """The largest t (int32 ordered bits) with at least k valid block maxima ≥ t (any shape);
-    the smallest int32 where fewer than k blocks are valid."""
+def kth_largest_bits(block_key, valid, k, other_key=None, other_valid=None):
+    """The largest t (int32 ordered bits) with at least k valid keys ≥ t in ``block_key`` (any
+    shape) and, when given, ``other_key``; the smallest int32 where fewer than k are valid."""
     low = tl.full([], -2147483648, tl.int64)
     high = tl.full([], 2147483647, tl.int64)
     for _ in range(32):
         middle = low + (high - low + 1) // 2
-        enough = tl.sum(((block_key >= middle.to(tl.int32)) & valid).to(tl.int32)) >= k
+        reaching = tl.sum(((block_key >= middle.to(tl.int32)) & valid).to(tl.int32))
+        if other_key is not None:
+            reaching += tl.sum(((other_key >= middle.to(tl.int32)) & other_valid).to(tl.int32))
+        enough = reaching >= k
         low = tl.where(enough, middle, low)
         high = tl.where(enough, high, middle - 1)
     return low.to(tl.int32)
@@ -177,12 +180,12 @@ def _topk_from_groups_kernel(logits_ptr, stride_row, tile_max2_ptr, tile_sum2_pt
     groups = tiles * GROUPS_PER_TILE
     group_row = group_max_ptr + row * groups
     if MERGE == GROUPS_PER_TILE:  # the k-th largest tile maximum (tiles are in registers already)
-        threshold = _threshold(ordered_bits(tile_max2), t < tiles, k)
+        threshold = kth_largest_bits(ordered_bits(tile_max2), t < tiles, k)
     else:  # the k-th largest maximum of MERGE adjacent groups: ≥ 2k such blocks, ~k candidates
         block = tl.arange(0, THRESHOLD_BLOCKS)[:, None] * MERGE + tl.arange(0, MERGE)[None, :]
         block_max = tl.max(tl.load(group_row + block, mask=block < groups, other=float("-inf")), axis=1)
-        threshold = _threshold(ordered_bits(block_max * log2e_over_t), tl.arange(0, THRESHOLD_BLOCKS) * MERGE < groups,
-                               k)
+        threshold = kth_largest_bits(ordered_bits(block_max * log2e_over_t),
+                                     tl.arange(0, THRESHOLD_BLOCKS) * MERGE < groups, k)
     if STAGES < 3:
         tl.store(counts_ptr + row, threshold)
         return
