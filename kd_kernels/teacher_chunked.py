@@ -174,10 +174,8 @@ def teacher_topk_epilogue(hidden: torch.Tensor, weight: torch.Tensor, k: int, te
         summaries = lm_head_logits_with_summaries(hidden[start:stop], weight, bias, width, temperature, chunk)
         values[start:stop], indices[start:stop], lse[start:stop], overflow[start:stop] = topk_from_group_maxima(
             chunk, summaries, k, temperature, width, order="cuda" if select == "cuda" else "torch")
-    redo = overflow.nonzero().flatten()  # the schedule's one host sync
-    if redo.numel():
-        del logits, chunk  # the redo's logits take their place
-        _redo_rows(redo, hidden, weight, k, temperature, width, bias, chunk_rows, select, (values, indices, lse))
+    logits = chunk = None  # a redo's logits can take their place
+    _redo_rows(overflow, hidden, weight, k, temperature, width, bias, chunk_rows, select, (values, indices, lse))
     return _finish(values, indices.add_(column_start), lse, k, temperature, shard)
 
 
@@ -233,29 +231,19 @@ def teacher_topk_listed(hidden: torch.Tensor, weight: torch.Tensor, k: int, temp
             order="cuda" if select == "cuda" else "torch")
         values[start:stop] = chunk_values.div_(temperature)
         overflow[start:stop] = chunk_overflow | plan.overflow
-    redo = overflow.nonzero().flatten()  # the schedule's one host sync
-    if redo.numel():
-        _redo_rows(redo, hidden, weight, k, temperature, width, bias, chunk_rows, select, (values, indices, lse))
+    _redo_rows(overflow, hidden, weight, k, temperature, width, bias, chunk_rows, select, (values, indices, lse))
     return _finish(values, indices.add_(column_start), lse, k, temperature, shard)
-
-
-def sliced_capacity(k: int) -> int:
-    """Candidate keys a row of the sliced schedule holds: room for ~3k new ones between two
-    compactions to k (fewer compactions), a power of two (the compaction's block)."""
-    return max(64, _next_power_of_2(4 * k))
 
 
 def sliced_tile(num_rows: int, k: int) -> tuple[int, int]:
     """(rows, columns) of the sliced schedule: the keys take at most a quarter of SLICED_BYTES,
     the float32 slice the rest (whole 128-column tiles, at most 4096: the kernel's block)."""
-    key_bytes = 8 * sliced_capacity(k)
+    from .ops.slice_candidates import slice_key_capacity
+
+    key_bytes = 8 * slice_key_capacity(k)
     rows = max(1, min(num_rows, 4096, SLICED_BYTES // 4 // key_bytes))
     columns = (SLICED_BYTES - rows * key_bytes) // (4 * rows) // 128 * 128
     return rows, max(128, min(4096, columns))
-
-
-def _next_power_of_2(value: int) -> int:
-    return 1 << max(0, value - 1).bit_length()
 
 
 def teacher_topk_sliced(hidden: torch.Tensor, weight: torch.Tensor, k: int, temperature: float, vocab_size: int,
@@ -268,7 +256,7 @@ def teacher_topk_sliced(hidden: torch.Tensor, weight: torch.Tensor, k: int, temp
     (ops/slice_candidates.py); one ranking of each row's keys at the end. Rows whose keys
     overflow (massive ties) are redone by cuBLAS logits and the full-row selection."""
     from .ops.lm_head_group_maxima import lm_head_logits_with_summaries, padded_width
-    from .ops.slice_candidates import SliceState, append_slice_candidates
+    from .ops.slice_candidates import SliceState, append_slice_candidates, slice_key_capacity
     from .ops.sort_keys import top_of_counted_keys
 
     if not 1 <= k <= SLICED_MAX_K:
@@ -283,29 +271,32 @@ def teacher_topk_sliced(hidden: torch.Tensor, weight: torch.Tensor, k: int, temp
     for start in range(0, num_rows, chunk_rows):
         stop = min(start + chunk_rows, num_rows)
         logits = buffer[:stop - start]
-        state = SliceState.empty(stop - start, sliced_capacity(k), hidden.device)
+        state = SliceState.empty(stop - start, slice_key_capacity(k), hidden.device)
         for slice_start in range(0, width, slice_columns):
             part = slice(slice_start, min(slice_start + slice_columns, width))
+            slice_width = part.stop - part.start
             summaries = lm_head_logits_with_summaries(hidden[start:stop], weight[part], None if bias is None else
-                                                      bias[part], part.stop - part.start, temperature, logits)
-            append_slice_candidates(logits, summaries, state, part.stop - part.start, slice_start, k)
+                                                      bias[part], slice_width, temperature, logits)
+            append_slice_candidates(logits, summaries, state, slice_width, slice_start, k)
         top_values, indices[start:stop] = top_of_counted_keys(state.keys, state.counts, k,
                                                               "cuda" if select == "cuda" else "torch")
         values[start:stop] = top_values.div_(temperature)
         lse[start:stop] = (state.max2 + torch.log2(state.sum2)) * math.log(2.0)
         overflow[start:stop] = state.overflow.bool()
-    redo = overflow.nonzero().flatten()  # the schedule's one host sync
-    if redo.numel():
-        del buffer, logits
-        _redo_rows(redo, hidden, weight, k, temperature, width, bias, max(1, SLICED_BYTES // (4 * weight.shape[0])),
-                   select, (values, indices, lse))
+    buffer = logits = None  # a redo's logits can take their place
+    _redo_rows(overflow, hidden, weight, k, temperature, width, bias, max(1, SLICED_BYTES // (4 * weight.shape[0])),
+               select, (values, indices, lse))
     return _finish(values, indices.add_(column_start), lse, k, temperature, shard)
 
 
-def _redo_rows(rows: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor, k: int, temperature: float,
+def _redo_rows(overflow: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor, k: int, temperature: float,
                width: int, bias: Optional[torch.Tensor], chunk_rows: int, select: str, outputs) -> None:
-    """Overwrites ``outputs`` = (tempered values, local ids, lse) at ``rows`` with the cuBLAS
-    float32 logits and the full-row selection, ``chunk_rows`` rows at a time."""
+    """Overwrites ``outputs`` = (tempered values, local ids, lse) at the rows ``overflow`` ``[N]``
+    bool marks with the cuBLAS float32 logits and the full-row selection, ``chunk_rows`` rows at
+    a time. Reading the mask is the schedules' one host sync."""
+    rows = overflow.nonzero().flatten()
+    if not rows.numel():
+        return
     values, indices, lse = outputs
     logits = torch.empty(min(chunk_rows, rows.numel()), weight.shape[0], dtype=torch.float32, device=hidden.device)
     for start in range(0, rows.numel(), chunk_rows):

@@ -7,7 +7,8 @@ import torch
 
 from helpers import HAS_CUDA, check_teacher_topk, small_teacher_problem
 from kd_kernels import reference
-from kd_kernels.teacher_chunked import sliced_capacity, sliced_tile, teacher_topk_sliced, SLICED_BYTES
+from kd_kernels.ops.slice_candidates import slice_key_capacity
+from kd_kernels.teacher_chunked import SLICED_BYTES, sliced_tile, teacher_topk_sliced
 
 pytestmark = pytest.mark.interpret
 DEVICE = "cuda" if HAS_CUDA else "cpu"
@@ -59,7 +60,7 @@ def test_sliced_tile_stays_within_its_bytes():
     for num_rows in (1, 8192, 100_000):
         for k in (1, 8, 64, 256):
             rows, columns = sliced_tile(num_rows, k)
-            assert rows * (columns * 4 + sliced_capacity(k) * 8) <= SLICED_BYTES
+            assert rows * (columns * 4 + slice_key_capacity(k) * 8) <= SLICED_BYTES
             assert columns % 128 == 0 and columns <= 4096 and rows <= num_rows
 
 

@@ -21,6 +21,12 @@ from .sort_keys import ordered_bits, value_of_key
 from .topk_from_groups import append_keys, kth_largest_bits
 
 
+def slice_key_capacity(k: int) -> int:
+    """Candidate keys a row holds: room for ~3k new ones between two compactions to k (fewer
+    compactions), a power of two (the compaction's block)."""
+    return max(64, triton.next_power_of_2(4 * k))
+
+
 @dataclass
 class SliceState:
     """The running state of rows across vocab slices (see the module docstring)."""
