@@ -45,15 +45,16 @@ def test_sliced_schedule_fewer_columns_than_k_and_massive_ties():
 
 
 def test_sliced_schedule_redoes_rows_whose_ties_overflow_the_keys():
-    """Rows where more than the capacity of elements tie at the k-th value overflow and are
-    redone by the full-row selection: lower ids first among the ties."""
+    """Rows where more than the capacity of elements tie at the k-th value overflow (the keys
+    full of ties drop a later, larger element) and are redone by the full-row selection."""
     hidden, weight, bias = _problem(8, columns=300)
     hidden[[0, 20]] = 0
     bias[:] = 0.5
-    top = teacher_topk_sliced(hidden, weight, 4, 1.0, 300, bias, tile=(16, 64))  # 300 ties > 64 keys
+    bias[250] = 0.9  # in the fourth slice, after the 64 keys filled with ties
+    top = teacher_topk_sliced(hidden, weight, 4, 1.0, 300, bias, tile=(16, 64))  # 299 ties > 64 keys
     expected = reference.teacher_topk(hidden, weight, 4, 1.0, 300, bias)
     check_teacher_topk(top, expected, 1e-5, reference.lm_head_logits(hidden, weight, bias), 1.0, 300)
-    assert top.indices[0].tolist() == [0, 1, 2, 3] and top.indices[20].tolist() == [0, 1, 2, 3]
+    assert top.indices[0].tolist() == [250, 0, 1, 2] and top.indices[20].tolist() == [250, 0, 1, 2]
 
 
 def test_sliced_tile_stays_within_its_bytes():
