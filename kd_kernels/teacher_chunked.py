@@ -20,7 +20,7 @@ running one. `teacher_topk_fused` writes no logits at all: the top-k is selected
 epilogue of a Triton matmul (ops/lm_head_topk.py), per vocab split, and the splits are
 merged here. Opt-in, forced by KD_KERNELS_TEACHER_SCHEDULE: the listed schedule
 (`teacher_topk_listed`: no logits stored, the listed groups computed again) and the sliced one
-(`teacher_topk_sliced`: the epilogue matmul over vocab slices within SLICED_BYTES, each row
+(`teacher_topk_sliced`: the epilogue matmul over vocab slices, its buffers within SLICED_BYTES, each row
 keeping the elements that reach its running k-th value).
 """
 from __future__ import annotations
@@ -249,8 +249,10 @@ def sliced_tile(num_rows: int, k: int) -> tuple[int, int]:
 def teacher_topk_sliced(hidden: torch.Tensor, weight: torch.Tensor, k: int, temperature: float, vocab_size: int,
                         bias: Optional[torch.Tensor] = None, shard=None, select: str = "triton",
                         tile: Optional[tuple[int, int]] = None) -> TopK:
-    """hidden ``[N, H]``, weight ``[V, H]`` 16-bit -> `TopK` float32 within SLICED_BYTES beyond
-    the outputs whatever N and V: per chunk of rows, vocab slice after vocab slice (``tile`` =
+    """hidden ``[N, H]``, weight ``[V, H]`` 16-bit -> `TopK` float32 with a slice buffer and
+    keys within SLICED_BYTES whatever N and V (on top: each slice's summaries, ~2 MiB at k = 64,
+    and the final ranking's temporaries, ~24 MiB at k = 64 with a torch sort, ~none with the
+    extension's; estimates, not measured): per chunk of rows, vocab slice after vocab slice (``tile`` =
     (rows, columns), None: `sliced_tile`), the epilogue matmul writes the slice's float32
     logits and summaries, and each row keeps the slice's elements reaching its running floor
     (ops/slice_candidates.py); one ranking of each row's keys at the end. Rows whose keys
