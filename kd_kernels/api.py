@@ -89,7 +89,7 @@ def teacher_topk(hidden: torch.Tensor, weight: torch.Tensor, k: int = 64, *, tem
             ``KD_KERNELS_TEACHER_SCHEDULE=cublas`` forces cuBLAS logits + the full-row selection;
             ``=listed`` the same matmul storing no logits, the ~k column groups per row that can
             hold the top-k computed again (≤ 512 MiB of buffers; timed no faster than the
-            default: 1.01-1.07x in blocks at k <= 64, 2.1x at k = 1024); ``=sliced`` (k <= 256)
+            default: 0.99-1.11x in blocks at k <= 64, 2.1x at k = 1024); ``=sliced`` (k <= 256)
             vocab slices of row chunks with 56 MiB of buffers, each row keeping the elements that reach
             its running k-th value (not yet timed on a GPU).
         chunk_rows: rows per chunk on the GPU backends (``chunk_rows · V · 4`` bytes); None: ~1.25 GiB.

@@ -44,7 +44,7 @@ EPILOGUE_ROW_MULTIPLE = 1024  # the epilogue matmul's L2 group of row tiles (8 Ã
 # the listed schedule's buffers per chunk: every chunk reads all listed groups' weights again
 # (nearly the whole lm_head: 1.2 GB at S1, ~0.26 ms at 4.8 TB/s), so few large chunks (S1: one
 # of 8192 rows, 227 MiB measured at k = 64 on an H200) rather than the 64 MiB a chunk of ~1300
-# rows would take (1024-row chunks: 30-48 MiB, 1.22-1.33x the matmul against 1.01-1.07x)
+# rows would take (1024-row chunks: 30-48 MiB, 1.22-1.33x the matmul against 0.99-1.11x)
 LISTED_BYTES = 512 << 20
 LISTED_PAIRS_PER_K = 2  # listed groups a row may use on average (k to ~1.5k on LLM logits), times k
 # the sliced schedule: a float32 vocab slice of a chunk of rows and the rows' candidate keys
