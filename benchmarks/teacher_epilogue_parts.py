@@ -1,9 +1,11 @@
 """Where the epilogue schedule's time goes (issue #4): the matmul with row summaries per chunk,
 and the top-k from group maxima per chunk at several launch widths, against cuBLAS. With
 ``--listed``: the listed schedule's parts instead (the matmul storing no logits, the listing,
-the pair plan, the recomputed groups, the top-k among them) and the whole schedule.
+the pair plan, the recomputed groups, the top-k among them) and the whole schedule. With
+``--sliced``: the sliced schedule's matmul over its slices alone, and the whole schedule at
+several tiles and slice-kernel launches.
 
-usage: python benchmarks/teacher_epilogue_parts.py [--selection-only | --listed]   (one H200)
+usage: python benchmarks/teacher_epilogue_parts.py [--selection-only | --listed | --sliced]   (one H200)
 """
 from __future__ import annotations
 
@@ -80,10 +82,38 @@ def listed_parts(hidden, weight, rows):
             print(rows[-1], flush=True)
 
 
+def sliced_parts(hidden, weight, rows):
+    """The sliced schedule: its epilogue matmul over every (row chunk, vocab slice) alone, then
+    the whole schedule (matmul, slice kernel, final ranking) per tile and slice-kernel launch."""
+    from kd_kernels.ops import slice_candidates
+    from kd_kernels.teacher_chunked import sliced_tile, teacher_topk_sliced
+
+    n, v = hidden.shape[0], weight.shape[0]
+    for k in (8, 64):
+        default_tile = sliced_tile(n, k)
+        for tile in dict.fromkeys([default_tile, (2048, 4096), (8192, 1536)]):
+            chunk_rows, columns = tile
+            logits = torch.empty(chunk_rows, padded_width(columns), device="cuda")
+
+            def matmul_only():
+                for start in range(0, n, chunk_rows):
+                    for column in range(0, v, columns):
+                        lm_head_logits_with_summaries(hidden[start:start + chunk_rows], weight[column:column + columns],
+                                                      None, min(columns, v - column), TEMPERATURE, logits)
+            rows.append((f"k={k}, tile {tile}: the epilogue matmul over the slices alone", time_ms(matmul_only)[0]))
+            for block, warps in ((1024, 4), (1024, 8), (512, 4), (2048, 8), (4096, 16)):
+                settings = dict(BLOCK_COLUMNS=block, WARPS=warps)
+                whole = time_ms(lambda: with_attributes(slice_candidates, settings, lambda: teacher_topk_sliced(
+                    hidden, weight, k, TEMPERATURE, v, tile=tile, select="cuda")))[0]
+                rows.append((f"k={k}, tile {tile}: whole, slice kernel {block} columns a step, {warps} warps", whole))
+                print(rows[-1], flush=True)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--selection-only", action="store_true", help="skip the matmul parts")
     parser.add_argument("--listed", action="store_true", help="the listed schedule's parts only")
+    parser.add_argument("--sliced", action="store_true", help="the sliced schedule's parts only")
     args = parser.parse_args()
     selection_only = args.selection_only
     n, h, v = 8192, 4096, 151936
@@ -93,8 +123,8 @@ def main():
     full = time_ms(lambda: hidden @ weight.T)[0]
     rows.append(("cuBLAS bf16, 8192 rows", full))
     rows.append(("cuBLAS fp32 out, 8192 rows", time_ms(lambda: torch.mm(hidden, weight.T, out_dtype=torch.float32))[0]))
-    if args.listed:
-        listed_parts(hidden, weight, rows)
+    if args.listed or args.sliced:
+        (listed_parts if args.listed else sliced_parts)(hidden, weight, rows)
         print_table(rows, full, n, h, v, entropy)
         return
     for chunk in () if selection_only else (2207, 2048, 1024):

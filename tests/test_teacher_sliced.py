@@ -29,6 +29,19 @@ def test_sliced_schedule_matches_the_reference(k, tile, dtype, atol):
     check_teacher_topk(top, expected, atol, reference.lm_head_logits(hidden, weight, bias), 2.0, 200)
 
 
+@pytest.mark.parametrize("k, tile", [(3, (16, 64)), (40, (21, 96))])
+def test_sliced_schedule_reads_a_slice_in_blocks(k, tile, monkeypatch):
+    """Slices of several 16-column blocks: each block appends (or compacts) after the last one's
+    keys, in one program."""
+    from kd_kernels.ops import slice_candidates
+
+    monkeypatch.setattr(slice_candidates, "BLOCK_COLUMNS", 16)
+    hidden, weight, bias = _problem(k + 1)
+    top = teacher_topk_sliced(hidden, weight, k, 2.0, 200, bias, tile=tile)
+    expected = reference.teacher_topk(hidden, weight, k, 2.0, 200, bias)
+    check_teacher_topk(top, expected, 1e-5, reference.lm_head_logits(hidden, weight, bias), 2.0, 200)
+
+
 def test_sliced_schedule_fewer_columns_than_k_and_massive_ties():
     hidden, weight, bias = _problem(7, columns=96)
     hidden[[2, 9]] = 0  # logits = the bias rounded alike: every element of those rows ties

@@ -21,6 +21,11 @@ from .sort_keys import ordered_bits, value_of_key
 from .topk_from_groups import append_keys, kth_largest_bits
 
 
+# columns a program reads at a time, and its warps (a module attribute, set by the parts bench)
+BLOCK_COLUMNS = 1024
+WARPS = 4
+
+
 def slice_key_capacity(k: int) -> int:
     """Candidate keys a row holds: room for ~3k new ones between two compactions to k (fewer
     compactions), a power of two (the compaction's block)."""
@@ -66,32 +71,40 @@ def _slice_candidates_kernel(logits_ptr, logits_stride, tile_max2_ptr, tile_sum2
 
     floor = tl.load(floors_ptr + row)
     count = tl.load(counts_ptr + row)
+    overflowed = tl.load(overflow_ptr + row)
     row_keys_ptr = keys_ptr + row * capacity
-    column = tl.arange(0, BLOCK_COLUMNS)
-    inside = column < width
-    group_max = tl.load(group_max_ptr + row * groups + column // GROUP_COLUMNS, mask=inside, other=float("-inf"))
-    listed = inside & (group_max >= floor)
-    values = tl.load(logits_ptr + row * logits_stride + column, mask=listed, other=float("-inf"))
-    take = listed & (values >= floor)
-    new_count = tl.sum(take.to(tl.int32), axis=0)
-    if count + new_count > capacity:  # keep what reaches the k-th largest of the keys and the new ones
-        slot = tl.arange(0, BLOCK_KEYS)
-        held = slot < count
-        keys = tl.load(row_keys_ptr + slot, mask=held, other=0)
-        held_bits = (keys >> 32).to(tl.int32)
-        new_bits = ordered_bits(values)
-        kth = kth_largest_bits(held_bits, held, k, new_bits, take)
-        kept = held & (held_bits >= kth)
-        position = tl.cumsum(kept.to(tl.int32), axis=0) - 1
-        tl.debug_barrier()  # every held key is read before any is moved down
-        tl.store(row_keys_ptr + position, keys, mask=kept)
-        count = tl.sum(kept.to(tl.int32), axis=0)
-        take = take & (new_bits >= kth)
-        floor = value_of_key(kth.to(tl.int64) << 32)
-        tl.store(floors_ptr + row, floor)
-    count = append_keys(row_keys_ptr, count, capacity, take, values, column_start + column)
-    tl.store(counts_ptr + row, tl.minimum(count, capacity))
-    overflowed = tl.load(overflow_ptr + row) | (count > capacity).to(tl.int8)
+    # a block of the slice at a time, each taken as its own smaller slice: a thread's share of a
+    # block bounds the registers, and a few programs a multiprocessor hide each other's latency
+    for block_start in range(0, width, BLOCK_COLUMNS):
+        column = block_start + tl.arange(0, BLOCK_COLUMNS)
+        inside = column < width
+        group_max = tl.load(group_max_ptr + row * groups + column // GROUP_COLUMNS, mask=inside,
+                            other=float("-inf"))
+        listed = inside & (group_max >= floor)
+        values = tl.load(logits_ptr + row * logits_stride + column, mask=listed, other=float("-inf"))
+        take = listed & (values >= floor)
+        new_count = tl.sum(take.to(tl.int32), axis=0)
+        if new_count > 0:  # past the first blocks most rows take nothing: no scan, no store
+            if count + new_count > capacity:  # keep what reaches the k-th largest of the keys and the new ones
+                tl.debug_barrier()  # an earlier block's appends (other threads') land before they are read
+                slot = tl.arange(0, BLOCK_KEYS)
+                held = slot < count
+                keys = tl.load(row_keys_ptr + slot, mask=held, other=0)
+                held_bits = (keys >> 32).to(tl.int32)
+                new_bits = ordered_bits(values)
+                kth = kth_largest_bits(held_bits, held, k, new_bits, take)
+                kept = held & (held_bits >= kth)
+                position = tl.cumsum(kept.to(tl.int32), axis=0) - 1
+                tl.debug_barrier()  # every held key is read before any is moved down
+                tl.store(row_keys_ptr + position, keys, mask=kept)
+                count = tl.sum(kept.to(tl.int32), axis=0)
+                take = take & (new_bits >= kth)
+                floor = value_of_key(kth.to(tl.int64) << 32)
+            count = append_keys(row_keys_ptr, count, capacity, take, values, column_start + column)
+            overflowed = overflowed | (count > capacity).to(tl.int8)
+            count = tl.minimum(count, capacity)
+    tl.store(floors_ptr + row, floor)
+    tl.store(counts_ptr + row, count)
     tl.store(overflow_ptr + row, overflowed)
 
 
@@ -103,14 +116,9 @@ def append_slice_candidates(logits: torch.Tensor, summaries, state: SliceState, 
     capacity = state.keys.shape[1]
     if rows == 0:
         return
-    # a whole slice a program; a thread's share of it bounds the registers (sm_90 compile of 4096
-    # columns: 238 registers at 4 warps, 150 at 8, 94 at 16), so the warps grow with the slice
-    block_columns = triton.next_power_of_2(width)
-    if block_columns > 4096:
-        raise ValueError(f"width: a slice of at most 4096 columns, got {width}")
     _slice_candidates_kernel[(rows,)](
         logits, logits.stride(0), summaries.tile_max2, summaries.tile_sum2, summaries.group_max, state.max2,
         state.sum2, state.floors, state.keys, state.counts, state.overflow, tiles, summaries.group_max.shape[1],
         width, column_start, k, capacity, GROUP_COLUMNS=summaries.group_columns,
-        BLOCK_TILES=triton.next_power_of_2(tiles), BLOCK_COLUMNS=block_columns,
-        BLOCK_KEYS=triton.next_power_of_2(capacity), num_warps=max(4, min(16, block_columns // 256)))
+        BLOCK_TILES=triton.next_power_of_2(tiles), BLOCK_COLUMNS=min(BLOCK_COLUMNS, triton.next_power_of_2(width)),
+        BLOCK_KEYS=triton.next_power_of_2(capacity), num_warps=WARPS)
