@@ -237,13 +237,13 @@ def teacher_topk_listed(hidden: torch.Tensor, weight: torch.Tensor, k: int, temp
 
 def sliced_tile(num_rows: int, k: int) -> tuple[int, int]:
     """(rows, columns) of the sliced schedule: the keys take at most a quarter of SLICED_BYTES,
-    the float32 slice the rest (whole 128-column tiles, at most 4096: the kernel's block)."""
+    the float32 slice the rest (whole 256-column tiles of the epilogue matmul, at most 4096)."""
     from .ops.slice_candidates import slice_key_capacity
 
     key_bytes = 8 * slice_key_capacity(k)
     rows = max(1, min(num_rows, 4096, SLICED_BYTES // 4 // key_bytes))
-    columns = (SLICED_BYTES - rows * key_bytes) // (4 * rows) // 128 * 128
-    return rows, max(128, min(4096, columns))
+    columns = (SLICED_BYTES - rows * key_bytes) // (4 * rows) // 256 * 256
+    return rows, max(256, min(4096, columns))
 
 
 def teacher_topk_sliced(hidden: torch.Tensor, weight: torch.Tensor, k: int, temperature: float, vocab_size: int,

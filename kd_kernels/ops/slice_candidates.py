@@ -22,8 +22,8 @@ from .topk_from_groups import append_keys, kth_largest_bits
 
 
 # columns a program reads at a time, and its warps (a module attribute, set by the parts bench)
-BLOCK_COLUMNS = 1024
-WARPS = 4
+BLOCK_COLUMNS = 128
+WARPS = 1
 
 
 def slice_key_capacity(k: int) -> int:
@@ -55,7 +55,7 @@ class SliceState:
 def _slice_candidates_kernel(logits_ptr, logits_stride, tile_max2_ptr, tile_sum2_ptr, group_max_ptr, max2_ptr,
                              sum2_ptr, floors_ptr, keys_ptr, counts_ptr, overflow_ptr, tiles, groups, width,
                              column_start, k, capacity, GROUP_COLUMNS: tl.constexpr, BLOCK_TILES: tl.constexpr,
-                             BLOCK_COLUMNS: tl.constexpr, BLOCK_KEYS: tl.constexpr):
+                             BLOCK_COLUMNS: tl.constexpr, BLOCK_KEYS: tl.constexpr, BLOCK_GROUPS: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     tile = tl.arange(0, BLOCK_TILES)
     tile_max2 = tl.load(tile_max2_ptr + row * tiles + tile, mask=tile < tiles, other=float("-inf"))
@@ -73,39 +73,60 @@ def _slice_candidates_kernel(logits_ptr, logits_stride, tile_max2_ptr, tile_sum2
     count = tl.load(counts_ptr + row)
     overflowed = tl.load(overflow_ptr + row)
     row_keys_ptr = keys_ptr + row * capacity
+    # the maximum of each block of the slice, from its groups' (one load): past the first slices
+    # most blocks of a row hold nothing reaching the floor, and skipping them skips their loads
+    groups_per_block: tl.constexpr = BLOCK_COLUMNS // GROUP_COLUMNS
+    group = tl.arange(0, BLOCK_GROUPS)
+    row_group_max = tl.load(group_max_ptr + row * groups + group, mask=group < groups, other=float("-inf"))
+    block_max = tl.max(tl.reshape(row_group_max, (BLOCK_GROUPS // groups_per_block, groups_per_block)), axis=1)
+    block_ids = tl.arange(0, BLOCK_GROUPS // groups_per_block)
     # a block of the slice at a time, each taken as its own smaller slice: a thread's share of a
     # block bounds the registers, and a few programs a multiprocessor hide each other's latency
     for block_start in range(0, width, BLOCK_COLUMNS):
-        column = block_start + tl.arange(0, BLOCK_COLUMNS)
-        inside = column < width
-        group_max = tl.load(group_max_ptr + row * groups + column // GROUP_COLUMNS, mask=inside,
-                            other=float("-inf"))
-        listed = inside & (group_max >= floor)
-        values = tl.load(logits_ptr + row * logits_stride + column, mask=listed, other=float("-inf"))
-        take = listed & (values >= floor)
-        new_count = tl.sum(take.to(tl.int32), axis=0)
-        if new_count > 0:  # past the first blocks most rows take nothing: no scan, no store
-            if count + new_count > capacity:  # keep what reaches the k-th largest of the keys and the new ones
-                tl.debug_barrier()  # an earlier block's appends (other threads') land before they are read
-                slot = tl.arange(0, BLOCK_KEYS)
-                held = slot < count
-                keys = tl.load(row_keys_ptr + slot, mask=held, other=0)
-                held_bits = (keys >> 32).to(tl.int32)
-                new_bits = ordered_bits(values)
-                kth = kth_largest_bits(held_bits, held, k, new_bits, take)
-                kept = held & (held_bits >= kth)
-                position = tl.cumsum(kept.to(tl.int32), axis=0) - 1
-                tl.debug_barrier()  # every held key is read before any is moved down
-                tl.store(row_keys_ptr + position, keys, mask=kept)
-                count = tl.sum(kept.to(tl.int32), axis=0)
-                take = take & (new_bits >= kth)
-                floor = value_of_key(kth.to(tl.int64) << 32)
-            count = append_keys(row_keys_ptr, count, capacity, take, values, column_start + column)
-            overflowed = overflowed | (count > capacity).to(tl.int8)
-            count = tl.minimum(count, capacity)
+        this_block_max = tl.max(tl.where(block_ids == block_start // BLOCK_COLUMNS, block_max, float("-inf")), axis=0)
+        # the floor only rises within the row, so a block below it now stays below it
+        if this_block_max >= floor:
+            floor, count, overflowed = _take_block(
+                logits_ptr + row * logits_stride, group_max_ptr + row * groups, row_keys_ptr, block_start, width,
+                column_start, k, capacity, floor, count, overflowed, GROUP_COLUMNS, BLOCK_COLUMNS, BLOCK_KEYS)
     tl.store(floors_ptr + row, floor)
     tl.store(counts_ptr + row, count)
     tl.store(overflow_ptr + row, overflowed)
+
+
+@triton.jit
+def _take_block(row_logits_ptr, row_group_max_ptr, row_keys_ptr, block_start, width, column_start, k, capacity, floor,
+                count, overflowed, GROUP_COLUMNS: tl.constexpr, BLOCK_COLUMNS: tl.constexpr,
+                BLOCK_KEYS: tl.constexpr):
+    """One block of a row's slice appended to its keys (compacted first when they would pass
+    their capacity) -> the row's (floor, count, overflow flag)."""
+    column = block_start + tl.arange(0, BLOCK_COLUMNS)
+    inside = column < width
+    group_max = tl.load(row_group_max_ptr + column // GROUP_COLUMNS, mask=inside, other=float("-inf"))
+    listed = inside & (group_max >= floor)
+    values = tl.load(row_logits_ptr + column, mask=listed, other=float("-inf"))
+    take = listed & (values >= floor)
+    new_count = tl.sum(take.to(tl.int32), axis=0)
+    if new_count > 0:  # a block whose maximum reached the floor may still take nothing
+        if count + new_count > capacity:  # keep what reaches the k-th largest of the keys and the new ones
+            tl.debug_barrier()  # an earlier block's appends (other threads') land before they are read
+            slot = tl.arange(0, BLOCK_KEYS)
+            held = slot < count
+            keys = tl.load(row_keys_ptr + slot, mask=held, other=0)
+            held_bits = (keys >> 32).to(tl.int32)
+            new_bits = ordered_bits(values)
+            kth = kth_largest_bits(held_bits, held, k, new_bits, take)
+            kept = held & (held_bits >= kth)
+            position = tl.cumsum(kept.to(tl.int32), axis=0) - 1
+            tl.debug_barrier()  # every held key is read before any is moved down
+            tl.store(row_keys_ptr + position, keys, mask=kept)
+            count = tl.sum(kept.to(tl.int32), axis=0)
+            take = take & (new_bits >= kth)
+            floor = value_of_key(kth.to(tl.int64) << 32)
+        count = append_keys(row_keys_ptr, count, capacity, take, values, column_start + column)
+        overflowed = overflowed | (count > capacity).to(tl.int8)
+        count = tl.minimum(count, capacity)
+    return floor, count, overflowed
 
 
 def append_slice_candidates(logits: torch.Tensor, summaries, state: SliceState, width: int, column_start: int,
@@ -116,9 +137,15 @@ def append_slice_candidates(logits: torch.Tensor, summaries, state: SliceState, 
     capacity = state.keys.shape[1]
     if rows == 0:
         return
+    block_columns = max(summaries.group_columns, min(BLOCK_COLUMNS, triton.next_power_of_2(width)))
+    if block_columns % summaries.group_columns:
+        raise ValueError(f"BLOCK_COLUMNS: a multiple of the summaries' {summaries.group_columns}-column groups, "
+                         f"got {block_columns}")
+    groups = summaries.group_max.shape[1]
+    block_groups = max(triton.next_power_of_2(groups), block_columns // summaries.group_columns)
     _slice_candidates_kernel[(rows,)](
         logits, logits.stride(0), summaries.tile_max2, summaries.tile_sum2, summaries.group_max, state.max2,
-        state.sum2, state.floors, state.keys, state.counts, state.overflow, tiles, summaries.group_max.shape[1],
+        state.sum2, state.floors, state.keys, state.counts, state.overflow, tiles, groups,
         width, column_start, k, capacity, GROUP_COLUMNS=summaries.group_columns,
-        BLOCK_TILES=triton.next_power_of_2(tiles), BLOCK_COLUMNS=min(BLOCK_COLUMNS, triton.next_power_of_2(width)),
-        BLOCK_KEYS=triton.next_power_of_2(capacity), num_warps=WARPS)
+        BLOCK_TILES=triton.next_power_of_2(tiles), BLOCK_COLUMNS=block_columns,
+        BLOCK_KEYS=triton.next_power_of_2(capacity), BLOCK_GROUPS=block_groups, num_warps=WARPS)
