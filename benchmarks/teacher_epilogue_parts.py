@@ -101,7 +101,7 @@ def sliced_parts(hidden, weight, rows):
                         lm_head_logits_with_summaries(hidden[start:start + chunk_rows], weight[column:column + columns],
                                                       None, min(columns, v - column), TEMPERATURE, logits)
             rows.append((f"k={k}, tile {tile}: the epilogue matmul over the slices alone", time_ms(matmul_only)[0]))
-            for block, warps in ((128, 1), (256, 1), (256, 2), (128, 2), (512, 2)):
+            for block, warps in ((128, 1), (256, 1)):
                 settings = dict(BLOCK_COLUMNS=block, WARPS=warps)
                 whole = time_ms(lambda: with_attributes(slice_candidates, settings, lambda: teacher_topk_sliced(
                     hidden, weight, k, TEMPERATURE, v, tile=tile, select="cuda")))[0]

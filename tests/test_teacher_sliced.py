@@ -75,7 +75,7 @@ def test_sliced_tile_stays_within_its_bytes():
         for k in (1, 8, 64, 256):
             rows, columns = sliced_tile(num_rows, k)
             assert rows * (columns * 4 + slice_key_capacity(k) * 8) <= SLICED_BYTES
-            assert columns % 256 == 0 and columns <= 4096 and rows <= num_rows
+            assert columns % 256 == 0 and columns <= 3072 and rows <= num_rows
 
 
 def test_sliced_schedule_rejects_k_past_its_limit_and_a_chunk_size(monkeypatch):

@@ -75,7 +75,7 @@ def _tile_position(tile, row_tiles, column_tiles, GROUP_M: tl.constexpr):
 
 @triton.jit
 def _lm_head_group_maxima_kernel(hidden_desc, weight_desc, logits_desc, bias_ptr, tile_max2_ptr, tile_sum2_ptr,
-                                 group_max_ptr, num_rows, width, hidden_size, log2e_over_t,
+                                 group_max_ptr, num_rows, width, column_offset, hidden_size, log2e_over_t,
                                  HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                                  BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
                                  GROUP_COLUMNS: tl.constexpr, SUBTILE: tl.constexpr, FLATTEN: tl.constexpr,
@@ -92,14 +92,15 @@ def _lm_head_group_maxima_kernel(hidden_desc, weight_desc, logits_desc, bias_ptr
         accumulator = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for step in range(0, hidden_size, BLOCK_K):
             a = hidden_desc.load([row_tile * BLOCK_M, step])
-            b = weight_desc.load([column_tile * BLOCK_N, step])
+            b = weight_desc.load([column_offset + column_tile * BLOCK_N, step])
             accumulator = tl.dot(a, b.T, accumulator, input_precision=DOT_PRECISION)
         epilogue_tile += NUM_PROGRAMS
         row_tile, column_tile = _tile_position(epilogue_tile, row_tiles, column_tiles, GROUP_M)
         rows = row_tile * BLOCK_M + tl.arange(0, BLOCK_M)
         columns = column_tile * BLOCK_N + tl.arange(0, BLOCK_N)
         if HAS_BIAS:
-            accumulator += tl.load(bias_ptr + columns, mask=columns < width, other=0.0).to(tl.float32)[None, :]
+            accumulator += tl.load(bias_ptr + column_offset + columns, mask=columns < width,
+                                   other=0.0).to(tl.float32)[None, :]
         if STORE_LOGITS:
             if SUBTILE:  # two stores of half the columns: half the shared-memory staging
                 left, right = tl.split(tl.permute(tl.reshape(accumulator, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
@@ -142,42 +143,68 @@ def lm_head_logits_with_summaries(hidden: torch.Tensor, weight: torch.Tensor, bi
     ``hidden @ weight[:width].T + bias`` written into ``logits [R, ≥ width]`` (rows 16-byte
     aligned: `padded_width`), and the rows' `RowSummaries`. ``logits=None``: the summaries
     only, no logits stored (the listed schedule recomputes the few groups it needs)."""
-    config = config or default_config()
-    num_rows, hidden_size = hidden.shape
-    if logits is not None and logits.dtype != torch.float32:
-        raise ValueError(f"logits: expected a float32 buffer (rows of padded_width(width)), got {logits.dtype}")
-    if config.block_n % config.group_columns:
-        raise ValueError(f"config: group_columns {config.group_columns} must divide block_n {config.block_n}")
-    column_tiles = -(-width // config.block_n)
-    groups = column_tiles * (config.block_n // config.group_columns)
-    device = hidden.device
-    summaries = RowSummaries(torch.empty(num_rows, column_tiles, dtype=torch.float32, device=device),
-                             torch.empty(num_rows, column_tiles, dtype=torch.float32, device=device),
-                             torch.empty(num_rows, groups, dtype=torch.float32, device=device), config.group_columns)
-    if num_rows == 0:
+    return EpilogueMatmul(hidden, weight, bias, width, temperature, logits, config)(0, width)
+
+
+class EpilogueMatmul:
+    """The epilogue matmul of one block of rows against column slices of the weight (each at
+    most ``max_width`` columns) into one logits buffer, its descriptors, summaries and grid made
+    once: a slice's host work is then one launch (the sliced schedule's ~100 slices a call were
+    bound by the host otherwise). Arguments as `lm_head_logits_with_summaries`'s, ``weight`` and
+    ``bias`` whole (the slices are offsets into them)."""
+
+    def __init__(self, hidden: torch.Tensor, weight: torch.Tensor, bias, max_width: int, temperature: float,
+                 logits: torch.Tensor | None, config: GroupMaximaConfig | None = None):
+        config = config or default_config()
+        if logits is not None and logits.dtype != torch.float32:
+            raise ValueError(f"logits: expected a float32 buffer (rows of padded_width(width)), got {logits.dtype}")
+        if config.block_n % config.group_columns:
+            raise ValueError(f"config: group_columns {config.group_columns} must divide block_n {config.block_n}")
+        self.hidden, self.bias, self.max_width, self.config = hidden, bias, max_width, config
+        self.log2e_over_t = 1.4426950408889634 / temperature
+        self.store_logits = logits is not None
+        self.summaries = self._summaries(max_width)
+        if hidden.shape[0] == 0:
+            return
+        user = "the teacher's epilogue matmul"
+        self.hidden_desc = row_tile_descriptor(hidden, "hidden", [config.block_m, config.block_k], user)
+        self.weight_desc = row_tile_descriptor(weight, "weight", [config.block_n, config.block_k], user)
+        if logits is None:
+            self.logits_desc = self.hidden_desc  # a stand-in: STORE_LOGITS=False compiles the stores away
+        else:  # a narrower last slice stores junk past its width, inside the buffer
+            store_columns = config.block_n // 2 if config.subtile else config.block_n
+            self.logits_desc = row_tile_descriptor(logits[:, :max_width], "logits", [config.block_m, store_columns],
+                                                   user)
+        self.multiprocessors = (torch.cuda.get_device_properties(hidden.device).multi_processor_count
+                                if hidden.device.type == "cuda" else 3)  # the interpreter: several tiles a program
+
+    def _summaries(self, width: int) -> RowSummaries:
+        column_tiles = -(-width // self.config.block_n)
+        groups = column_tiles * (self.config.block_n // self.config.group_columns)
+        rows, device = self.hidden.shape[0], self.hidden.device
+        return RowSummaries(torch.empty(rows, column_tiles, dtype=torch.float32, device=device),
+                            torch.empty(rows, column_tiles, dtype=torch.float32, device=device),
+                            torch.empty(rows, groups, dtype=torch.float32, device=device), self.config.group_columns)
+
+    def __call__(self, column_start: int, width: int) -> RowSummaries:
+        """Columns ``column_start … column_start + width`` (width ≤ max_width) -> their logits
+        in the buffer's first ``width`` columns and their `RowSummaries` (the same tensors from
+        one full-width call to the next: read them before the next call)."""
+        config = self.config
+        summaries = self.summaries if width == self.max_width else self._summaries(width)
+        num_rows, hidden_size = self.hidden.shape
+        if num_rows == 0:
+            return summaries
+        tiles = -(-num_rows // config.block_m) * summaries.tile_max2.shape[1]
+        programs = min(tiles, self.multiprocessors)
+        _lm_head_group_maxima_kernel[(programs,)](
+            self.hidden_desc, self.weight_desc, self.logits_desc,
+            self.bias if self.bias is not None else summaries.tile_max2, summaries.tile_max2, summaries.tile_sum2,
+            summaries.group_max, num_rows, width, column_start, hidden_size, self.log2e_over_t,
+            HAS_BIAS=self.bias is not None, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+            GROUP_M=config.group_m, NUM_PROGRAMS=programs, GROUP_COLUMNS=config.group_columns,
+            SUBTILE=config.subtile, FLATTEN=config.flatten, STORE_LOGITS=self.store_logits,
+            # float32 inputs get float32 products (tf32 would move logits by ~1e-3)
+            DOT_PRECISION="ieee" if self.hidden.dtype == torch.float32 else "tf32",
+            num_warps=config.num_warps, num_stages=config.num_stages)
         return summaries
-    tiles = -(-num_rows // config.block_m) * column_tiles
-    if device.type == "cuda":
-        programs = min(tiles, torch.cuda.get_device_properties(device).multi_processor_count)
-    else:
-        programs = min(tiles, 3)  # the interpreter: still several tiles per program
-    hidden_desc = row_tile_descriptor(hidden, "hidden", [config.block_m, config.block_k],
-                                      "the teacher's epilogue matmul")
-    if logits is None:
-        logits_desc = hidden_desc  # a stand-in: STORE_LOGITS=False compiles the stores away
-    else:
-        store_columns = config.block_n // 2 if config.subtile else config.block_n
-        logits_desc = row_tile_descriptor(logits[:, :width], "logits", [config.block_m, store_columns],
-                                          "the teacher's epilogue matmul")
-    _lm_head_group_maxima_kernel[(programs,)](
-        hidden_desc,
-        row_tile_descriptor(weight, "weight", [config.block_n, config.block_k], "the teacher's epilogue matmul"),
-        logits_desc, bias if bias is not None else summaries.tile_max2, summaries.tile_max2, summaries.tile_sum2,
-        summaries.group_max, num_rows, width, hidden_size, 1.4426950408889634 / temperature,
-        HAS_BIAS=bias is not None, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        GROUP_M=config.group_m, NUM_PROGRAMS=programs, GROUP_COLUMNS=config.group_columns, SUBTILE=config.subtile,
-        FLATTEN=config.flatten, STORE_LOGITS=logits is not None,
-        # float32 inputs get float32 products (tf32 would move logits by ~1e-3)
-        DOT_PRECISION="ieee" if hidden.dtype == torch.float32 else "tf32",
-        num_warps=config.num_warps, num_stages=config.num_stages)
-    return summaries
