@@ -90,11 +90,13 @@ def teacher_topk(hidden: torch.Tensor, weight: torch.Tensor, k: int = 64, *, tem
             ``=listed`` the same matmul storing no logits, the ~k column groups per row that can
             hold the top-k computed again (≤ 512 MiB of buffers; timed no faster than the
             default: 0.99-1.11x in blocks at k <= 64, 2.1x at k = 1024); ``=sliced`` (k <= 256)
-            vocab slices of row chunks with 56 MiB of buffers, each row keeping the elements that reach
-            its running k-th value (not yet timed on a GPU).
+            what ``lean=True`` runs for 16-bit inputs (below).
         chunk_rows: rows per chunk on the GPU backends (``chunk_rows · V · 4`` bytes); None: ~1.25 GiB.
-        lean: tiles of rows × vocab columns instead of row chunks: 48 MiB of float32 logits
-            plus ~16 MiB for merging slices, whatever N and V; one matmul and one merge per tile.
+        lean: ≤ ~64 MiB beyond the inputs and outputs whatever N and V: bf16 / fp16 inputs with
+            k <= 256 take the sliced schedule (the epilogue matmul over 3072-column vocab slices
+            of row chunks, each row keeping the elements that reach its running k-th value; on an
+            H200 1.20-1.31× the bare matmul in blocks, 1.50-1.65× timed in turn), others tiles of
+            rows × vocab columns (48 MiB of float32 logits plus ~16 MiB for merging; 1.5-2.1×).
         fused: the top-k chosen in the epilogue of a Triton matmul (triton backend): no logits in
             memory at all, ``N · S · C · 8`` bytes of candidates (S vocab splits, C ≥ k + 128);
             k <= 256. Exact, but slow: 2.9–4.1× the bare matmul at k = 64 on an H200, against
@@ -127,8 +129,8 @@ def teacher_topk(hidden: torch.Tensor, weight: torch.Tensor, k: int = 64, *, tem
             if chunk_rows is not None:
                 raise ValueError("chunk_rows: applies to the default schedule only; pass lean=True or chunk_rows, "
                                  "not both")
-            topk = chunked.teacher_topk_tiled(hidden, weight, k, temperature, vocab_size, bias, shard,
-                                              select=chosen)
+            topk = chunked.teacher_topk_lean(hidden, weight, k, temperature, vocab_size, bias, shard,
+                                             select=chosen)
         else:
             topk = chunked.teacher_topk(hidden, weight, k, temperature, vocab_size, bias, chunk_rows, shard,
                                         select=chosen)

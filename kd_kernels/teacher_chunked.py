@@ -14,14 +14,15 @@ chunk the float32 logits, each row's top-k and its logsumexp. Two schedules from
   (ops/topk_threshold.py): no compiled extension needed.
 
 Both hold one chunk's float32 logits (``chunk_rows · V · 4`` bytes, ~1.25 GiB by default).
-The lean schedule (`teacher_topk_tiled`) instead takes tiles of rows × vocab columns (48 MiB
-of float32 logits whatever N and V) and merges each slice's top-k into the row chunk's
-running one. `teacher_topk_fused` writes no logits at all: the top-k is selected in the
-epilogue of a Triton matmul (ops/lm_head_topk.py), per vocab split, and the splits are
-merged here. Opt-in, forced by KD_KERNELS_TEACHER_SCHEDULE: the listed schedule
-(`teacher_topk_listed`: no logits stored, the listed groups computed again) and the sliced one
-(`teacher_topk_sliced`: the epilogue matmul over vocab slices, its buffers within SLICED_BYTES, each row
-keeping the elements that reach its running k-th value).
+``lean=True`` (`teacher_topk_lean`) stays within ~64 MiB whatever N and V: the sliced schedule
+(`teacher_topk_sliced`; 16-bit inputs, k ≤ 256: the epilogue matmul over vocab slices of row
+chunks, its buffers within SLICED_BYTES, each row keeping the elements that reach its running
+k-th value), else the tiled one (`teacher_topk_tiled`: tiles of rows × vocab columns, 48 MiB of
+float32 logits, each slice's top-k merged into the row chunk's running one).
+`teacher_topk_fused` writes no logits at all: the top-k is selected in the epilogue of a Triton
+matmul (ops/lm_head_topk.py), per vocab split, and the splits are merged here. Opt-in, forced
+by KD_KERNELS_TEACHER_SCHEDULE: the listed schedule (`teacher_topk_listed`: no logits stored,
+the listed groups computed again) and the sliced one without lean=True.
 """
 from __future__ import annotations
 
@@ -48,7 +49,7 @@ EPILOGUE_ROW_MULTIPLE = 1024  # the epilogue matmul's L2 group of row tiles (8 �
 LISTED_BYTES = 512 << 20
 LISTED_PAIRS_PER_K = 2  # listed groups a row may use on average (k to ~1.5k on LLM logits), times k
 # the sliced schedule: a float32 vocab slice of a chunk of rows and the rows' candidate keys
-SLICED_BYTES = 56 << 20
+SLICED_BYTES = 50 << 20
 SLICED_MAX_K = 256
 
 
@@ -129,7 +130,7 @@ def teacher_schedule(hidden: torch.Tensor, weight: torch.Tensor, k: int) -> str:
     ``KD_KERNELS_TEACHER_SCHEDULE=cublas`` / ``=epilogue`` / ``=listed`` / ``=sliced`` force one
     (A/B in the benchmark; "listed", `teacher_topk_listed`, stores no logits and is not chosen by
     default: timed no faster, 2.1x at k = 1024; "sliced", `teacher_topk_sliced`, stays within
-    SLICED_BYTES, not yet timed); the three epilogue-matmul schedules where that matmul does not
+    ~64 MiB at 1.20-1.31x, lean=True's schedule); the three epilogue-matmul schedules where that matmul does not
     apply (dtype, alignment) are an error."""
     from .ops.lm_head_group_maxima import epilogue_applies
 
@@ -235,17 +236,27 @@ def teacher_topk_listed(hidden: torch.Tensor, weight: torch.Tensor, k: int, temp
     return _finish(values, indices.add_(column_start), lse, k, temperature, shard)
 
 
-def sliced_tile(num_rows: int, k: int) -> tuple[int, int]:
-    """(rows, columns) of the sliced schedule: the keys take at most a quarter of SLICED_BYTES,
-    the float32 slice the rest (whole 256-column tiles of the epilogue matmul, at most 3072: on an
-    H200 4096 rows × 3328 columns are 416 tiles, 3.2 waves of 132 programs, and the matmul over
-    the slices took 1.19× its time at 3072 columns, 2.9 waves)."""
+def sliced_tile(num_rows: int, k: int, multiprocessors: Optional[int] = None) -> tuple[int, int]:
+    """(rows, columns) of the sliced schedule: slices of 3072 columns (whole 256-column tiles of
+    the epilogue matmul), as many rows as the float32 slice and the rows' keys fit in
+    SLICED_BYTES (at most 4096); with ``multiprocessors``, fewer rows where the slice's tiles
+    would leave a wave of programs idle (on an H200, 4096 × 3328 columns are 416 tiles, 3.2
+    waves of 132: the matmul over the slices took 1.19× its time at 3072 columns, 2.9 waves)."""
     from .ops.slice_candidates import slice_key_capacity
 
-    key_bytes = 8 * slice_key_capacity(k)
-    rows = max(1, min(num_rows, 4096, SLICED_BYTES // 4 // key_bytes))
-    columns = (SLICED_BYTES - rows * key_bytes) // (4 * rows) // 256 * 256
-    return rows, max(256, min(3072, columns))
+    columns = 3072
+    rows = max(1, min(num_rows, 4096, SLICED_BYTES // (4 * columns + 8 * slice_key_capacity(k))))
+    if multiprocessors is None or rows == num_rows or rows < 128:
+        return rows, columns
+    column_tiles = columns // 256
+    budget = rows // 128
+
+    def wave_use(row_tiles):
+        tiles = row_tiles * column_tiles
+        return tiles / (-(-tiles // multiprocessors) * multiprocessors)
+    # the most rows whose tiles fill 95 % of their waves, down to three quarters of the budget
+    fitting = [tiles for tiles in range(budget, (3 * budget) // 4 - 1, -1) if wave_use(tiles) >= 0.95]
+    return (fitting[0] * 128 if fitting else rows), columns
 
 
 def teacher_topk_sliced(hidden: torch.Tensor, weight: torch.Tensor, k: int, temperature: float, vocab_size: int,
@@ -267,7 +278,9 @@ def teacher_topk_sliced(hidden: torch.Tensor, weight: torch.Tensor, k: int, temp
         raise ValueError(f"k: the sliced schedule takes 1 <= k <= {SLICED_MAX_K}, got {k}")
     num_rows = hidden.shape[0]
     width, column_start = (vocab_size, 0) if shard is None else (shard.existing, shard.vocab_start)
-    chunk_rows, slice_columns = tile or sliced_tile(num_rows, k)
+    multiprocessors = (torch.cuda.get_device_properties(hidden.device).multi_processor_count
+                       if hidden.device.type == "cuda" else None)
+    chunk_rows, slice_columns = tile or sliced_tile(num_rows, k, multiprocessors)
     buffer = torch.empty(min(chunk_rows, num_rows), padded_width(min(slice_columns, width)), dtype=torch.float32,
                          device=hidden.device)
     values, indices, lse = _outputs(num_rows, k, hidden.device)
@@ -332,6 +345,18 @@ def _merge_running(running, candidates):
     values, ids = top_of_candidates(torch.cat([running[0], candidates[0]], dim=-1),
                                     torch.cat([running[1], candidates[1]], dim=-1), running[0].shape[-1])
     return values.contiguous(), ids, torch.logaddexp(running[2], candidates[2])
+
+
+def teacher_topk_lean(hidden: torch.Tensor, weight: torch.Tensor, k: int, temperature: float, vocab_size: int,
+                      bias: Optional[torch.Tensor] = None, shard=None, select: str = "triton") -> TopK:
+    """``lean=True``: `teacher_topk_sliced` where the epilogue matmul takes the inputs and k <=
+    SLICED_MAX_K (on an H200 1.20-1.31× the bare matmul, against 1.49-2.07× for the tiled one in
+    the same runs), else `teacher_topk_tiled`; both within ~64 MiB beyond inputs and outputs."""
+    from .ops.lm_head_group_maxima import epilogue_applies
+
+    if k <= SLICED_MAX_K and epilogue_applies(hidden, weight):
+        return teacher_topk_sliced(hidden, weight, k, temperature, vocab_size, bias, shard, select)
+    return teacher_topk_tiled(hidden, weight, k, temperature, vocab_size, bias, shard, select)
 
 
 def lean_tile(num_rows: int, k: int) -> tuple[int, int]:

@@ -73,9 +73,18 @@ def test_sliced_schedule_redoes_rows_whose_ties_overflow_the_keys():
 def test_sliced_tile_stays_within_its_bytes():
     for num_rows in (1, 8192, 100_000):
         for k in (1, 8, 64, 256):
-            rows, columns = sliced_tile(num_rows, k)
-            assert rows * (columns * 4 + slice_key_capacity(k) * 8) <= SLICED_BYTES
-            assert columns % 256 == 0 and columns <= 3072 and rows <= num_rows
+            for multiprocessors in (None, 132):
+                rows, columns = sliced_tile(num_rows, k, multiprocessors)
+                assert rows * (columns * 4 + slice_key_capacity(k) * 8) <= SLICED_BYTES
+                assert columns % 256 == 0 and columns <= 3072 and rows <= num_rows
+
+
+def test_sliced_tile_fills_whole_waves_of_the_matmul_tiles():
+    """At k = 64 the bytes allow 3657 rows (28 row tiles × 12 column tiles = 336 tiles, 85 % of
+    three waves of 132): 22 row tiles fill two waves; k = 8's 32 row tiles fill 97 % already."""
+    assert sliced_tile(8192, 64, 132) == (2816, 3072)
+    assert sliced_tile(8192, 8, 132) == (4096, 3072)
+    assert sliced_tile(1000, 64, 132) == (1000, 3072)  # one chunk: nothing to fit
 
 
 def test_sliced_schedule_rejects_k_past_its_limit_and_a_chunk_size(monkeypatch):
