@@ -299,6 +299,8 @@ def teacher_topk_sliced(hidden: torch.Tensor, weight: torch.Tensor, k: int, temp
         values[start:stop] = top_values.div_(temperature)
         lse[start:stop] = (state.max2 + torch.log2(state.sum2)) * math.log(2.0)
         overflow[start:stop] = state.overflow.bool()
+        # freed before the next chunk's are made (both alive at once: +20 MiB at k = 256, measured)
+        state = slice_logits = summaries = top_values = None
     buffer = logits = None  # a redo's logits can take their place
     _redo_rows(overflow, hidden, weight, k, temperature, width, bias, max(1, SLICED_BYTES // (4 * weight.shape[0])),
                select, (values, indices, lse))
