@@ -263,9 +263,9 @@ def teacher_topk_sliced(hidden: torch.Tensor, weight: torch.Tensor, k: int, temp
                         bias: Optional[torch.Tensor] = None, shard=None, select: str = "triton",
                         tile: Optional[tuple[int, int]] = None) -> TopK:
     """hidden ``[N, H]``, weight ``[V, H]`` 16-bit -> `TopK` float32 with a slice buffer and
-    keys within SLICED_BYTES whatever N and V (on top: each slice's summaries, ~2 MiB at k = 64,
-    and the final ranking's temporaries, ~24 MiB at k = 64 with a torch sort, ~none with the
-    extension's; estimates, not measured): per chunk of rows, vocab slice after vocab slice (``tile`` =
+    keys within SLICED_BYTES whatever N and V (with the slice summaries and the ranking on top,
+    42–56 MiB beyond the outputs measured at 8192 rows, k ≤ 256, with the extension; a torch
+    sort of the keys adds ~3 × the keys' bytes without it): per chunk of rows, vocab slice after vocab slice (``tile`` =
     (rows, columns), None: `sliced_tile`), the epilogue matmul writes the slice's float32
     logits and summaries, and each row keeps the slice's elements reaching its running floor
     (ops/slice_candidates.py); one ranking of each row's keys at the end. Rows whose keys
