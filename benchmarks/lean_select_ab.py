@@ -1,5 +1,6 @@
-"""A/B of a switch of the CUDA top-k kernel inside the lean teacher schedule (`lean=True`: the
-kernel runs on 1024-row × 12,288-column float32 tiles, short rows it was not tuned for), the
+"""A/B of a switch of the CUDA top-k kernel inside the tiled lean teacher schedule
+(`teacher_topk_tiled`, what `lean=True` runs past k = 256 or for float32 inputs: the kernel
+runs on 1024-row × 12,288-column float32 tiles, short rows it was not tuned for), the
 two settings and the bare matmul timed in turn within each repetition, at 8192 × 4096 × 151,936.
 
 usage: python benchmarks/lean_select_ab.py --switch KD_KERNELS_TOPK_NARROW [--values 0,1] [--ks 8,64,1024]
@@ -11,7 +12,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import kd_kernels as kd  # noqa: E402
+from kd_kernels.teacher_chunked import teacher_topk_tiled  # noqa: E402
 from harness import environment, llm_like_hidden, time_interleaved_ms, with_env  # noqa: E402
 from teacher_select_ab import switch_parser  # noqa: E402
 
@@ -30,8 +31,8 @@ def main():
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for k in [int(x) for x in args.ks.split(",")]:
         def lean(choice, k=k):
-            return lambda: with_env(args.switch, choice, lambda: kd.teacher_topk(
-                hidden, weight, k=k, temperature=TEMPERATURE, backend="cuda", lean=True))
+            return lambda: with_env(args.switch, choice, lambda: teacher_topk_tiled(
+                hidden, weight, k, TEMPERATURE, v, select="cuda"))
         calls = {"matmul": (lambda: hidden @ weight.T, None), "A": (lean(value_a), None), "B": (lean(value_b), None)}
         summary, ratios = time_interleaved_ms(calls, warmup=2, repeats=args.repeats)
         a, b = (summary[label][0] for label in ("A", "B"))
