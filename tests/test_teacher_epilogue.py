@@ -13,8 +13,8 @@ from kd_kernels import reference
 from kd_kernels.ops.lm_head_group_maxima import default_config, lm_head_logits_with_summaries, padded_width
 from kd_kernels.ops import topk_from_groups as groups_module
 from kd_kernels.ops.topk_from_groups import topk_from_group_maxima
-from kd_kernels.teacher_chunked import (SLICED_MAX_K, teacher_schedule, teacher_topk_epilogue, teacher_topk_listed,
-                                       teacher_topk_sliced)
+from kd_kernels.teacher_chunked import (SLICED_MAX_K, teacher_schedule, teacher_topk_appended, teacher_topk_epilogue,
+                                       teacher_topk_listed, teacher_topk_sliced)
 
 pytestmark = pytest.mark.interpret
 DEVICE = "cuda" if HAS_CUDA else "cpu"
@@ -169,8 +169,12 @@ def test_the_schedule_choice_and_its_switch(monkeypatch):
     assert teacher_schedule(*half, 64) == "sliced"
     with pytest.raises(ValueError, match="KD_KERNELS_TEACHER_SCHEDULE=sliced: needs bf16 / fp16"):
         teacher_schedule(*single, 64)
+    monkeypatch.setenv("KD_KERNELS_TEACHER_SCHEDULE", "appended")
+    assert teacher_schedule(*half, 64) == "appended"
+    with pytest.raises(ValueError, match="KD_KERNELS_TEACHER_SCHEDULE=appended: needs bf16 / fp16"):
+        teacher_schedule(*single, 64)
     monkeypatch.setenv("KD_KERNELS_TEACHER_SCHEDULE", "fast")
-    with pytest.raises(ValueError, match="expected 'epilogue', 'listed', 'sliced' or 'cublas', got 'fast'"):
+    with pytest.raises(ValueError, match="expected 'epilogue', 'listed', 'sliced', 'appended' or 'cublas', got 'fast'"):
         teacher_schedule(*half, 64)
 
 
@@ -196,12 +200,17 @@ def _sliced_in_2048_columns(hidden, weight, k, temperature, vocab_size, bias, ch
     return teacher_topk_sliced(hidden, weight, k, temperature, vocab_size, bias, tile=(chunk_rows, 2048))
 
 
+def _appended_in_8192_columns(hidden, weight, k, temperature, vocab_size, bias, chunk_rows):
+    return teacher_topk_appended(hidden, weight, k, temperature, vocab_size, bias, tile=(chunk_rows, 8192))
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("schedule", [teacher_topk_epilogue, teacher_topk_listed, _sliced_in_2048_columns])
+@pytest.mark.parametrize("schedule", [teacher_topk_epilogue, teacher_topk_listed, _sliced_in_2048_columns,
+                                      _appended_in_8192_columns])
 @pytest.mark.parametrize("k", [8, 64, 256, 1024])
 def test_gpu_real_shape_epilogue_schedules_with_massive_ties(schedule, k):
-    if schedule is _sliced_in_2048_columns and k > SLICED_MAX_K:
-        pytest.skip(f"the sliced schedule takes k <= {SLICED_MAX_K}")
+    if schedule in (_sliced_in_2048_columns, _appended_in_8192_columns) and k > SLICED_MAX_K:
+        pytest.skip(f"the sliced and appended schedules take k <= {SLICED_MAX_K}")
     generator = torch.Generator(device="cuda").manual_seed(k + 7)
     hidden = (0.2 * torch.randn(2100, 4096, device="cuda", generator=generator)).bfloat16()
     hidden[[0, 1000, 2099]] = 0  # logits = the bias: 0 but for a 1 at the last existing column

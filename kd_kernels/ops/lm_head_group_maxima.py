@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .sort_keys import value_column_key
 from .tma import row_tile_descriptor, tma_rows
 
 
@@ -76,10 +77,12 @@ def _tile_position(tile, row_tiles, column_tiles, GROUP_M: tl.constexpr):
 @triton.jit
 def _lm_head_group_maxima_kernel(hidden_desc, weight_desc, logits_desc, bias_ptr, tile_max2_ptr, tile_sum2_ptr,
                                  group_max_ptr, num_rows, width, column_offset, hidden_size, log2e_over_t,
+                                 floors_ptr, keys_ptr, counts_ptr, key_capacity,
                                  HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                                  BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
                                  GROUP_COLUMNS: tl.constexpr, SUBTILE: tl.constexpr, FLATTEN: tl.constexpr,
-                                 DOT_PRECISION: tl.constexpr, STORE_LOGITS: tl.constexpr = True):
+                                 DOT_PRECISION: tl.constexpr, STORE_LOGITS: tl.constexpr = True,
+                                 APPEND: tl.constexpr = False):
     row_tiles = tl.cdiv(num_rows, BLOCK_M)
     column_tiles = tl.cdiv(width, BLOCK_N)
     groups_per_tile: tl.constexpr = BLOCK_N // GROUP_COLUMNS
@@ -117,10 +120,18 @@ def _lm_head_group_maxima_kernel(hidden_desc, weight_desc, logits_desc, bias_ptr
         row_offsets = rows.to(tl.int64)
         tl.store(tile_max2_ptr + row_offsets * column_tiles + column_tile, tile_max2, mask=rows_ok)
         tl.store(tile_sum2_ptr + row_offsets * column_tiles + column_tile, tile_sum2, mask=rows_ok)
-        group_max = tl.max(tl.reshape(z, (BLOCK_M, groups_per_tile, GROUP_COLUMNS)), axis=2)
-        groups = column_tile * groups_per_tile + tl.arange(0, groups_per_tile)
-        tl.store(group_max_ptr + row_offsets[:, None] * num_groups + groups[None, :], group_max,
-                 mask=rows_ok[:, None])
+        if APPEND:  # each element reaching its row's floor gets the row's next key slot by an atomic
+            floors = tl.load(floors_ptr + rows, mask=rows_ok, other=float("inf"))
+            take = (z >= floors[:, None]) & (columns[None, :] < width) & rows_ok[:, None]
+            row_counts = counts_ptr + rows[:, None] + tl.zeros([BLOCK_M, BLOCK_N], tl.int32)
+            slot = tl.atomic_add(row_counts, tl.full([BLOCK_M, BLOCK_N], 1, tl.int32), mask=take, sem="relaxed")
+            tl.store(keys_ptr + row_offsets[:, None] * key_capacity + slot,
+                     value_column_key(z, column_offset + columns[None, :]), mask=take & (slot < key_capacity))
+        else:
+            group_max = tl.max(tl.reshape(z, (BLOCK_M, groups_per_tile, GROUP_COLUMNS)), axis=2)
+            groups = column_tile * groups_per_tile + tl.arange(0, groups_per_tile)
+            tl.store(group_max_ptr + row_offsets[:, None] * num_groups + groups[None, :], group_max,
+                     mask=rows_ok[:, None])
 
 
 def padded_width(width: int) -> int:
@@ -186,10 +197,13 @@ class EpilogueMatmul:
                             torch.empty(rows, column_tiles, dtype=torch.float32, device=device),
                             torch.empty(rows, groups, dtype=torch.float32, device=device), self.config.group_columns)
 
-    def __call__(self, column_start: int, width: int) -> RowSummaries:
+    def __call__(self, column_start: int, width: int, append=None) -> RowSummaries:
         """Columns ``column_start … column_start + width`` (width ≤ max_width) -> their logits
         in the buffer's first ``width`` columns and their `RowSummaries` (the same tensors from
-        one full-width call to the next: read them before the next call)."""
+        one full-width call to the next: read them before the next call). ``append`` = (floors
+        ``[R]`` float32, keys ``[R, C]`` int64, counts ``[R]`` int32): the elements reaching
+        their row's floor appended to its keys instead of the group maxima (counts may pass C:
+        the keys past it are dropped)."""
         config = self.config
         summaries = self.summaries if width == self.max_width else self._summaries(width)
         num_rows, hidden_size = self.hidden.shape
@@ -201,9 +215,11 @@ class EpilogueMatmul:
             self.hidden_desc, self.weight_desc, self.logits_desc,
             self.bias if self.bias is not None else summaries.tile_max2, summaries.tile_max2, summaries.tile_sum2,
             summaries.group_max, num_rows, width, column_start, hidden_size, self.log2e_over_t,
+            *(append if append is not None else (summaries.tile_max2, summaries.tile_max2, summaries.tile_max2)),
+            append[1].shape[1] if append is not None else 0,
             HAS_BIAS=self.bias is not None, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
             GROUP_M=config.group_m, NUM_PROGRAMS=programs, GROUP_COLUMNS=config.group_columns,
-            SUBTILE=config.subtile, FLATTEN=config.flatten, STORE_LOGITS=self.store_logits,
+            SUBTILE=config.subtile, FLATTEN=config.flatten, STORE_LOGITS=self.store_logits, APPEND=append is not None,
             # float32 inputs get float32 products (tf32 would move logits by ~1e-3)
             DOT_PRECISION="ieee" if self.hidden.dtype == torch.float32 else "tf32",
             num_warps=config.num_warps, num_stages=config.num_stages)

@@ -52,11 +52,8 @@ class SliceState:
 
 
 @triton.jit
-def _slice_candidates_kernel(logits_ptr, logits_stride, tile_max2_ptr, tile_sum2_ptr, group_max_ptr, max2_ptr,
-                             sum2_ptr, floors_ptr, keys_ptr, counts_ptr, overflow_ptr, tiles, groups, width,
-                             column_start, k, capacity, GROUP_COLUMNS: tl.constexpr, BLOCK_TILES: tl.constexpr,
-                             BLOCK_COLUMNS: tl.constexpr, BLOCK_KEYS: tl.constexpr, BLOCK_GROUPS: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
+def merge_tile_statistics(row, tile_max2_ptr, tile_sum2_ptr, tiles, max2_ptr, sum2_ptr, BLOCK_TILES: tl.constexpr):
+    """A row's running max2 / sum2 merged in place with a slice's ``tiles`` tile statistics."""
     tile = tl.arange(0, BLOCK_TILES)
     tile_max2 = tl.load(tile_max2_ptr + row * tiles + tile, mask=tile < tiles, other=float("-inf"))
     tile_sum2 = tl.load(tile_sum2_ptr + row * tiles + tile, mask=tile < tiles, other=0.0)
@@ -69,6 +66,14 @@ def _slice_candidates_kernel(logits_ptr, logits_stride, tile_max2_ptr, tile_sum2
     tl.store(max2_ptr + row, merged_max2)
     tl.store(sum2_ptr + row, merged_sum2)
 
+
+@triton.jit
+def _slice_candidates_kernel(logits_ptr, logits_stride, tile_max2_ptr, tile_sum2_ptr, group_max_ptr, max2_ptr,
+                             sum2_ptr, floors_ptr, keys_ptr, counts_ptr, overflow_ptr, tiles, groups, width,
+                             column_start, k, capacity, GROUP_COLUMNS: tl.constexpr, BLOCK_TILES: tl.constexpr,
+                             BLOCK_COLUMNS: tl.constexpr, BLOCK_KEYS: tl.constexpr, BLOCK_GROUPS: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    merge_tile_statistics(row, tile_max2_ptr, tile_sum2_ptr, tiles, max2_ptr, sum2_ptr, BLOCK_TILES)
     floor = tl.load(floors_ptr + row)
     count = tl.load(counts_ptr + row)
     overflowed = tl.load(overflow_ptr + row)
