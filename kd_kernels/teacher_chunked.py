@@ -22,7 +22,9 @@ float32 logits, each slice's top-k merged into the row chunk's running one).
 `teacher_topk_fused` writes no logits at all: the top-k is selected in the epilogue of a Triton
 matmul (ops/lm_head_topk.py), per vocab split, and the splits are merged here. Opt-in, forced
 by KD_KERNELS_TEACHER_SCHEDULE: the listed schedule (`teacher_topk_listed`: no logits stored,
-the listed groups computed again) and the sliced one without lean=True.
+the listed groups computed again), the sliced one without lean=True, and the appended one
+(`teacher_topk_appended`: no float32 logits at all, the epilogue matmul appending each element
+that reaches its row's floor to the row's keys).
 """
 from __future__ import annotations
 
@@ -135,7 +137,8 @@ def teacher_schedule(hidden: torch.Tensor, weight: torch.Tensor, k: int) -> str:
     ``KD_KERNELS_TEACHER_SCHEDULE=cublas`` / ``=epilogue`` / ``=listed`` / ``=sliced`` force one
     (A/B in the benchmark; "listed", `teacher_topk_listed`, stores no logits and is not chosen by
     default: timed no faster, 2.1x at k = 1024; "sliced", `teacher_topk_sliced`, stays within
-    ~64 MiB at 1.20-1.31x, lean=True's schedule); the three epilogue-matmul schedules where that matmul does not
+    ~64 MiB at 1.20-1.31x, lean=True's schedule; "appended", `teacher_topk_appended`, stores no
+    logits, not yet timed); the four epilogue-matmul schedules where that matmul does not
     apply (dtype, alignment) are an error."""
     from .ops.lm_head_group_maxima import epilogue_applies
 
