@@ -2,8 +2,9 @@
 and the top-k from group maxima per chunk at several launch widths, against cuBLAS. With
 ``--listed``: the listed schedule's parts instead (the matmul storing no logits, the listing,
 the pair plan, the recomputed groups, the top-k among them) and the whole schedule. With
-``--sliced``: the sliced schedule's matmul over its slices alone, and the whole schedule at
-several tiles and slice-kernel launches.
+``--sliced``: the ≤ 64 MiB schedules: the matmul over the slices alone (with and without the
+float32 store), the sliced schedule at several tiles and launches, the appended one at several
+slice widths.
 
 usage: python benchmarks/teacher_epilogue_parts.py [--selection-only | --listed | --sliced]   (one H200)
 """
@@ -83,37 +84,49 @@ def listed_parts(hidden, weight, rows):
 
 
 def sliced_parts(hidden, weight, rows):
-    """The sliced schedule: its epilogue matmul over every (row chunk, vocab slice) alone, then
-    the whole schedule (matmul, slice kernel, final ranking) per tile and slice-kernel launch."""
+    """The ≤ 64 MiB schedules: the epilogue matmul over every (row chunk, vocab slice) alone, with
+    and without the float32 store; the sliced schedule whole per tile and slice-kernel launch;
+    the appended one whole per slice width."""
     from kd_kernels.ops import slice_candidates
-    from kd_kernels.teacher_chunked import sliced_tile, teacher_topk_sliced
+    from kd_kernels.ops.lm_head_group_maxima import EpilogueMatmul
+    from kd_kernels.teacher_chunked import appended_tile, sliced_tile, teacher_topk_appended, teacher_topk_sliced
 
     n, v = hidden.shape[0], weight.shape[0]
     for k in (8, 64):
-        default_tile = sliced_tile(n, k)
-        for tile in dict.fromkeys([default_tile, (8192, 1536)]):
+        for tile in dict.fromkeys([sliced_tile(n, k, torch.cuda.get_device_properties(0).multi_processor_count),
+                                   (8192, 1536)]):
             chunk_rows, columns = tile
             logits = torch.empty(chunk_rows, padded_width(columns), device="cuda")
 
-            def matmul_only():
+            def matmul_only(store):
                 for start in range(0, n, chunk_rows):
+                    slices = EpilogueMatmul(hidden[start:start + chunk_rows], weight, None, columns, TEMPERATURE,
+                                            logits if store else None)
                     for column in range(0, v, columns):
-                        lm_head_logits_with_summaries(hidden[start:start + chunk_rows], weight[column:column + columns],
-                                                      None, min(columns, v - column), TEMPERATURE, logits)
-            rows.append((f"k={k}, tile {tile}: the epilogue matmul over the slices alone", time_ms(matmul_only)[0]))
+                        slices(column, min(columns, v - column))
+            for store in (True, False):
+                rows.append((f"k={k}, tile {tile}: the epilogue matmul over the slices alone, "
+                             f"{'storing' if store else 'no'} float32 logits", time_ms(lambda: matmul_only(store))[0]))
             for block, warps in ((128, 1), (256, 1)):
                 settings = dict(BLOCK_COLUMNS=block, WARPS=warps)
                 whole = time_ms(lambda: with_attributes(slice_candidates, settings, lambda: teacher_topk_sliced(
                     hidden, weight, k, TEMPERATURE, v, tile=tile, select="cuda")))[0]
-                rows.append((f"k={k}, tile {tile}: whole, slice kernel {block} columns a step, {warps} warps", whole))
+                rows.append((f"k={k}, tile {tile}: sliced, whole, slice kernel {block} columns a step, {warps} warps",
+                             whole))
                 print(rows[-1], flush=True)
+        default_rows = appended_tile(n, k)[0]
+        for columns in (4096, 6144, 8192):
+            rows.append((f"k={k}, {default_rows} rows × {columns} columns: appended, whole", time_ms(
+                lambda: teacher_topk_appended(hidden, weight, k, TEMPERATURE, v, tile=(default_rows, columns),
+                                              select="cuda"))[0]))
+            print(rows[-1], flush=True)
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--selection-only", action="store_true", help="skip the matmul parts")
     parser.add_argument("--listed", action="store_true", help="the listed schedule's parts only")
-    parser.add_argument("--sliced", action="store_true", help="the sliced schedule's parts only")
+    parser.add_argument("--sliced", action="store_true", help="the sliced and appended schedules' parts only")
     args = parser.parse_args()
     selection_only = args.selection_only
     n, h, v = 8192, 4096, 151936
