@@ -53,6 +53,7 @@ LISTED_PAIRS_PER_K = 2  # listed groups a row may use on average (k to ~1.5k on 
 # the sliced schedule: a float32 vocab slice of a chunk of rows and the rows' candidate keys
 SLICED_BYTES = 50 << 20
 SLICED_MAX_K = 256
+RANK_PIECE_BYTES = 8 << 20  # the torch ranking's temporaries at the end of a sliced / appended chunk
 # the appended schedule: no float32 logits, the rows' keys and one slice's summaries
 APPENDED_BYTES = 48 << 20
 APPENDED_COLUMNS = 6144
@@ -273,8 +274,8 @@ def teacher_topk_sliced(hidden: torch.Tensor, weight: torch.Tensor, k: int, temp
                         tile: Optional[tuple[int, int]] = None) -> TopK:
     """hidden ``[N, H]``, weight ``[V, H]`` 16-bit -> `TopK` float32 with a slice buffer and
     keys within SLICED_BYTES whatever N and V (with the slice summaries and the ranking on top,
-    42–56 MiB beyond the outputs measured at 8192 rows, k ≤ 256, with the extension; a torch
-    sort of the keys adds ~3 × the keys' bytes without it): per chunk of rows, vocab slice after vocab slice (``tile`` =
+    42–56 MiB beyond the outputs measured at 8192 rows, k ≤ 256, with the extension; without it
+    the torch ranking's ~RANK_PIECE_BYTES on top): per chunk of rows, vocab slice after vocab slice (``tile`` =
     (rows, columns), None: `sliced_tile`), the epilogue matmul writes the slice's float32
     logits and summaries, and each row keeps the slice's elements reaching its running floor
     (ops/slice_candidates.py); one ranking of each row's keys at the end. Rows whose keys
@@ -317,8 +318,14 @@ def _rank_chunk_keys(state, k: int, temperature: float, select: str, outputs, ro
     from .ops.sort_keys import top_of_counted_keys
 
     values, indices, lse, overflow = outputs
-    top_values, indices[rows] = top_of_counted_keys(state.keys, state.counts, k, "cuda" if select == "cuda" else "torch")
-    values[rows] = top_values.div_(temperature)
+    order = "cuda" if select == "cuda" else "torch"
+    # a torch sort holds ~3 copies of the keys it ranks (masked keys, sorted values, their order):
+    # pieces of rows keep that near RANK_PIECE_BYTES (the extension's sort needs no temporaries)
+    piece = state.keys.shape[0] if order == "cuda" else max(1, RANK_PIECE_BYTES // (3 * state.keys[0].nbytes))
+    for start in range(0, state.keys.shape[0], piece):
+        part = slice(start, start + piece)
+        top_values, indices[rows][part] = top_of_counted_keys(state.keys[part], state.counts[part], k, order)
+        values[rows][part] = top_values.div_(temperature)
     lse[rows] = (state.max2 + torch.log2(state.sum2)) * math.log(2.0)
     overflow[rows] = state.overflow.bool()
 

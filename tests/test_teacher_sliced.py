@@ -44,6 +44,19 @@ def test_sliced_schedule_reads_a_slice_in_blocks(k, tile, monkeypatch):
 
 
 @pytest.mark.parametrize("schedule", [teacher_topk_sliced, teacher_topk_appended])
+def test_the_torch_ranking_takes_pieces_of_rows(schedule, monkeypatch):
+    """Without the extension the keys are ranked by a torch sort, a few rows at a time (its
+    temporaries bounded): 4 rows a piece here, the last piece 1 row."""
+    from kd_kernels import teacher_chunked
+
+    monkeypatch.setattr(teacher_chunked, "RANK_PIECE_BYTES", 3 * 64 * 8 * 4)
+    hidden, weight, bias = _problem(11)
+    top = schedule(hidden, weight, 5, 2.0, 200, bias, tile=(21, 64), select="triton")
+    expected = reference.teacher_topk(hidden, weight, 5, 2.0, 200, bias)
+    check_teacher_topk(top, expected, 1e-5, reference.lm_head_logits(hidden, weight, bias), 2.0, 200)
+
+
+@pytest.mark.parametrize("schedule", [teacher_topk_sliced, teacher_topk_appended])
 def test_sliced_schedules_fewer_columns_than_k_and_massive_ties(schedule):
     """This file's schedule and the appended one (tests/test_teacher_appended.py)."""
     hidden, weight, bias = _problem(7, columns=96)
