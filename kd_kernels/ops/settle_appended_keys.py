@@ -11,9 +11,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .slice_candidates import merge_tile_statistics
+from .slice_candidates import compact_keys, merge_tile_statistics
 from .sort_keys import value_of_key
-from .topk_from_groups import kth_largest_bits
 
 
 @triton.jit
@@ -25,17 +24,8 @@ def _settle_kernel(tile_max2_ptr, tile_sum2_ptr, max2_ptr, sum2_ptr, floors_ptr,
     if count > compact_at:
         if count > capacity:  # the appends past the capacity were dropped: only a redo is exact
             tl.store(overflow_ptr + row, 1)
-        row_keys_ptr = keys_ptr + row * capacity
-        slot = tl.arange(0, BLOCK_KEYS)
-        held = slot < tl.minimum(count, capacity)
-        keys = tl.load(row_keys_ptr + slot, mask=held, other=0)
-        held_bits = (keys >> 32).to(tl.int32)
-        kth = kth_largest_bits(held_bits, held, k)
-        kept = held & (held_bits >= kth)
-        position = tl.cumsum(kept.to(tl.int32), axis=0) - 1
-        tl.debug_barrier()  # every held key is read before any is moved down
-        tl.store(row_keys_ptr + position, keys, mask=kept)
-        tl.store(counts_ptr + row, tl.sum(kept.to(tl.int32), axis=0))
+        kept, kth = compact_keys(keys_ptr + row * capacity, tl.minimum(count, capacity), k, BLOCK_KEYS)
+        tl.store(counts_ptr + row, kept)
         # the held keys all reach the floor, so their k-th largest does: the floor only rises
         tl.store(floors_ptr + row, value_of_key(kth.to(tl.int64) << 32))
 

@@ -68,6 +68,26 @@ def merge_tile_statistics(row, tile_max2_ptr, tile_sum2_ptr, tiles, max2_ptr, su
 
 
 @triton.jit
+def compact_keys(row_keys_ptr, count, k, BLOCK_KEYS: tl.constexpr, new_values=None, new_valid=None):
+    """A row's first ``count`` keys reduced in place to those reaching t, the k-th largest value
+    among them and, when given, the new elements ``new_values`` where ``new_valid`` -> (the count
+    kept, t's ordered bits). The caller orders earlier stores to the keys first."""
+    slot = tl.arange(0, BLOCK_KEYS)
+    held = slot < count
+    keys = tl.load(row_keys_ptr + slot, mask=held, other=0)
+    held_bits = (keys >> 32).to(tl.int32)
+    if new_values is None:
+        kth = kth_largest_bits(held_bits, held, k)
+    else:
+        kth = kth_largest_bits(held_bits, held, k, ordered_bits(new_values), new_valid)
+    kept = held & (held_bits >= kth)
+    position = tl.cumsum(kept.to(tl.int32), axis=0) - 1
+    tl.debug_barrier()  # every held key is read before any is moved down
+    tl.store(row_keys_ptr + position, keys, mask=kept)
+    return tl.sum(kept.to(tl.int32), axis=0), kth
+
+
+@triton.jit
 def _slice_candidates_kernel(logits_ptr, logits_stride, tile_max2_ptr, tile_sum2_ptr, group_max_ptr, max2_ptr,
                              sum2_ptr, floors_ptr, keys_ptr, counts_ptr, overflow_ptr, tiles, groups, width,
                              column_start, k, capacity, GROUP_COLUMNS: tl.constexpr, BLOCK_TILES: tl.constexpr,
@@ -115,19 +135,9 @@ def _take_block(row_logits_ptr, row_group_max_ptr, row_keys_ptr, block_start, wi
     if new_count > 0:  # a block whose maximum reached the floor may still take nothing
         if count + new_count > capacity:  # keep what reaches the k-th largest of the keys and the new ones
             tl.debug_barrier()  # an earlier block's appends (other threads') land before they are read
-            slot = tl.arange(0, BLOCK_KEYS)
-            held = slot < count
-            keys = tl.load(row_keys_ptr + slot, mask=held, other=0)
-            held_bits = (keys >> 32).to(tl.int32)
-            new_bits = ordered_bits(values)
-            kth = kth_largest_bits(held_bits, held, k, new_bits, take)
-            kept = held & (held_bits >= kth)
-            position = tl.cumsum(kept.to(tl.int32), axis=0) - 1
-            tl.debug_barrier()  # every held key is read before any is moved down
-            tl.store(row_keys_ptr + position, keys, mask=kept)
-            count = tl.sum(kept.to(tl.int32), axis=0)
-            take = take & (new_bits >= kth)
+            count, kth = compact_keys(row_keys_ptr, count, k, BLOCK_KEYS, values, take)
             floor = value_of_key(kth.to(tl.int64) << 32)
+            take = take & (values >= floor)
         count = append_keys(row_keys_ptr, count, capacity, take, values, column_start + column)
         overflowed = overflowed | (count > capacity).to(tl.int8)
         count = tl.minimum(count, capacity)
