@@ -146,8 +146,7 @@ def teacher_schedule(hidden: torch.Tensor, weight: torch.Tensor, k: int) -> str:
     forced = os.environ.get("KD_KERNELS_TEACHER_SCHEDULE", "")
     if forced not in ("", "epilogue", "listed", "sliced", "appended", "cublas"):
         raise ValueError("KD_KERNELS_TEACHER_SCHEDULE: expected 'epilogue', 'listed', 'sliced', 'appended' or "
-                         "'cublas', "
-                         f"got {forced!r}")
+                         f"'cublas', got {forced!r}")
     applies = epilogue_applies(hidden, weight)
     if forced in ("epilogue", "listed", "sliced", "appended") and not applies:
         raise ValueError(f"KD_KERNELS_TEACHER_SCHEDULE={forced}: needs bf16 / fp16 hidden and weight with rows at "
