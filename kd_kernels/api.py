@@ -97,8 +97,9 @@ def teacher_topk(hidden: torch.Tensor, weight: torch.Tensor, k: int = 64, *, tem
         lean: ≤ ~64 MiB beyond the inputs and outputs whatever N and V: bf16 / fp16 inputs with
             k <= 256 take the sliced schedule (the epilogue matmul over 3072-column vocab slices
             of row chunks, each row keeping the elements that reach its running k-th value; on an
-            H200 1.20-1.31× the bare matmul in blocks, 1.50-1.65× timed in turn), others tiles of
-            rows × vocab columns (48 MiB of float32 logits plus ~16 MiB for merging; 1.5-2.1×).
+            H200 1.18-1.37× the bare matmul in blocks at k <= 64, 1.46-1.74× timed in turn), others
+            tiles of rows × vocab columns (48 MiB of float32 logits plus ~16 MiB for merging;
+            2.9-3.2× at k = 1024).
         fused: the top-k chosen in the epilogue of a Triton matmul (triton backend): no logits in
             memory at all, ``N · S · C · 8`` bytes of candidates (S vocab splits, C ≥ k + 128);
             k <= 256. Exact, but slow: 2.9–4.1× the bare matmul at k = 64 on an H200, against

@@ -138,7 +138,7 @@ def teacher_schedule(hidden: torch.Tensor, weight: torch.Tensor, k: int) -> str:
     ``KD_KERNELS_TEACHER_SCHEDULE=cublas`` / ``=epilogue`` / ``=listed`` / ``=sliced`` force one
     (A/B in the benchmark; "listed", `teacher_topk_listed`, stores no logits and is not chosen by
     default: timed no faster, 2.1x at k = 1024; "sliced", `teacher_topk_sliced`, stays within
-    ~64 MiB at 1.20-1.31x, lean=True's schedule; "appended", `teacher_topk_appended`, stores no
+    ~64 MiB at 1.18-1.37x at k <= 64, lean=True's schedule; "appended", `teacher_topk_appended`, stores no
     logits, not yet timed); the four epilogue-matmul schedules where that matmul does not
     apply (dtype, alignment) are an error."""
     from .ops.lm_head_group_maxima import epilogue_applies
@@ -250,7 +250,8 @@ def sliced_tile(num_rows: int, k: int, multiprocessors: Optional[int] = None) ->
     the epilogue matmul), as many rows as the float32 slice and the rows' keys fit in
     SLICED_BYTES (at most 4096); with ``multiprocessors``, fewer rows where the slice's tiles
     would leave a wave of programs idle (on an H200, 4096 × 3328 columns are 416 tiles, 3.2
-    waves of 132: the matmul over the slices took 1.19× its time at 3072 columns, 2.9 waves)."""
+    waves of 132: its kernels took 17.6 ms over the slices against 14.7 ms at 3072 columns, 2.9
+    waves)."""
     from .ops.slice_candidates import slice_key_capacity
 
     columns = 3072
@@ -438,8 +439,9 @@ def _merge_running(running, candidates):
 def teacher_topk_lean(hidden: torch.Tensor, weight: torch.Tensor, k: int, temperature: float, vocab_size: int,
                       bias: Optional[torch.Tensor] = None, shard=None, select: str = "triton") -> TopK:
     """``lean=True``: `teacher_topk_sliced` where the epilogue matmul takes the inputs and k <=
-    SLICED_MAX_K (on an H200 1.20-1.31× the bare matmul, against 1.49-2.07× for the tiled one in
-    the same runs), else `teacher_topk_tiled`; both within ~64 MiB beyond inputs and outputs."""
+    SLICED_MAX_K (on an H200 1.18-1.37× the bare matmul at k <= 64 in blocks, against 1.49-2.53×
+    for the tiled one in the same session's runs), else `teacher_topk_tiled`; both within ~64 MiB
+    beyond inputs and outputs."""
     from .ops.lm_head_group_maxima import epilogue_applies
 
     if k <= SLICED_MAX_K and epilogue_applies(hidden, weight):
