@@ -88,6 +88,41 @@ def time_interleaved_ms(calls, warmup=2, repeats=15):
     return summary, ratios
 
 
+def print_device_gaps(fn, annotation="call"):
+    """Runs ``fn`` once from a synchronized start under torch.profiler and prints where the device
+    waited: the call's span (its host start to its last kernel's end), the kernels' busy time,
+    the time before the first kernel, the largest gaps between kernels with the kernels around
+    them, and the host ops before the first kernel."""
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        with torch.profiler.record_function(annotation):
+            fn()
+        torch.cuda.synchronize()
+    path = os.path.join(tempfile.mkdtemp(), "trace.json")
+    prof.export_chrome_trace(path)
+    with open(path) as trace:
+        events = json.load(trace)["traceEvents"]
+    kernels = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
+    marker = next(e for e in events if e.get("name") == annotation and e.get("cat") == "user_annotation")
+    start, end = marker["ts"], kernels[-1]["ts"] + kernels[-1]["dur"]
+    busy = sum(e["dur"] for e in kernels)
+    print(f"{annotation} (host start of the call -> last kernel end): {(end - start) / 1e3:.2f} ms; kernels "
+          f"{busy / 1e3:.2f} ms; before the first kernel {(kernels[0]['ts'] - start) / 1e3:.3f} ms; "
+          f"{len(kernels)} kernels")
+    gaps = [(b["ts"] - (a["ts"] + a["dur"]), a["name"][:50], b["name"][:50]) for a, b in zip(kernels, kernels[1:])]
+    print(f"gaps between kernels: {sum(g for g, *_ in gaps if g > 0) / 1e3:.3f} ms in all; largest:")
+    for gap, before, after in sorted(gaps, reverse=True)[:12]:
+        print(f"  {gap / 1e3:7.3f} ms  after {before}  before {after}")
+    host_ops = [e for e in events if e.get("cat") == "cpu_op" and start <= e["ts"] <= kernels[0]["ts"]]
+    print("host ops before the first kernel (top by duration):")
+    for e in sorted(host_ops, key=lambda e: -e["dur"])[:10]:
+        print(f"  {e['dur'] / 1e3:7.3f} ms  {e['name'][:70]}")
+
+
 def peak_extra_gib(fn, setup=None, keep_bytes=0):
     """Peak memory during ``fn()`` beyond what was allocated before it and ``keep_bytes``
     (the outputs every provider must produce, e.g. gradients), in GiB."""
