@@ -28,7 +28,7 @@ import kd_kernels as kd  # noqa: E402
 from harness import (environment, llm_like_hidden, peak_extra_gib, time_interleaved_ms, time_ms,  # noqa: E402
                      with_attributes, with_env, write_json)
 from kd_kernels.ops import topk_from_groups  # noqa: E402
-from kd_kernels.teacher_chunked import SLICED_MAX_K, teacher_topk_tiled  # noqa: E402
+from kd_kernels.teacher_chunked import teacher_topk_tiled  # noqa: E402
 from shapes import TEACHER_SHAPES  # noqa: E402
 
 TEMPERATURE = 2.0
@@ -44,7 +44,7 @@ def eager_teacher(hidden, weight, k):
 _compiled_teacher = torch.compile(eager_teacher)
 # (backend, schedule forced by KD_KERNELS_TEACHER_SCHEDULE, label suffix, teacher_topk options)
 FORCED_SCHEDULES = [("cuda", "epilogue", "", {}), ("cuda", "listed", "", {}),
-                    ("cuda", "listed", ", 1024-row chunks", dict(chunk_rows=1024)), ("cuda", "appended", "", {}),
+                    ("cuda", "listed", ", 1024-row chunks", dict(chunk_rows=1024)),
                     ("cuda", "cuBLAS", "", {}), ("triton", "cuBLAS", "", {})]
 
 
@@ -109,8 +109,6 @@ def bench_shape(name, n, h, v, ks, only=None, fused_sweep=False, interleave=Fals
                 continue
             if "gathered in Triton" in label and k <= topk_from_groups.RANK_MAX_K:
                 continue  # the same path as the default there
-            if "appended" in label and k > SLICED_MAX_K:
-                continue
             try:
                 median, low, high = time_ms(fn, warmup=2, repeats=7)
                 memory = peak_extra_gib(fn, keep_bytes=n * k * 8 + n * 4)  # beyond the top-k itself

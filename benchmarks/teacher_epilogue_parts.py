@@ -2,9 +2,8 @@
 and the top-k from group maxima per chunk at several launch widths, against cuBLAS. With
 ``--listed``: the listed schedule's parts instead (the matmul storing no logits, the listing,
 the pair plan, the recomputed groups, the top-k among them) and the whole schedule. With
-``--sliced``: the ≤ 64 MiB schedules: the matmul over the slices alone (with and without the
-float32 store), the sliced schedule at several tiles and launches, the appended one at several
-slice widths.
+``--sliced``: the ≤ 64 MiB sliced schedule: the matmul over the slices alone (with and without
+the float32 store), the whole schedule at several tiles and launches.
 
 usage: python benchmarks/teacher_epilogue_parts.py [--selection-only | --listed | --sliced]   (one H200)
 """
@@ -84,12 +83,11 @@ def listed_parts(hidden, weight, rows):
 
 
 def sliced_parts(hidden, weight, rows):
-    """The ≤ 64 MiB schedules: the epilogue matmul over every (row chunk, vocab slice) alone, with
-    and without the float32 store; the sliced schedule whole per tile and slice-kernel launch;
-    the appended one whole per slice width."""
+    """The ≤ 64 MiB sliced schedule: the epilogue matmul over every (row chunk, vocab slice)
+    alone, with and without the float32 store; the whole schedule per tile and slice-kernel launch."""
     from kd_kernels.ops import slice_candidates
     from kd_kernels.ops.lm_head_group_maxima import EpilogueMatmul
-    from kd_kernels.teacher_chunked import appended_tile, sliced_tile, teacher_topk_appended, teacher_topk_sliced
+    from kd_kernels.teacher_chunked import sliced_tile, teacher_topk_sliced
 
     n, v = hidden.shape[0], weight.shape[0]
     for k in (8, 64):
@@ -114,19 +112,13 @@ def sliced_parts(hidden, weight, rows):
                 rows.append((f"k={k}, tile {tile}: sliced, whole, slice kernel {block} columns a step, {warps} warps",
                              whole))
                 print(rows[-1], flush=True)
-        default_rows = appended_tile(n, k)[0]
-        for columns in (4096, 6144, 8192):
-            rows.append((f"k={k}, {default_rows} rows × {columns} columns: appended, whole", time_ms(
-                lambda: teacher_topk_appended(hidden, weight, k, TEMPERATURE, v, tile=(default_rows, columns),
-                                              select="cuda"))[0]))
-            print(rows[-1], flush=True)
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--selection-only", action="store_true", help="skip the matmul parts")
     parser.add_argument("--listed", action="store_true", help="the listed schedule's parts only")
-    parser.add_argument("--sliced", action="store_true", help="the sliced and appended schedules' parts only")
+    parser.add_argument("--sliced", action="store_true", help="the sliced schedule's parts only")
     args = parser.parse_args()
     selection_only = args.selection_only
     n, h, v = 8192, 4096, 151936

@@ -90,9 +90,7 @@ def teacher_topk(hidden: torch.Tensor, weight: torch.Tensor, k: int = 64, *, tem
             ``=listed`` the same matmul storing no logits, the ~k column groups per row that can
             hold the top-k computed again (≤ 512 MiB of buffers; timed no faster than the
             default: 0.99-1.11x in blocks at k <= 64, 2.1x at k = 1024); ``=sliced`` (k <= 256)
-            what ``lean=True`` runs for 16-bit inputs (below); ``=appended`` (k <= 256) no logits
-            in memory: the epilogue appends each element reaching its row's running floor to the
-            row's keys (not yet timed on a GPU).
+            what ``lean=True`` runs for 16-bit inputs (below).
         chunk_rows: rows per chunk on the GPU backends (``chunk_rows · V · 4`` bytes); None: ~1.25 GiB.
         lean: ≤ ~64 MiB beyond the inputs and outputs whatever N and V: bf16 / fp16 inputs with
             k <= 256 take the sliced schedule (the epilogue matmul over 3072-column vocab slices

@@ -22,9 +22,7 @@ float32 logits, each slice's top-k merged into the row chunk's running one).
 `teacher_topk_fused` writes no logits at all: the top-k is selected in the epilogue of a Triton
 matmul (ops/lm_head_topk.py), per vocab split, and the splits are merged here. Opt-in, forced
 by KD_KERNELS_TEACHER_SCHEDULE: the listed schedule (`teacher_topk_listed`: no logits stored,
-the listed groups computed again), the sliced one without lean=True, and the appended one
-(`teacher_topk_appended`: no float32 logits at all, the epilogue matmul appending each element
-that reaches its row's floor to the row's keys).
+the listed groups computed again) and the sliced one without lean=True.
 """
 from __future__ import annotations
 
@@ -53,10 +51,7 @@ LISTED_PAIRS_PER_K = 2  # listed groups a row may use on average (k to ~1.5k on 
 # the sliced schedule: a float32 vocab slice of a chunk of rows and the rows' candidate keys
 SLICED_BYTES = 50 << 20
 SLICED_MAX_K = 256
-RANK_PIECE_BYTES = 8 << 20  # the torch ranking's temporaries at the end of a sliced / appended chunk
-# the appended schedule: no float32 logits, the rows' keys and one slice's summaries
-APPENDED_BYTES = 48 << 20
-APPENDED_COLUMNS = 6144
+RANK_PIECE_BYTES = 8 << 20  # the torch ranking's temporaries at the end of a sliced chunk
 
 
 def _cuda_candidates(logits: torch.Tensor, k: int, temperature: float, width: int, column_start: int):
@@ -120,12 +115,10 @@ def teacher_topk(hidden: torch.Tensor, weight: torch.Tensor, k: int, temperature
         return teacher_topk_epilogue(hidden, weight, k, temperature, vocab_size, bias, chunk_rows, shard, select)
     if schedule == "listed":
         return teacher_topk_listed(hidden, weight, k, temperature, vocab_size, bias, chunk_rows, shard, select)
-    if schedule in ("sliced", "appended"):
+    if schedule == "sliced":
         if chunk_rows is not None:
-            raise ValueError(f"chunk_rows: the {schedule} schedule sizes its own tiles ({schedule}_tile); "
-                             f"got {chunk_rows}")
-        run = teacher_topk_sliced if schedule == "sliced" else teacher_topk_appended
-        return run(hidden, weight, k, temperature, vocab_size, bias, shard, select)
+            raise ValueError(f"chunk_rows: the sliced schedule sizes its own tiles (sliced_tile); got {chunk_rows}")
+        return teacher_topk_sliced(hidden, weight, k, temperature, vocab_size, bias, shard, select)
     return teacher_topk_cublas(hidden, weight, k, temperature, vocab_size, bias, chunk_rows, shard, select)
 
 
@@ -138,17 +131,16 @@ def teacher_schedule(hidden: torch.Tensor, weight: torch.Tensor, k: int) -> str:
     ``KD_KERNELS_TEACHER_SCHEDULE=cublas`` / ``=epilogue`` / ``=listed`` / ``=sliced`` force one
     (A/B in the benchmark; "listed", `teacher_topk_listed`, stores no logits and is not chosen by
     default: timed no faster, 2.1x at k = 1024; "sliced", `teacher_topk_sliced`, stays within
-    ~64 MiB at 1.18-1.37x at k <= 64, lean=True's schedule; "appended", `teacher_topk_appended`, stores no
-    logits, not yet timed); the four epilogue-matmul schedules where that matmul does not
-    apply (dtype, alignment) are an error."""
+    ~64 MiB at 1.18-1.37x at k <= 64, lean=True's schedule); the three epilogue-matmul schedules
+    where that matmul does not apply (dtype, alignment) are an error."""
     from .ops.lm_head_group_maxima import epilogue_applies
 
     forced = os.environ.get("KD_KERNELS_TEACHER_SCHEDULE", "")
-    if forced not in ("", "epilogue", "listed", "sliced", "appended", "cublas"):
-        raise ValueError("KD_KERNELS_TEACHER_SCHEDULE: expected 'epilogue', 'listed', 'sliced', 'appended' or "
-                         f"'cublas', got {forced!r}")
+    if forced not in ("", "epilogue", "listed", "sliced", "cublas"):
+        raise ValueError("KD_KERNELS_TEACHER_SCHEDULE: expected 'epilogue', 'listed', 'sliced' or 'cublas', "
+                         f"got {forced!r}")
     applies = epilogue_applies(hidden, weight)
-    if forced in ("epilogue", "listed", "sliced", "appended") and not applies:
+    if forced in ("epilogue", "listed", "sliced") and not applies:
         raise ValueError(f"KD_KERNELS_TEACHER_SCHEDULE={forced}: needs bf16 / fp16 hidden and weight with rows at "
                          f"16-byte boundaries; got {hidden.dtype} / {weight.dtype}, hidden size {hidden.shape[1]}")
     return forced or ("epilogue" if applies and k <= EPILOGUE_MAX_K else "cublas")
@@ -328,70 +320,6 @@ def _rank_chunk_keys(state, k: int, temperature: float, select: str, outputs, ro
         values[rows][part] = top_values.div_(temperature)
     lse[rows] = (state.max2 + torch.log2(state.sum2)) * math.log(2.0)
     overflow[rows] = state.overflow.bool()
-
-
-def appended_tile(num_rows: int, k: int) -> tuple[int, int]:
-    """(rows, columns) of the appended schedule: slices of APPENDED_COLUMNS (wider where the
-    first slice would hold fewer than k column groups: its k-th largest group maximum is each
-    row's first floor), as many rows as their keys and a slice's summaries fit in
-    APPENDED_BYTES (whole 128-row tiles when that leaves rows for another chunk)."""
-    from .ops.lm_head_group_maxima import default_config
-    from .ops.slice_candidates import slice_key_capacity
-
-    config = default_config()
-    columns = max(APPENDED_COLUMNS, -(-config.group_columns * k // config.block_n) * config.block_n)
-    per_row = 8 * slice_key_capacity(k) + 8 * (columns // config.block_n) + 4 * (columns // config.group_columns)
-    rows = min(num_rows, APPENDED_BYTES // per_row)
-    if rows < num_rows and rows >= config.block_m:
-        rows = rows // config.block_m * config.block_m
-    return max(1, rows), columns
-
-
-def teacher_topk_appended(hidden: torch.Tensor, weight: torch.Tensor, k: int, temperature: float, vocab_size: int,
-                          bias: Optional[torch.Tensor] = None, shard=None, select: str = "triton",
-                          tile: Optional[tuple[int, int]] = None) -> TopK:
-    """hidden ``[N, H]``, weight ``[V, H]`` 16-bit -> `TopK` float32 without any float32 logits in
-    memory: per chunk of rows (``tile`` = (rows, columns), None: `appended_tile`), the first
-    vocab slice's group maxima give each row a floor (its k-th largest group maximum); then
-    slice after slice the epilogue matmul appends the elements reaching the floor to the row's
-    keys (ops/lm_head_group_maxima.py, ``append``) and a per-row step merges the logsumexp and
-    compacts keys past half their capacity, raising the floor (ops/settle_appended_keys.py);
-    one ranking at the end. Rows whose appends passed the capacity are redone exactly."""
-    from .ops.lm_head_group_maxima import EpilogueMatmul
-    from .ops.settle_appended_keys import settle_appended_keys
-    from .ops.slice_candidates import SliceState, slice_key_capacity
-
-    if not 1 <= k <= SLICED_MAX_K:
-        raise ValueError(f"k: the appended schedule takes 1 <= k <= {SLICED_MAX_K}, got {k}")
-    num_rows = hidden.shape[0]
-    width, column_start = (vocab_size, 0) if shard is None else (shard.existing, shard.vocab_start)
-    chunk_rows, slice_columns = tile or appended_tile(num_rows, k)
-    capacity = slice_key_capacity(k)
-    values, indices, lse = _outputs(num_rows, k, hidden.device)
-    overflow = torch.empty(num_rows, dtype=torch.bool, device=hidden.device)
-    for start in range(0, num_rows, chunk_rows):
-        stop = min(start + chunk_rows, num_rows)
-        state = SliceState.empty(stop - start, capacity, hidden.device)
-        slice_logits = EpilogueMatmul(hidden[start:stop], weight, bias, min(slice_columns, width), temperature, None)
-        first = slice_logits(0, min(slice_columns, width))  # its statistics and group maxima only
-        state.floors = _kth_largest_or_minus_inf(first.group_max, k)
-        for slice_start in range(0, width, slice_columns):
-            summaries = slice_logits(slice_start, min(slice_columns, width - slice_start),
-                                     append=(state.floors, state.keys, state.counts))
-            settle_appended_keys(summaries, state, k, capacity // 2)
-        _rank_chunk_keys(state, k, temperature, select, (values, indices, lse, overflow), slice(start, stop))
-        state = slice_logits = summaries = first = None  # freed before the next chunk's are made
-    _redo_rows(overflow, hidden, weight, k, temperature, width, bias, max(1, APPENDED_BYTES // (4 * weight.shape[0])),
-               select, (values, indices, lse))
-    return _finish(values, indices.add_(column_start), lse, k, temperature, shard)
-
-
-def _kth_largest_or_minus_inf(group_max: torch.Tensor, k: int) -> torch.Tensor:
-    """``[R, G]`` group maxima -> ``[R]`` float32, each row's k-th largest (k groups hold an
-    element reaching it, so the row's k-th largest value does), -inf where G < k."""
-    if group_max.shape[1] < k:
-        return torch.full((group_max.shape[0],), float("-inf"), device=group_max.device)
-    return group_max.topk(k, dim=1).values[:, k - 1].contiguous()
 
 
 def _redo_rows(overflow: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor, k: int, temperature: float,

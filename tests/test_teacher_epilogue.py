@@ -13,8 +13,8 @@ from kd_kernels import reference
 from kd_kernels.ops.lm_head_group_maxima import default_config, lm_head_logits_with_summaries, padded_width
 from kd_kernels.ops import topk_from_groups as groups_module
 from kd_kernels.ops.topk_from_groups import topk_from_group_maxima
-from kd_kernels.teacher_chunked import (SLICED_MAX_K, teacher_schedule, teacher_topk_appended, teacher_topk_epilogue,
-                                       teacher_topk_listed, teacher_topk_sliced)
+from kd_kernels.teacher_chunked import (SLICED_MAX_K, teacher_schedule, teacher_topk_epilogue, teacher_topk_listed,
+                                       teacher_topk_sliced)
 
 pytestmark = pytest.mark.interpret
 DEVICE = "cuda" if HAS_CUDA else "cpu"
@@ -158,13 +158,13 @@ def test_the_schedule_choice_and_its_switch(monkeypatch):
     monkeypatch.setenv("KD_KERNELS_TEACHER_SCHEDULE", "cublas")
     assert teacher_schedule(*half, 64) == "cublas"
     # the epilogue-matmul schedules, forced: taken past EPILOGUE_MAX_K, refused where it does not apply
-    for schedule, unfit in (("epilogue", single), ("listed", odd), ("sliced", single), ("appended", odd)):
+    for schedule, unfit in (("epilogue", single), ("listed", odd), ("sliced", single)):
         monkeypatch.setenv("KD_KERNELS_TEACHER_SCHEDULE", schedule)
         assert teacher_schedule(*half, 2048) == schedule
         with pytest.raises(ValueError, match=f"KD_KERNELS_TEACHER_SCHEDULE={schedule}: needs bf16 / fp16"):
             teacher_schedule(*unfit, 64)
     monkeypatch.setenv("KD_KERNELS_TEACHER_SCHEDULE", "fast")
-    with pytest.raises(ValueError, match="expected 'epilogue', 'listed', 'sliced', 'appended' or 'cublas', got 'fast'"):
+    with pytest.raises(ValueError, match="expected 'epilogue', 'listed', 'sliced' or 'cublas', got 'fast'"):
         teacher_schedule(*half, 64)
 
 
@@ -190,17 +190,12 @@ def _sliced_in_2048_columns(hidden, weight, k, temperature, vocab_size, bias, ch
     return teacher_topk_sliced(hidden, weight, k, temperature, vocab_size, bias, tile=(chunk_rows, 2048))
 
 
-def _appended_in_8192_columns(hidden, weight, k, temperature, vocab_size, bias, chunk_rows):
-    return teacher_topk_appended(hidden, weight, k, temperature, vocab_size, bias, tile=(chunk_rows, 8192))
-
-
 @pytest.mark.gpu
-@pytest.mark.parametrize("schedule", [teacher_topk_epilogue, teacher_topk_listed, _sliced_in_2048_columns,
-                                      _appended_in_8192_columns])
+@pytest.mark.parametrize("schedule", [teacher_topk_epilogue, teacher_topk_listed, _sliced_in_2048_columns])
 @pytest.mark.parametrize("k", [8, 64, 256, 1024])
 def test_gpu_real_shape_epilogue_schedules_with_massive_ties(schedule, k):
-    if schedule in (_sliced_in_2048_columns, _appended_in_8192_columns) and k > SLICED_MAX_K:
-        pytest.skip(f"the sliced and appended schedules take k <= {SLICED_MAX_K}")
+    if schedule is _sliced_in_2048_columns and k > SLICED_MAX_K:
+        pytest.skip(f"the sliced schedule takes k <= {SLICED_MAX_K}")
     generator = torch.Generator(device="cuda").manual_seed(k + 7)
     hidden = (0.2 * torch.randn(2100, 4096, device="cuda", generator=generator)).bfloat16()
     hidden[[0, 1000, 2099]] = 0  # logits = the bias: 0 but for a 1 at the last existing column

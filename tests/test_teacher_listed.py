@@ -97,11 +97,9 @@ def test_listed_schedule_ties_fewer_columns_than_k_and_overflow():
         assert torch.isneginf(few.logprobs[:, width:]).all() and (few.indices[:, width:] == 0).all()
 
 
-@pytest.mark.parametrize("schedule, function", [("listed", "teacher_topk_listed"), ("sliced", "teacher_topk_sliced"),
-                                                ("appended", "teacher_topk_appended")])
+@pytest.mark.parametrize("schedule, function", [("listed", "teacher_topk_listed"), ("sliced", "teacher_topk_sliced")])
 def test_the_public_function_takes_a_schedule_when_forced(schedule, function, monkeypatch):
-    """The opt-in schedules (this file's, tests/test_teacher_sliced.py's and
-    tests/test_teacher_appended.py's) through kd.teacher_topk."""
+    """The opt-in schedules (this file's and tests/test_teacher_sliced.py's) through kd.teacher_topk."""
     import kd_kernels as kd
     import kd_kernels.teacher_chunked as chunked
 

@@ -8,7 +8,7 @@ import torch
 from helpers import HAS_CUDA, check_teacher_topk, small_teacher_problem
 from kd_kernels import reference
 from kd_kernels.ops.slice_candidates import slice_key_capacity
-from kd_kernels.teacher_chunked import SLICED_BYTES, sliced_tile, teacher_topk_appended, teacher_topk_sliced
+from kd_kernels.teacher_chunked import SLICED_BYTES, sliced_tile, teacher_topk_sliced
 from kd_kernels.topk import TopK
 
 pytestmark = pytest.mark.interpret
@@ -43,27 +43,24 @@ def test_sliced_schedule_reads_a_slice_in_blocks(k, tile, monkeypatch):
     check_teacher_topk(top, expected, 1e-5, reference.lm_head_logits(hidden, weight, bias), 2.0, 200)
 
 
-@pytest.mark.parametrize("schedule", [teacher_topk_sliced, teacher_topk_appended])
-def test_the_torch_ranking_takes_pieces_of_rows(schedule, monkeypatch):
+def test_the_torch_ranking_takes_pieces_of_rows(monkeypatch):
     """Without the extension the keys are ranked by a torch sort, a few rows at a time (its
     temporaries bounded): 4 rows a piece here, the last piece 1 row."""
     from kd_kernels import teacher_chunked
 
     monkeypatch.setattr(teacher_chunked, "RANK_PIECE_BYTES", 3 * 64 * 8 * 4)
     hidden, weight, bias = _problem(11)
-    top = schedule(hidden, weight, 5, 2.0, 200, bias, tile=(21, 64), select="triton")
+    top = teacher_topk_sliced(hidden, weight, 5, 2.0, 200, bias, tile=(21, 64), select="triton")
     expected = reference.teacher_topk(hidden, weight, 5, 2.0, 200, bias)
     check_teacher_topk(top, expected, 1e-5, reference.lm_head_logits(hidden, weight, bias), 2.0, 200)
 
 
-@pytest.mark.parametrize("schedule", [teacher_topk_sliced, teacher_topk_appended])
-def test_sliced_schedules_fewer_columns_than_k_and_massive_ties(schedule):
-    """This file's schedule and the appended one (tests/test_teacher_appended.py)."""
+def test_sliced_schedule_fewer_columns_than_k_and_massive_ties():
     hidden, weight, bias = _problem(7, columns=96)
     hidden[[2, 9]] = 0  # logits = the bias rounded alike: every element of those rows ties
     bias[:] = 0.25
     bias[77] = 1.0
-    top = schedule(hidden, weight, 100, 1.0, 90, bias, tile=(16, 32))  # 90 columns < k
+    top = teacher_topk_sliced(hidden, weight, 100, 1.0, 90, bias, tile=(16, 32))  # 90 columns < k
     expected = reference.teacher_topk(hidden, weight, 100, 1.0, 90, bias)
     assert torch.equal(top.indices[:, :90].cpu(), expected.indices[:, :90].to(torch.int32).cpu())
     assert torch.allclose(top.logprobs[:, :90].double().cpu(), expected.logprobs[:, :90].cpu(), atol=1e-5, rtol=0)

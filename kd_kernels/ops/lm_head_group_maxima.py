@@ -24,7 +24,6 @@ import torch
 import triton
 import triton.language as tl
 
-from .sort_keys import ordered_bits, value_column_key
 from .tma import row_tile_descriptor, tma_rows
 
 
@@ -75,32 +74,12 @@ def _tile_position(tile, row_tiles, column_tiles, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def _append_reaching(z, columns, floors, rows, rows_ok, width, column_offset, counts_ptr, keys_ptr, key_capacity):
-    """The elements of logits ``z [M, C]`` (columns ``[C]`` of the slice) reaching their row's
-    floor appended to the row's keys, a slot each from the row's count (past the capacity: the
-    count tells, the key is dropped)."""
-    take = (z >= floors[:, None]) & (columns[None, :] < width) & rows_ok[:, None]
-    taken = take.to(tl.int32)
-    # one atomic a row reserves its slots; each element's slot is then its rank among the row's
-    # taken elements (an atomic an element issued 4x the instructions and spilled)
-    row_taken = tl.sum(taken, axis=1)
-    first_slot = tl.atomic_add(counts_ptr + rows, row_taken, mask=row_taken > 0, sem="relaxed")
-    slot = first_slot[:, None] + tl.cumsum(taken, axis=1) - taken
-    bits = ordered_bits(z)
-    base = keys_ptr.to(tl.pointer_type(tl.int32)) + 2 * (rows[:, None] * key_capacity + slot)
-    tl.store(base, ~(column_offset + columns[None, :]), mask=take & (slot < key_capacity))
-    tl.store(base + 1, bits, mask=take & (slot < key_capacity))
-
-
-@triton.jit
 def _lm_head_group_maxima_kernel(hidden_desc, weight_desc, logits_desc, bias_ptr, tile_max2_ptr, tile_sum2_ptr,
                                  group_max_ptr, num_rows, width, column_offset, hidden_size, log2e_over_t,
-                                 floors_ptr, keys_ptr, counts_ptr, key_capacity,
                                  HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                                  BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
                                  GROUP_COLUMNS: tl.constexpr, SUBTILE: tl.constexpr, FLATTEN: tl.constexpr,
-                                 DOT_PRECISION: tl.constexpr, STORE_LOGITS: tl.constexpr = True,
-                                 APPEND: tl.constexpr = False):
+                                 DOT_PRECISION: tl.constexpr, STORE_LOGITS: tl.constexpr = True):
     row_tiles = tl.cdiv(num_rows, BLOCK_M)
     column_tiles = tl.cdiv(width, BLOCK_N)
     groups_per_tile: tl.constexpr = BLOCK_N // GROUP_COLUMNS
@@ -138,22 +117,10 @@ def _lm_head_group_maxima_kernel(hidden_desc, weight_desc, logits_desc, bias_ptr
         row_offsets = rows.to(tl.int64)
         tl.store(tile_max2_ptr + row_offsets * column_tiles + column_tile, tile_max2, mask=rows_ok)
         tl.store(tile_sum2_ptr + row_offsets * column_tiles + column_tile, tile_sum2, mask=rows_ok)
-        if APPEND:  # each element reaching its row's floor gets the row's next key slot by an atomic
-            floors = tl.load(floors_ptr + rows, mask=rows_ok, other=float("inf"))
-            # in four column quarters: the int64 keys and slots of the whole tile at once spilled
-            # ~3.9 KB a thread (sm_90 compile)
-            halves = tl.split(tl.permute(tl.reshape(z, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
-            for half in tl.static_range(2):
-                quarters = tl.split(tl.permute(tl.reshape(halves[half], (BLOCK_M, 2, BLOCK_N // 4)), (0, 2, 1)))
-                for quarter in tl.static_range(2):
-                    first_column = column_tile * BLOCK_N + (2 * half + quarter) * (BLOCK_N // 4)
-                    _append_reaching(quarters[quarter], first_column + tl.arange(0, BLOCK_N // 4), floors, rows,
-                                     rows_ok, width, column_offset, counts_ptr, keys_ptr, key_capacity)
-        else:
-            group_max = tl.max(tl.reshape(z, (BLOCK_M, groups_per_tile, GROUP_COLUMNS)), axis=2)
-            groups = column_tile * groups_per_tile + tl.arange(0, groups_per_tile)
-            tl.store(group_max_ptr + row_offsets[:, None] * num_groups + groups[None, :], group_max,
-                     mask=rows_ok[:, None])
+        group_max = tl.max(tl.reshape(z, (BLOCK_M, groups_per_tile, GROUP_COLUMNS)), axis=2)
+        groups = column_tile * groups_per_tile + tl.arange(0, groups_per_tile)
+        tl.store(group_max_ptr + row_offsets[:, None] * num_groups + groups[None, :], group_max,
+                 mask=rows_ok[:, None])
 
 
 def padded_width(width: int) -> int:
@@ -219,13 +186,10 @@ class EpilogueMatmul:
                             torch.empty(rows, column_tiles, dtype=torch.float32, device=device),
                             torch.empty(rows, groups, dtype=torch.float32, device=device), self.config.group_columns)
 
-    def __call__(self, column_start: int, width: int, append=None) -> RowSummaries:
+    def __call__(self, column_start: int, width: int) -> RowSummaries:
         """Columns ``column_start … column_start + width`` (width ≤ max_width) -> their logits
         in the buffer's first ``width`` columns and their `RowSummaries` (the same tensors from
-        one full-width call to the next: read them before the next call). ``append`` = (floors
-        ``[R]`` float32, keys ``[R, C]`` int64, counts ``[R]`` int32): the elements reaching
-        their row's floor appended to its keys instead of the group maxima (counts may pass C:
-        the keys past it are dropped)."""
+        one full-width call to the next: read them before the next call)."""
         config = self.config
         summaries = self.summaries if width == self.max_width else self._summaries(width)
         num_rows, hidden_size = self.hidden.shape
@@ -237,11 +201,9 @@ class EpilogueMatmul:
             self.hidden_desc, self.weight_desc, self.logits_desc,
             self.bias if self.bias is not None else summaries.tile_max2, summaries.tile_max2, summaries.tile_sum2,
             summaries.group_max, num_rows, width, column_start, hidden_size, self.log2e_over_t,
-            *(append if append is not None else (summaries.tile_max2, summaries.tile_max2, summaries.tile_max2)),
-            append[1].shape[1] if append is not None else 0,
             HAS_BIAS=self.bias is not None, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
             GROUP_M=config.group_m, NUM_PROGRAMS=programs, GROUP_COLUMNS=config.group_columns,
-            SUBTILE=config.subtile, FLATTEN=config.flatten, STORE_LOGITS=self.store_logits, APPEND=append is not None,
+            SUBTILE=config.subtile, FLATTEN=config.flatten, STORE_LOGITS=self.store_logits,
             # float32 inputs get float32 products (tf32 would move logits by ~1e-3)
             DOT_PRECISION="ieee" if self.hidden.dtype == torch.float32 else "tf32",
             num_warps=config.num_warps, num_stages=config.num_stages)

@@ -68,18 +68,15 @@ def merge_tile_statistics(row, tile_max2_ptr, tile_sum2_ptr, tiles, max2_ptr, su
 
 
 @triton.jit
-def compact_keys(row_keys_ptr, count, k, BLOCK_KEYS: tl.constexpr, new_values=None, new_valid=None):
+def compact_keys(row_keys_ptr, count, k, BLOCK_KEYS: tl.constexpr, new_values, new_valid):
     """A row's first ``count`` keys reduced in place to those reaching t, the k-th largest value
-    among them and, when given, the new elements ``new_values`` where ``new_valid`` -> (the count
-    kept, t's ordered bits). The caller orders earlier stores to the keys first."""
+    among them and the new elements ``new_values`` where ``new_valid`` -> (the count kept, t's
+    ordered bits). The caller orders earlier stores to the keys first."""
     slot = tl.arange(0, BLOCK_KEYS)
     held = slot < count
     keys = tl.load(row_keys_ptr + slot, mask=held, other=0)
     held_bits = (keys >> 32).to(tl.int32)
-    if new_values is None:
-        kth = kth_largest_bits(held_bits, held, k)
-    else:
-        kth = kth_largest_bits(held_bits, held, k, ordered_bits(new_values), new_valid)
+    kth = kth_largest_bits(held_bits, held, k, ordered_bits(new_values), new_valid)
     kept = held & (held_bits >= kth)
     position = tl.cumsum(kept.to(tl.int32), axis=0) - 1
     tl.debug_barrier()  # every held key is read before any is moved down
