@@ -90,9 +90,9 @@ def sliced_parts(hidden, weight, rows):
     from kd_kernels.teacher_chunked import sliced_tile, teacher_topk_sliced
 
     n, v = hidden.shape[0], weight.shape[0]
-    for k in (8, 64):
-        for tile in dict.fromkeys([sliced_tile(n, k, torch.cuda.get_device_properties(0).multi_processor_count),
-                                   (8192, 1536)]):
+    for k in (8, 64, 256):
+        default_tile = sliced_tile(n, k, torch.cuda.get_device_properties(0).multi_processor_count)
+        for tile in [default_tile] if k > 64 else dict.fromkeys([default_tile, (8192, 1536)]):
             chunk_rows, columns = tile
             logits = torch.empty(chunk_rows, padded_width(columns), device="cuda")
 
@@ -105,7 +105,8 @@ def sliced_parts(hidden, weight, rows):
             for store in (True, False):
                 rows.append((f"k={k}, tile {tile}: the epilogue matmul over the slices alone, "
                              f"{'storing' if store else 'no'} float32 logits", time_ms(lambda: matmul_only(store))[0]))
-            for block, warps in ((128, 1), (256, 1)):
+            # k = 256: 1024 keys a row, which a compaction holds in registers (slice_candidates.slice_warps)
+            for block, warps in ((128, 1), (128, 2), (128, 4), (128, 8)) if k > 64 else ((128, 1), (256, 1)):
                 settings = dict(BLOCK_COLUMNS=block, WARPS=warps)
                 whole = time_ms(lambda: with_attributes(slice_candidates, settings, lambda: teacher_topk_sliced(
                     hidden, weight, k, TEMPERATURE, v, tile=tile, select="cuda")))[0]
