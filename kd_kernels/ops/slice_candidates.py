@@ -21,18 +21,9 @@ from .sort_keys import ordered_bits, value_of_key
 from .topk_from_groups import append_keys, kth_largest_bits
 
 
-# columns a program reads at a time, and its warps (module attributes, set by the parts bench;
-# WARPS None: `slice_warps`)
+# columns a program reads at a time, and its warps (a module attribute, set by the parts bench)
 BLOCK_COLUMNS = 128
-WARPS = None
-KEYS_PER_WARP = 256
-
-
-def slice_warps(capacity: int) -> int:
-    """Warps of the slice kernel for rows of ``capacity`` keys: one per KEYS_PER_WARP, as a
-    compaction holds all the keys in registers (sm_90 compile, 1024 keys: 221 registers on one
-    warp, 80 on four; 256 keys: 77 on one)."""
-    return WARPS or max(1, capacity // KEYS_PER_WARP)
+WARPS = 1
 
 
 def slice_key_capacity(k: int) -> int:
@@ -169,4 +160,4 @@ def append_slice_candidates(logits: torch.Tensor, summaries, state: SliceState, 
         state.sum2, state.floors, state.keys, state.counts, state.overflow, tiles, groups,
         width, column_start, k, capacity, GROUP_COLUMNS=summaries.group_columns,
         BLOCK_TILES=triton.next_power_of_2(tiles), BLOCK_COLUMNS=block_columns,
-        BLOCK_KEYS=triton.next_power_of_2(capacity), BLOCK_GROUPS=block_groups, num_warps=slice_warps(capacity))
+        BLOCK_KEYS=triton.next_power_of_2(capacity), BLOCK_GROUPS=block_groups, num_warps=WARPS)
