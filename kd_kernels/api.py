@@ -81,7 +81,7 @@ def teacher_topk(hidden: torch.Tensor, weight: torch.Tensor, k: int = 64, *, tem
             cuda (the CUDA top-k kernel, k <= 1024) when built, else triton (a Triton threshold
             select; no compiled extension needed). bf16 / fp16 inputs with k <= 1024 take, on
             either GPU backend, a Triton matmul whose epilogue also summarizes each row, then
-            read ~k groups of each row (on an H200 1.03-1.18x the bare matmul at k <= 64,
+            read ~k groups of each row (on an H200 1.01-1.18x the bare matmul at k <= 64,
             1.15-1.23x at k = 1024 on cuda, whose extension gathers and sorts the candidates
             past k = 256; timed in turn with the matmul 1.17-1.31x and 1.31-1.40x in the latest
             runs: benchmarks/RESULTS.md);
@@ -95,7 +95,7 @@ def teacher_topk(hidden: torch.Tensor, weight: torch.Tensor, k: int = 64, *, tem
         lean: ≤ ~64 MiB beyond the inputs and outputs whatever N and V: bf16 / fp16 inputs with
             k <= 256 take the sliced schedule (the epilogue matmul over 3072-column vocab slices
             of row chunks, each row keeping the elements that reach its running k-th value; on an
-            H200 1.18-1.37× the bare matmul in blocks at k <= 64, 1.46-1.74× timed in turn), others
+            H200 1.18-1.40× the bare matmul in blocks at k <= 64, 1.42-1.74× timed in turn), others
             tiles of rows × vocab columns (48 MiB of float32 logits plus ~16 MiB for merging;
             2.9-3.2× at k = 1024).
         fused: the top-k chosen in the epilogue of a Triton matmul (triton backend): no logits in

@@ -131,7 +131,7 @@ def teacher_schedule(hidden: torch.Tensor, weight: torch.Tensor, k: int) -> str:
     ``KD_KERNELS_TEACHER_SCHEDULE=cublas`` / ``=epilogue`` / ``=listed`` / ``=sliced`` force one
     (A/B in the benchmark; "listed", `teacher_topk_listed`, stores no logits and is not chosen by
     default: timed no faster, 2.1x at k = 1024; "sliced", `teacher_topk_sliced`, stays within
-    ~64 MiB at 1.18-1.37x at k <= 64, lean=True's schedule); the three epilogue-matmul schedules
+    ~64 MiB at 1.18-1.40x at k <= 64, lean=True's schedule); the three epilogue-matmul schedules
     where that matmul does not apply (dtype, alignment) are an error."""
     from .ops.lm_head_group_maxima import epilogue_applies
 
@@ -367,7 +367,7 @@ def _merge_running(running, candidates):
 def teacher_topk_lean(hidden: torch.Tensor, weight: torch.Tensor, k: int, temperature: float, vocab_size: int,
                       bias: Optional[torch.Tensor] = None, shard=None, select: str = "triton") -> TopK:
     """``lean=True``: `teacher_topk_sliced` where the epilogue matmul takes the inputs and k <=
-    SLICED_MAX_K (on an H200 1.18-1.37× the bare matmul at k <= 64 in blocks, against 1.49-2.53×
+    SLICED_MAX_K (on an H200 1.18-1.40× the bare matmul at k <= 64 in blocks, against 1.49-2.53×
     for the tiled one in the same session's runs), else `teacher_topk_tiled`; both within ~64 MiB
     beyond inputs and outputs."""
     from .ops.lm_head_group_maxima import epilogue_applies
