@@ -92,7 +92,10 @@ def sliced_parts(hidden, weight, rows):
     n, v = hidden.shape[0], weight.shape[0]
     for k in (8, 64, 256):
         default_tile = sliced_tile(n, k, torch.cuda.get_device_properties(0).multi_processor_count)
-        for tile in [default_tile] if k > 64 else dict.fromkeys([default_tile, (8192, 1536)]):
+        # other tiles within SLICED_BYTES: fewer waves of the matmul's tiles over the whole call
+        # (8192 rows: 297 against 350 for k = 256's default, 300 for k = 8's; NOTES e22)
+        others = [(1536, 5632), (2048, 4096)] if k > 64 else [(8192, 1536), (2816, 3072)]
+        for tile in dict.fromkeys([default_tile, *others]):
             chunk_rows, columns = tile
             logits = torch.empty(chunk_rows, padded_width(columns), device="cuda")
 
@@ -105,8 +108,8 @@ def sliced_parts(hidden, weight, rows):
             for store in (True, False):
                 rows.append((f"k={k}, tile {tile}: the epilogue matmul over the slices alone, "
                              f"{'storing' if store else 'no'} float32 logits", time_ms(lambda: matmul_only(store))[0]))
-            # k = 256: 1024 keys a row, which a compaction holds in registers (slice_candidates.slice_warps)
-            for block, warps in ((128, 1), (128, 2), (128, 4), (128, 8)) if k > 64 else ((128, 1), (256, 1)):
+            # more warps at k = 256 ran slower (1 warp 28.0 ms, 2: 32.1, 4: 31.5, 8: 39.3; NOTES e22)
+            for block, warps in ((128, 1), (256, 1)):
                 settings = dict(BLOCK_COLUMNS=block, WARPS=warps)
                 whole = time_ms(lambda: with_attributes(slice_candidates, settings, lambda: teacher_topk_sliced(
                     hidden, weight, k, TEMPERATURE, v, tile=tile, select="cuda")))[0]
