@@ -91,10 +91,10 @@ def sliced_parts(hidden, weight, rows):
 
     n, v = hidden.shape[0], weight.shape[0]
     for k in (8, 64, 256):
-        default_tile = sliced_tile(n, k, torch.cuda.get_device_properties(0).multi_processor_count)
+        default_tile = sliced_tile(n, k, torch.cuda.get_device_properties(0).multi_processor_count, v)
         # other tiles within SLICED_BYTES: fewer waves of the matmul's tiles over the whole call
-        # (8192 rows: 297 against 350 for k = 256's default, 300 for k = 8's; NOTES e22)
-        others = [(1536, 5632), (2048, 4096)] if k > 64 else [(8192, 1536), (2816, 3072)]
+        # (8192 rows: 297 against 347 for k = 256's old 2560 × 3072, 298 for k = 8's; NOTES e22-e23)
+        others = [(1536, 5632), (2560, 3072)] if k > 64 else [(8192, 1536), (2816, 3072)]
         for tile in dict.fromkeys([default_tile, *others]):
             chunk_rows, columns = tile
             logits = torch.empty(chunk_rows, padded_width(columns), device="cuda")

@@ -237,28 +237,57 @@ def teacher_topk_listed(hidden: torch.Tensor, weight: torch.Tensor, k: int, temp
     return _finish(values, indices.add_(column_start), lse, k, temperature, shard)
 
 
-def sliced_tile(num_rows: int, k: int, multiprocessors: Optional[int] = None) -> tuple[int, int]:
-    """(rows, columns) of the sliced schedule: slices of 3072 columns (whole 256-column tiles of
-    the epilogue matmul), as many rows as the float32 slice and the rows' keys fit in
-    SLICED_BYTES (at most 4096); with ``multiprocessors``, fewer rows where the slice's tiles
-    would leave a wave of programs idle (on an H200, 4096 × 3328 columns are 416 tiles, 3.2
-    waves of 132: its kernels took 17.6 ms over the slices against 14.7 ms at 3072 columns, 2.9
-    waves)."""
+def sliced_tile(num_rows: int, k: int, multiprocessors: Optional[int] = None,
+                width: Optional[int] = None) -> tuple[int, int]:
+    """(rows, columns) of the sliced schedule: slices of whole 256-column tiles of the epilogue
+    matmul, as many rows as the float32 slice and the rows' keys fit in SLICED_BYTES (at most
+    4096), with ``multiprocessors`` fitted so each slice's tiles fill ≥ 95 % of their waves
+    (3072 columns). With the vocab ``width`` too: of 3072- and 4096-column slices so fitted, the
+    one whose whole call takes the fewest waves of tiles (then the fewest launches). On an H200 at 8192 × 151,936: k = 8
+    4096 × 3072, k = 64 2816 × 3072, k = 256 2048 × 4096 (2560 × 3072 left a last chunk of 512
+    rows: 347 waves against 300, the whole schedule 28.0 against 24.9 ms)."""
+    if multiprocessors is None or width is None:
+        return _sliced_rows(num_rows, k, 3072, multiprocessors), 3072
+    candidates = []
+    for columns in (3072, 4096):
+        rows = _sliced_rows(num_rows, k, columns, multiprocessors)
+        chunks, slices = -(-num_rows // rows), -(-width // columns)
+        candidates.append((_tile_waves(num_rows, width, rows, columns, multiprocessors), chunks * slices,
+                           rows, columns))
+    return min(candidates)[2:]
+
+
+def _sliced_rows(num_rows: int, k: int, columns: int, multiprocessors: Optional[int]) -> int:
+    """Rows of a sliced chunk: what SLICED_BYTES holds (≤ 4096); with ``multiprocessors``, the
+    most whole 128-row tiles down to three quarters of that whose slice fills ≥ 95 % of its
+    waves of 256-column tiles."""
     from .ops.slice_candidates import slice_key_capacity
 
-    columns = 3072
     rows = max(1, min(num_rows, 4096, SLICED_BYTES // (4 * columns + 8 * slice_key_capacity(k))))
     if multiprocessors is None or rows == num_rows or rows < 128:
-        return rows, columns
-    column_tiles = columns // 256
-    budget = rows // 128
+        return rows
+    column_tiles, budget = columns // 256, rows // 128
 
     def wave_use(row_tiles):
         tiles = row_tiles * column_tiles
         return tiles / (-(-tiles // multiprocessors) * multiprocessors)
-    # the most rows whose tiles fill 95 % of their waves, down to three quarters of the budget
     fitting = [tiles for tiles in range(budget, (3 * budget) // 4 - 1, -1) if wave_use(tiles) >= 0.95]
-    return (fitting[0] * 128 if fitting else rows), columns
+    return fitting[0] * 128 if fitting else rows
+
+
+def _tile_waves(num_rows: int, width: int, rows: int, columns: int, multiprocessors: int) -> int:
+    """Waves of 128 × 256 tiles over ``multiprocessors`` the whole call takes in chunks of
+    ``rows`` and slices of ``columns`` (the last chunk and slice may be narrower)."""
+    def tiles(extent, size):
+        return -(-extent // size)
+    full_chunks, last_rows = divmod(num_rows, rows)
+    full_slices, last_columns = divmod(width, columns)
+    waves = 0
+    for chunk_count, chunk_rows in ((full_chunks, rows), (1 if last_rows else 0, last_rows)):
+        for slice_count, slice_columns in ((full_slices, columns), (1 if last_columns else 0, last_columns)):
+            per_slice = tiles(chunk_rows, 128) * tiles(slice_columns, 256)
+            waves += chunk_count * slice_count * tiles(per_slice, multiprocessors)
+    return waves
 
 
 def teacher_topk_sliced(hidden: torch.Tensor, weight: torch.Tensor, k: int, temperature: float, vocab_size: int,
@@ -281,7 +310,7 @@ def teacher_topk_sliced(hidden: torch.Tensor, weight: torch.Tensor, k: int, temp
     width, column_start = (vocab_size, 0) if shard is None else (shard.existing, shard.vocab_start)
     multiprocessors = (torch.cuda.get_device_properties(hidden.device).multi_processor_count
                        if hidden.device.type == "cuda" else None)
-    chunk_rows, slice_columns = tile or sliced_tile(num_rows, k, multiprocessors)
+    chunk_rows, slice_columns = tile or sliced_tile(num_rows, k, multiprocessors, width)
     buffer = torch.empty(min(chunk_rows, num_rows), padded_width(min(slice_columns, width)), dtype=torch.float32,
                          device=hidden.device)
     values, indices, lse = _outputs(num_rows, k, hidden.device)

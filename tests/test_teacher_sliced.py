@@ -86,10 +86,10 @@ def test_sliced_schedule_redoes_rows_whose_ties_overflow_the_keys():
 def test_sliced_tile_stays_within_its_bytes():
     for num_rows in (1, 8192, 100_000):
         for k in (1, 8, 64, 256):
-            for multiprocessors in (None, 132):
-                rows, columns = sliced_tile(num_rows, k, multiprocessors)
+            for multiprocessors, width in ((None, None), (132, None), (132, 151_936), (132, 1000)):
+                rows, columns = sliced_tile(num_rows, k, multiprocessors, width)
                 assert rows * (columns * 4 + slice_key_capacity(k) * 8) <= SLICED_BYTES
-                assert columns % 256 == 0 and columns <= 3072 and rows <= num_rows
+                assert columns % 256 == 0 and columns <= 4096 and rows <= num_rows
 
 
 def test_sliced_tile_fills_whole_waves_of_the_matmul_tiles():
@@ -98,6 +98,24 @@ def test_sliced_tile_fills_whole_waves_of_the_matmul_tiles():
     assert sliced_tile(8192, 64, 132) == (2816, 3072)
     assert sliced_tile(8192, 8, 132) == (4096, 3072)
     assert sliced_tile(1000, 64, 132) == (1000, 3072)  # one chunk: nothing to fit
+
+
+def test_sliced_tile_takes_the_slices_with_the_fewest_waves_over_the_whole_call():
+    """With the vocab width the whole call's waves decide between 3072- and 4096-column slices:
+    at k = 256, 2560 × 3072 leaves a last chunk of 512 rows (347 waves of 132 tiles), 2048 ×
+    4096 takes 300; k = 8 and 64 keep their 3072-column slices (298 / 297 against 299 / 300 for
+    3072 / 2048 rows × 4096);
+    equal waves go to fewer launches (one chunk of 1000 rows: 38 slices of 4096, not 50)."""
+    from kd_kernels.teacher_chunked import _tile_waves
+
+    assert sliced_tile(8192, 256, 132, 151_936) == (2048, 4096)
+    assert (_tile_waves(8192, 151_936, 2560, 3072, 132), _tile_waves(8192, 151_936, 2048, 4096, 132)) == (347, 300)
+    assert sliced_tile(8192, 64, 132, 151_936) == (2816, 3072)
+    assert sliced_tile(8192, 8, 132, 151_936) == (4096, 3072)
+    assert sliced_tile(1000, 64, 132, 151_936) == (1000, 4096)
+    # 256-row chunks and 512-column slices of 300 × 1000 on 3 multiprocessors: 2 × 2 tiles (2 waves),
+    # 2 × 2 (the last slice, 488 columns: 2), 1 × 2 (the last chunk: 1), 1 × 2 (1)
+    assert _tile_waves(300, 1000, 256, 512, 3) == 2 + 2 + 1 + 1
 
 
 def test_sliced_schedule_rejects_k_past_its_limit_and_a_chunk_size(monkeypatch):
