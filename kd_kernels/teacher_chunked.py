@@ -295,7 +295,7 @@ def teacher_topk_sliced(hidden: torch.Tensor, weight: torch.Tensor, k: int, temp
                         tile: Optional[tuple[int, int]] = None) -> TopK:
     """hidden ``[N, H]``, weight ``[V, H]`` 16-bit -> `TopK` float32 with a slice buffer and
     keys within SLICED_BYTES whatever N and V (with the slice summaries and the ranking on top,
-    42–56 MiB beyond the outputs measured at 8192 rows, k ≤ 256, with the extension; without it
+    41–53 MiB beyond the outputs measured at 8192 rows, k ≤ 256, with the extension; without it
     the torch ranking's ~RANK_PIECE_BYTES on top): per chunk of rows, vocab slice after vocab slice (``tile`` =
     (rows, columns), None: `sliced_tile`), the epilogue matmul writes the slice's float32
     logits and summaries, and each row keeps the slice's elements reaching its running floor
