@@ -118,11 +118,35 @@ def sliced_parts(hidden, weight, rows):
                 print(rows[-1], flush=True)
 
 
+def store_parts(hidden, weight, rows):
+    """What the default schedule's float32 store costs: the epilogue matmul over 2048-row chunks
+    of the whole vocabulary storing float32, float16 (half the bytes; a probe: the schedule
+    stores float32) or no logits."""
+    from kd_kernels.ops.lm_head_group_maxima import EpilogueMatmul, row_tile_descriptor
+
+    n, v = hidden.shape[0], weight.shape[0]
+    chunk = 2048
+    logits32 = torch.empty(chunk, padded_width(v), device="cuda")
+    logits16 = torch.empty(chunk, padded_width(v), device="cuda", dtype=torch.float16)
+    for what, buffer in (("float32", logits32), ("float16", logits16), ("no", None)):
+        matmuls = []
+        for start in range(0, n, chunk):
+            matmul = EpilogueMatmul(hidden[start:start + chunk], weight, None, v, TEMPERATURE,
+                                    None if buffer is None else logits32)
+            if buffer is logits16:
+                matmul.logits_desc = row_tile_descriptor(logits16[:, :v], "logits", [128, 128], "the probe")
+            matmuls.append(matmul)
+        rows.append((f"epilogue matmul, {chunk}-row chunks of the whole vocabulary, {what} logits stored",
+                     time_ms(lambda: [matmul(0, v) for matmul in matmuls])[0]))
+        print(rows[-1], flush=True)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--selection-only", action="store_true", help="skip the matmul parts")
     parser.add_argument("--listed", action="store_true", help="the listed schedule's parts only")
     parser.add_argument("--sliced", action="store_true", help="the sliced schedule's parts only")
+    parser.add_argument("--store", action="store_true", help="the float32 store's cost only (with float16, none)")
     args = parser.parse_args()
     selection_only = args.selection_only
     n, h, v = 8192, 4096, 151936
@@ -132,8 +156,8 @@ def main():
     full = time_ms(lambda: hidden @ weight.T)[0]
     rows.append(("cuBLAS bf16, 8192 rows", full))
     rows.append(("cuBLAS fp32 out, 8192 rows", time_ms(lambda: torch.mm(hidden, weight.T, out_dtype=torch.float32))[0]))
-    if args.listed or args.sliced:
-        (listed_parts if args.listed else sliced_parts)(hidden, weight, rows)
+    if args.listed or args.sliced or args.store:
+        (listed_parts if args.listed else sliced_parts if args.sliced else store_parts)(hidden, weight, rows)
         print_table(rows, full, n, h, v, entropy)
         return
     for chunk in () if selection_only else (2207, 2048, 1024):

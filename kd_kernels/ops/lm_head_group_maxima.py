@@ -104,10 +104,11 @@ def _lm_head_group_maxima_kernel(hidden_desc, weight_desc, logits_desc, bias_ptr
         if STORE_LOGITS:
             if SUBTILE:  # two stores of half the columns: half the shared-memory staging
                 left, right = tl.split(tl.permute(tl.reshape(accumulator, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
-                logits_desc.store([row_tile * BLOCK_M, column_tile * BLOCK_N], left)
-                logits_desc.store([row_tile * BLOCK_M, column_tile * BLOCK_N + BLOCK_N // 2], right)
+                logits_desc.store([row_tile * BLOCK_M, column_tile * BLOCK_N], left.to(logits_desc.dtype))
+                logits_desc.store([row_tile * BLOCK_M, column_tile * BLOCK_N + BLOCK_N // 2],
+                                  right.to(logits_desc.dtype))
             else:
-                logits_desc.store([row_tile * BLOCK_M, column_tile * BLOCK_N], accumulator)
+                logits_desc.store([row_tile * BLOCK_M, column_tile * BLOCK_N], accumulator.to(logits_desc.dtype))
         z = tl.where(columns[None, :] < width, accumulator, float("-inf"))
         z2 = z * log2e_over_t
         tile_max2 = tl.max(z2, axis=1)
