@@ -243,9 +243,10 @@ def sliced_tile(num_rows: int, k: int, multiprocessors: Optional[int] = None,
     matmul, as many rows as the float32 slice and the rows' keys fit in SLICED_BYTES (at most
     4096), with ``multiprocessors`` fitted so each slice's tiles fill ≥ 95 % of their waves
     (3072 columns). With the vocab ``width`` too: of 3072- and 4096-column slices so fitted, the
-    one whose whole call takes the fewest waves of tiles (then the fewest launches). On an H200 at 8192 × 151,936: k = 8
-    4096 × 3072, k = 64 2816 × 3072, k = 256 2048 × 4096 (2560 × 3072 left a last chunk of 512
-    rows: 347 waves against 300, the whole schedule 28.0 against 24.9 ms)."""
+    one whose whole call takes the fewest waves of tiles (then the fewest launches). On an H200
+    at 8192 × 151,936: k = 8 4096 × 3072, k = 64 2816 × 3072, k = 256 2048 × 4096 (2560 × 3072
+    left a last chunk of 512 rows: 347 waves against 300, the whole schedule 28.0 against 24.9
+    ms)."""
     if multiprocessors is None or width is None:
         return _sliced_rows(num_rows, k, 3072, multiprocessors), 3072
     candidates = []
