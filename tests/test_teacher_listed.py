@@ -7,7 +7,7 @@ real shape on a GPU: beside the epilogue schedule's, tests/test_teacher_epilogue
 import pytest
 import torch
 
-from helpers import HAS_CUDA, check_teacher_topk as _check, small_teacher_problem
+from helpers import HAS_CUDA, check_teacher_topk as _check, small_teacher_problem as _problem
 from kd_kernels import reference
 from kd_kernels.ops.listed_group_logits import listed_group_logits, plan_pairs
 from kd_kernels.ops.lm_head_group_maxima import lm_head_logits_with_summaries, padded_width
@@ -16,10 +16,6 @@ from kd_kernels.teacher_chunked import teacher_topk_listed
 
 pytestmark = pytest.mark.interpret
 DEVICE = "cuda" if HAS_CUDA else "cpu"
-
-
-def _problem(seed, rows=37, **options):
-    return small_teacher_problem(seed, rows, **options)
 
 
 def test_summaries_without_logits_equal_those_with_them():
