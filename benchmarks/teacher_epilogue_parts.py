@@ -5,7 +5,9 @@ the pair plan, the recomputed groups, the top-k among them) and the whole schedu
 ``--sliced``: the ≤ 64 MiB sliced schedule: the matmul over the slices alone (with and without
 the float32 store), the whole schedule at several tiles and launches.
 
-usage: python benchmarks/teacher_epilogue_parts.py [--selection-only | --listed | --sliced]   (one H200)
+``--top2``: the matmul storing no logits but each group's top two (the maxima schedule).
+
+usage: python benchmarks/teacher_epilogue_parts.py [--selection-only | --listed | --sliced | --store | --top2]
 """
 from __future__ import annotations
 
@@ -141,12 +143,35 @@ def store_parts(hidden, weight, rows):
         print(rows[-1], flush=True)
 
 
+def top2_parts(hidden, weight, rows):
+    """What the maxima schedule's matmul costs: the epilogue matmul over chunks of the whole
+    vocabulary storing float32 logits (the default schedule), nothing, or nothing but each
+    group's maximum column and second largest too (3 or 4 stages)."""
+    from kd_kernels.ops.lm_head_group_maxima import EpilogueMatmul
+
+    n, v = hidden.shape[0], weight.shape[0]
+    for chunk in (2048, 1024):
+        logits = torch.empty(chunk, padded_width(v), device="cuda") if chunk == 2048 else None
+        variants = [("float32 logits stored", logits, False, 3)] if logits is not None else []
+        variants += [("no logits", None, False, 3), ("no logits, group top-2", None, True, 3),
+                     ("no logits, group top-2, 4 stages", None, True, 4)]
+        for what, buffer, top2, stages in variants:
+            config = GroupMaximaConfig(num_stages=stages)
+            matmuls = [EpilogueMatmul(hidden[start:start + chunk], weight, None, v, TEMPERATURE, buffer, config, top2)
+                       for start in range(0, n, chunk)]
+            rows.append((f"epilogue matmul, {chunk}-row chunks, {what}",
+                         time_ms(lambda: [matmul(0, v) for matmul in matmuls])[0]))
+            print(rows[-1], flush=True)
+            matmuls = None
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--selection-only", action="store_true", help="skip the matmul parts")
     parser.add_argument("--listed", action="store_true", help="the listed schedule's parts only")
     parser.add_argument("--sliced", action="store_true", help="the sliced schedule's parts only")
     parser.add_argument("--store", action="store_true", help="the float32 store's cost only (with float16, none)")
+    parser.add_argument("--top2", action="store_true", help="the matmul with each group's top two, no logits")
     args = parser.parse_args()
     selection_only = args.selection_only
     n, h, v = 8192, 4096, 151936
@@ -156,8 +181,10 @@ def main():
     full = time_ms(lambda: hidden @ weight.T)[0]
     rows.append(("cuBLAS bf16, 8192 rows", full))
     rows.append(("cuBLAS fp32 out, 8192 rows", time_ms(lambda: torch.mm(hidden, weight.T, out_dtype=torch.float32))[0]))
-    if args.listed or args.sliced or args.store:
-        (listed_parts if args.listed else sliced_parts if args.sliced else store_parts)(hidden, weight, rows)
+    if args.listed or args.sliced or args.store or args.top2:
+        parts = (listed_parts if args.listed else sliced_parts if args.sliced else store_parts if args.store
+                 else top2_parts)
+        parts(hidden, weight, rows)
         print_table(rows, full, n, h, v, entropy)
         return
     for chunk in () if selection_only else (2207, 2048, 1024):

@@ -55,12 +55,18 @@ def default_config() -> GroupMaximaConfig:
 class RowSummaries:
     """What the epilogue leaves per row besides the logits: ``tile_max2`` and ``tile_sum2``
     ``[R, tiles]`` float32 (log2 units at τ; their combination is the row's logsumexp / ln 2),
-    ``group_max`` ``[R, groups]`` float32 (logits before τ; -inf past ``width``), and the
-    group width in columns."""
+    ``group_max`` ``[R, groups]`` float32 (logits before τ; -inf past ``width``), the group
+    width in columns and, from a matmul asked for them (``group_top2``), ``group_arg``
+    ``[R, groups]`` int8 (the maximum's column within its group, the lowest among ties) and
+    ``group_second`` ``[R, groups]`` float32 (the largest of the group's other columns: equal to
+    the maximum on a tie): a group whose second is below a row's k-th value holds one top-k
+    element at most, whose value and column are then known without reading the logits."""
     tile_max2: torch.Tensor
     tile_sum2: torch.Tensor
     group_max: torch.Tensor
     group_columns: int
+    group_arg: torch.Tensor | None = None
+    group_second: torch.Tensor | None = None
 
 
 @triton.jit
@@ -75,11 +81,13 @@ def _tile_position(tile, row_tiles, column_tiles, GROUP_M: tl.constexpr):
 
 @triton.jit
 def _lm_head_group_maxima_kernel(hidden_desc, weight_desc, logits_desc, bias_ptr, tile_max2_ptr, tile_sum2_ptr,
-                                 group_max_ptr, num_rows, width, column_offset, hidden_size, log2e_over_t,
+                                 group_max_ptr, group_arg_ptr, group_second_ptr, num_rows, width, column_offset,
+                                 hidden_size, log2e_over_t,
                                  HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                                  BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
                                  GROUP_COLUMNS: tl.constexpr, SUBTILE: tl.constexpr, FLATTEN: tl.constexpr,
-                                 DOT_PRECISION: tl.constexpr, STORE_LOGITS: tl.constexpr = True):
+                                 DOT_PRECISION: tl.constexpr, STORE_LOGITS: tl.constexpr = True,
+                                 GROUP_TOP2: tl.constexpr = False):
     row_tiles = tl.cdiv(num_rows, BLOCK_M)
     column_tiles = tl.cdiv(width, BLOCK_N)
     groups_per_tile: tl.constexpr = BLOCK_N // GROUP_COLUMNS
@@ -118,10 +126,18 @@ def _lm_head_group_maxima_kernel(hidden_desc, weight_desc, logits_desc, bias_ptr
         row_offsets = rows.to(tl.int64)
         tl.store(tile_max2_ptr + row_offsets * column_tiles + column_tile, tile_max2, mask=rows_ok)
         tl.store(tile_sum2_ptr + row_offsets * column_tiles + column_tile, tile_sum2, mask=rows_ok)
-        group_max = tl.max(tl.reshape(z, (BLOCK_M, groups_per_tile, GROUP_COLUMNS)), axis=2)
         groups = column_tile * groups_per_tile + tl.arange(0, groups_per_tile)
-        tl.store(group_max_ptr + row_offsets[:, None] * num_groups + groups[None, :], group_max,
-                 mask=rows_ok[:, None])
+        group_offsets = row_offsets[:, None] * num_groups + groups[None, :]
+        z_groups = tl.reshape(z, (BLOCK_M, groups_per_tile, GROUP_COLUMNS))
+        if GROUP_TOP2:  # the maximum's lane (the lowest among ties) and the largest of the other lanes
+            group_max, group_arg = tl.max(z_groups, axis=2, return_indices=True, return_indices_tie_break_left=True)
+            lane = tl.arange(0, GROUP_COLUMNS)[None, None, :]
+            group_second = tl.max(tl.where(lane == group_arg[:, :, None], float("-inf"), z_groups), axis=2)
+            tl.store(group_arg_ptr + group_offsets, group_arg.to(tl.int8), mask=rows_ok[:, None])
+            tl.store(group_second_ptr + group_offsets, group_second, mask=rows_ok[:, None])
+        else:
+            group_max = tl.max(z_groups, axis=2)
+        tl.store(group_max_ptr + group_offsets, group_max, mask=rows_ok[:, None])
 
 
 def padded_width(width: int) -> int:
@@ -138,13 +154,14 @@ def epilogue_applies(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
 
 def lm_head_logits_with_summaries(hidden: torch.Tensor, weight: torch.Tensor, bias, width: int,
                                   temperature: float, logits: torch.Tensor | None,
-                                  config: GroupMaximaConfig | None = None) -> RowSummaries:
+                                  config: GroupMaximaConfig | None = None, group_top2: bool = False) -> RowSummaries:
     """hidden ``[R, H]``, weight ``[≥ width, H]`` (bf16 / fp16, or float32 with IEEE products:
     the interpreter's tests), bias ``[≥ width]`` or None -> the float32 logits
     ``hidden @ weight[:width].T + bias`` written into ``logits [R, ≥ width]`` (rows 16-byte
     aligned: `padded_width`), and the rows' `RowSummaries`. ``logits=None``: the summaries
-    only, no logits stored (the listed schedule recomputes the few groups it needs)."""
-    return EpilogueMatmul(hidden, weight, bias, width, temperature, logits, config)(0, width)
+    only, no logits stored (the listed schedule recomputes the few groups it needs).
+    ``group_top2``: each group's maximum column and second largest too (`RowSummaries`)."""
+    return EpilogueMatmul(hidden, weight, bias, width, temperature, logits, config, group_top2)(0, width)
 
 
 class EpilogueMatmul:
@@ -155,7 +172,7 @@ class EpilogueMatmul:
     ``bias`` whole (the slices are offsets into them)."""
 
     def __init__(self, hidden: torch.Tensor, weight: torch.Tensor, bias, max_width: int, temperature: float,
-                 logits: torch.Tensor | None, config: GroupMaximaConfig | None = None):
+                 logits: torch.Tensor | None, config: GroupMaximaConfig | None = None, group_top2: bool = False):
         config = config or default_config()
         if logits is not None and logits.dtype != torch.float32:
             raise ValueError(f"logits: expected a float32 buffer (rows of padded_width(width)), got {logits.dtype}")
@@ -164,6 +181,7 @@ class EpilogueMatmul:
         self.hidden, self.bias, self.max_width, self.config = hidden, bias, max_width, config
         self.log2e_over_t = 1.4426950408889634 / temperature
         self.store_logits = logits is not None
+        self.group_top2 = group_top2
         self.summaries = self._summaries(max_width)
         if hidden.shape[0] == 0:
             return
@@ -183,9 +201,12 @@ class EpilogueMatmul:
         column_tiles = -(-width // self.config.block_n)
         groups = column_tiles * (self.config.block_n // self.config.group_columns)
         rows, device = self.hidden.shape[0], self.hidden.device
+        top2 = ((torch.empty(rows, groups, dtype=torch.int8, device=device),
+                 torch.empty(rows, groups, dtype=torch.float32, device=device)) if self.group_top2 else (None, None))
         return RowSummaries(torch.empty(rows, column_tiles, dtype=torch.float32, device=device),
                             torch.empty(rows, column_tiles, dtype=torch.float32, device=device),
-                            torch.empty(rows, groups, dtype=torch.float32, device=device), self.config.group_columns)
+                            torch.empty(rows, groups, dtype=torch.float32, device=device), self.config.group_columns,
+                            *top2)
 
     def __call__(self, column_start: int, width: int) -> RowSummaries:
         """Columns ``column_start … column_start + width`` (width ≤ max_width) -> their logits
@@ -201,10 +222,13 @@ class EpilogueMatmul:
         _lm_head_group_maxima_kernel[(programs,)](
             self.hidden_desc, self.weight_desc, self.logits_desc,
             self.bias if self.bias is not None else summaries.tile_max2, summaries.tile_max2, summaries.tile_sum2,
-            summaries.group_max, num_rows, width, column_start, hidden_size, self.log2e_over_t,
+            summaries.group_max, summaries.group_arg if self.group_top2 else summaries.group_max,
+            summaries.group_second if self.group_top2 else summaries.group_max,
+            num_rows, width, column_start, hidden_size, self.log2e_over_t,
             HAS_BIAS=self.bias is not None, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
             GROUP_M=config.group_m, NUM_PROGRAMS=programs, GROUP_COLUMNS=config.group_columns,
             SUBTILE=config.subtile, FLATTEN=config.flatten, STORE_LOGITS=self.store_logits,
+            GROUP_TOP2=self.group_top2,
             # float32 inputs get float32 products (tf32 would move logits by ~1e-3)
             DOT_PRECISION="ieee" if self.hidden.dtype == torch.float32 else "tf32",
             num_warps=config.num_warps, num_stages=config.num_stages)
