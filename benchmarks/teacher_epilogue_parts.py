@@ -5,9 +5,10 @@ the pair plan, the recomputed groups, the top-k among them) and the whole schedu
 ``--sliced``: the ≤ 64 MiB sliced schedule: the matmul over the slices alone (with and without
 the float32 store), the whole schedule at several tiles and launches.
 
-``--top2``: the matmul storing no logits but each group's top two (the maxima schedule).
+``--top2``: the matmul storing no logits but each group's top two; ``--maxima``: the maxima
+schedule's parts (that matmul, the candidates, the recomputed groups, the final top-k).
 
-usage: python benchmarks/teacher_epilogue_parts.py [--selection-only | --listed | --sliced | --store | --top2]
+usage: python benchmarks/teacher_epilogue_parts.py [--selection-only | --listed | --sliced | --store | --top2 | --maxima]
 """
 from __future__ import annotations
 
@@ -165,6 +166,44 @@ def top2_parts(hidden, weight, rows):
             matmuls = None
 
 
+def maxima_parts(hidden, weight, rows):
+    """The maxima schedule's parts per chunk (the matmul with group top-2, the candidates, the
+    pair plan, the recomputed groups, the final top-k), scaled to all rows, groups computed
+    again per row, and the whole of it."""
+    from kd_kernels.ops.listed_group_logits import listed_group_logits, plan_pairs
+    from kd_kernels.ops.topk_from_group_top2 import group_top2_candidates, topk_of_keys_and_groups
+    from kd_kernels.teacher_chunked import maxima_chunk_rows, maxima_pairs_per_row, teacher_topk_maxima
+
+    n, v = hidden.shape[0], weight.shape[0]
+    for k in (8, 64, 256):
+        chunk = maxima_chunk_rows(n, v, k)
+        part, scale = hidden[:chunk], n / chunk
+        summaries = lm_head_logits_with_summaries(part, weight, None, v, TEMPERATURE, None, group_top2=True)
+        rows.append((f"k={k}, {chunk} rows: matmul with group top-2 (× {scale:.2f})", scale * time_ms(
+            lambda: lm_head_logits_with_summaries(part, weight, None, v, TEMPERATURE, None, group_top2=True))[0]))
+        rows.append((f"k={k}: candidates (× {scale:.2f})",
+                     scale * time_ms(lambda: group_top2_candidates(summaries, k, TEMPERATURE, v))[0]))
+        _, keys, counts, group_ids, recompute, group_counts, ranks, thresholds, overflow = group_top2_candidates(
+            summaries, k, TEMPERATURE, v)
+        budget = maxima_pairs_per_row(k) * chunk
+        rows.append((f"k={k}: pair plan (× {scale:.2f})", scale * time_ms(
+            lambda: plan_pairs(group_ids, recompute, group_counts, ranks, budget))[0]))
+        plan = plan_pairs(group_ids, recompute, group_counts, ranks, budget)
+        rows.append((f"k={k}: groups computed again (× {scale:.2f})", scale * time_ms(
+            lambda: listed_group_logits(part, weight, None, v, plan, summaries.group_columns))[0]))
+        group_logits = listed_group_logits(part, weight, None, v, plan, summaries.group_columns)
+        rows.append((f"k={k}: top-k of keys and groups (× {scale:.2f})", scale * time_ms(
+            lambda: topk_of_keys_and_groups(keys.clone(), counts.clone(), group_logits, plan.offsets, group_ids,
+                                            recompute, thresholds, k, TEMPERATURE, v, "cuda"))[0]))
+        rows.append((f"  k={k}: groups computed again a row: mean {recompute.float().mean().item():.2f}, "
+                     f"max {recompute.max().item()}; rows overflowing {int(overflow.sum() + plan.overflow.sum())}",
+                     0.0))
+        rows.append((f"k={k}: the whole maxima schedule", time_ms(lambda: teacher_topk_maxima(
+            hidden, weight, k, TEMPERATURE, v, select="cuda"))[0]))
+        print(*rows[-7:], sep="\n", flush=True)
+        summaries = keys = group_logits = plan = None
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--selection-only", action="store_true", help="skip the matmul parts")
@@ -172,6 +211,7 @@ def main():
     parser.add_argument("--sliced", action="store_true", help="the sliced schedule's parts only")
     parser.add_argument("--store", action="store_true", help="the float32 store's cost only (with float16, none)")
     parser.add_argument("--top2", action="store_true", help="the matmul with each group's top two, no logits")
+    parser.add_argument("--maxima", action="store_true", help="the maxima schedule's parts only")
     args = parser.parse_args()
     selection_only = args.selection_only
     n, h, v = 8192, 4096, 151936
@@ -181,9 +221,9 @@ def main():
     full = time_ms(lambda: hidden @ weight.T)[0]
     rows.append(("cuBLAS bf16, 8192 rows", full))
     rows.append(("cuBLAS fp32 out, 8192 rows", time_ms(lambda: torch.mm(hidden, weight.T, out_dtype=torch.float32))[0]))
-    if args.listed or args.sliced or args.store or args.top2:
+    if args.listed or args.sliced or args.store or args.top2 or args.maxima:
         parts = (listed_parts if args.listed else sliced_parts if args.sliced else store_parts if args.store
-                 else top2_parts)
+                 else top2_parts if args.top2 else maxima_parts)
         parts(hidden, weight, rows)
         print_table(rows, full, n, h, v, entropy)
         return

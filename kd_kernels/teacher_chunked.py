@@ -48,6 +48,9 @@ EPILOGUE_ROW_MULTIPLE = 1024  # the epilogue matmul's L2 group of row tiles (8 �
 # rows would take (1024-row chunks: 30-48 MiB, 1.22-1.33x the matmul against 0.99-1.11x)
 LISTED_BYTES = 512 << 20
 LISTED_PAIRS_PER_K = 2  # listed groups a row may use on average (k to ~1.5k on LLM logits), times k
+# the maxima schedule: a chunk's summaries with group top-2, candidate keys and recomputed groups
+MAXIMA_BYTES = 56 << 20
+MAXIMA_MAX_K = 256
 # the sliced schedule: a float32 vocab slice of a chunk of rows and the rows' candidate keys
 SLICED_BYTES = 50 << 20
 SLICED_MAX_K = 256
@@ -113,6 +116,8 @@ def teacher_topk(hidden: torch.Tensor, weight: torch.Tensor, k: int, temperature
     schedule = teacher_schedule(hidden, weight, k)
     if schedule == "epilogue":
         return teacher_topk_epilogue(hidden, weight, k, temperature, vocab_size, bias, chunk_rows, shard, select)
+    if schedule == "maxima":
+        return teacher_topk_maxima(hidden, weight, k, temperature, vocab_size, bias, chunk_rows, shard, select)
     if schedule == "listed":
         return teacher_topk_listed(hidden, weight, k, temperature, vocab_size, bias, chunk_rows, shard, select)
     if schedule == "sliced":
@@ -136,11 +141,11 @@ def teacher_schedule(hidden: torch.Tensor, weight: torch.Tensor, k: int) -> str:
     from .ops.lm_head_group_maxima import epilogue_applies
 
     forced = os.environ.get("KD_KERNELS_TEACHER_SCHEDULE", "")
-    if forced not in ("", "epilogue", "listed", "sliced", "cublas"):
-        raise ValueError("KD_KERNELS_TEACHER_SCHEDULE: expected 'epilogue', 'listed', 'sliced' or 'cublas', "
-                         f"got {forced!r}")
+    if forced not in ("", "epilogue", "maxima", "listed", "sliced", "cublas"):
+        raise ValueError("KD_KERNELS_TEACHER_SCHEDULE: expected 'epilogue', 'maxima', 'listed', 'sliced' or "
+                         f"'cublas', got {forced!r}")
     applies = epilogue_applies(hidden, weight)
-    if forced in ("epilogue", "listed", "sliced") and not applies:
+    if forced in ("epilogue", "maxima", "listed", "sliced") and not applies:
         raise ValueError(f"KD_KERNELS_TEACHER_SCHEDULE={forced}: needs bf16 / fp16 hidden and weight with rows at "
                          f"16-byte boundaries; got {hidden.dtype} / {weight.dtype}, hidden size {hidden.shape[1]}")
     return forced or ("epilogue" if applies and k <= EPILOGUE_MAX_K else "cublas")
@@ -234,6 +239,73 @@ def teacher_topk_listed(hidden: torch.Tensor, weight: torch.Tensor, k: int, temp
         values[start:stop] = chunk_values.div_(temperature)
         overflow[start:stop] = chunk_overflow | plan.overflow
     _redo_rows(overflow, hidden, weight, k, temperature, width, bias, chunk_rows, select, (values, indices, lse))
+    return _finish(values, indices.add_(column_start), lse, k, temperature, shard)
+
+
+def maxima_chunk_rows(num_rows: int, width: int, k: int, group_columns: int = 32) -> int:
+    """Rows per chunk of the maxima schedule: its buffers within MAXIMA_BYTES, in quarters of the
+    matmul's L2 group of row tiles. A row holds its tile statistics (8 · V / 256 bytes), each
+    group's maximum, column and second largest (9 · V / group_columns), 24 bytes per candidate
+    slot (capacity_for(k): keys, group ids, ranks) and its share of the recomputed groups
+    (MAXIMA_PAIRS_PER_ROW(k) · 4 · group_columns)."""
+    from .ops.topk_from_groups import capacity_for
+
+    per_row = (8 * width // 256 + 9 * width // group_columns + 24 * capacity_for(k)
+               + 4 * group_columns * maxima_pairs_per_row(k))
+    rows = MAXIMA_BYTES // per_row
+    if rows >= num_rows:
+        return num_rows
+    return max(EPILOGUE_ROW_MULTIPLE // 4, rows // (EPILOGUE_ROW_MULTIPLE // 4) * (EPILOGUE_ROW_MULTIPLE // 4))
+
+
+def maxima_pairs_per_row(k: int) -> int:
+    """Groups a chunk may compute again, per row on average: several times the ~k² / (2 · groups)
+    a row holding its top-k in distinct groups but for chance needs (0.4 at k = 64, 7 at k = 256
+    over 4748 groups), and room for rows whose top-k clusters."""
+    return max(8, k // 4)
+
+
+def teacher_topk_maxima(hidden: torch.Tensor, weight: torch.Tensor, k: int, temperature: float, vocab_size: int,
+                        bias: Optional[torch.Tensor] = None, chunk_rows: Optional[int] = None, shard=None,
+                        select: str = "triton") -> TopK:
+    """hidden ``[N, H]``, weight ``[V, H]`` 16-bit -> `TopK` float32 without storing logits and
+    within MAXIMA_BYTES whatever N (k <= MAXIMA_MAX_K): per chunk of rows the Triton matmul
+    leaves each row's tile statistics and each group's maximum, its column and the group's
+    second largest (ops/lm_head_group_maxima.py, ``group_top2``); groups whose maximum reaches
+    the row's k-th largest group maximum T and whose second does not give one key each, the
+    maximum itself; the few whose second reaches T too are computed again from hidden × weight
+    (ops/listed_group_logits.py) and their elements ≥ T join the keys
+    (ops/topk_from_group_top2.py). Rows that overflow (massive ties, more groups to compute
+    again than the chunk's budget) are redone by cuBLAS logits and the full-row selection."""
+    from .ops.listed_group_logits import listed_group_logits, plan_pairs
+    from .ops.lm_head_group_maxima import default_config, lm_head_logits_with_summaries
+    from .ops.topk_from_group_top2 import group_top2_candidates, topk_of_keys_and_groups
+
+    if not 1 <= k <= MAXIMA_MAX_K:
+        raise ValueError(f"k: the maxima schedule takes 1 <= k <= {MAXIMA_MAX_K}, got {k}")
+    num_rows = hidden.shape[0]
+    width, column_start = (vocab_size, 0) if shard is None else (shard.existing, shard.vocab_start)
+    group_columns = default_config().group_columns
+    chunk_rows = chunk_rows or maxima_chunk_rows(num_rows, width, k, group_columns)
+    values, indices, lse = _outputs(num_rows, k, hidden.device)
+    overflow = torch.empty(num_rows, dtype=torch.bool, device=hidden.device)
+    for start in range(0, num_rows, chunk_rows):
+        stop = min(start + chunk_rows, num_rows)
+        part = hidden[start:stop]
+        summaries = lm_head_logits_with_summaries(part, weight, bias, width, temperature, None, group_top2=True)
+        (lse[start:stop], keys, counts, group_ids, recompute, group_counts, ranks, thresholds,
+         listed_overflow) = group_top2_candidates(summaries, k, temperature, width)
+        summaries = None  # the group top-2's bytes go to the recomputed logits
+        plan = plan_pairs(group_ids, recompute, group_counts, ranks, maxima_pairs_per_row(k) * (stop - start))
+        group_logits = listed_group_logits(part, weight, bias, width, plan, group_columns)
+        chunk_values, indices[start:stop], chunk_overflow = topk_of_keys_and_groups(
+            keys, counts, group_logits, plan.offsets, group_ids, recompute, thresholds, k, temperature, width,
+            order="cuda" if select == "cuda" else "torch")
+        values[start:stop] = chunk_values.div_(temperature)
+        overflow[start:stop] = chunk_overflow | plan.overflow | listed_overflow
+        keys = group_ids = ranks = group_logits = plan = None
+    _redo_rows(overflow, hidden, weight, k, temperature, width, bias, max(1, MAXIMA_BYTES // (4 * weight.shape[0])),
+               select, (values, indices, lse))
     return _finish(values, indices.add_(column_start), lse, k, temperature, shard)
 
 

@@ -13,8 +13,8 @@ from kd_kernels import reference
 from kd_kernels.ops.lm_head_group_maxima import default_config, lm_head_logits_with_summaries, padded_width
 from kd_kernels.ops import topk_from_groups as groups_module
 from kd_kernels.ops.topk_from_groups import topk_from_group_maxima
-from kd_kernels.teacher_chunked import (SLICED_MAX_K, teacher_schedule, teacher_topk_epilogue, teacher_topk_listed,
-                                       teacher_topk_sliced)
+from kd_kernels.teacher_chunked import (MAXIMA_MAX_K, SLICED_MAX_K, teacher_schedule, teacher_topk_epilogue,
+                                        teacher_topk_listed, teacher_topk_maxima, teacher_topk_sliced)
 
 pytestmark = pytest.mark.interpret
 DEVICE = "cuda" if HAS_CUDA else "cpu"
@@ -191,11 +191,14 @@ def _sliced_in_2048_columns(hidden, weight, k, temperature, vocab_size, bias, ch
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("schedule", [teacher_topk_epilogue, teacher_topk_listed, _sliced_in_2048_columns])
+@pytest.mark.parametrize("schedule", [teacher_topk_epilogue, teacher_topk_maxima, teacher_topk_listed,
+                                      _sliced_in_2048_columns])
 @pytest.mark.parametrize("k", [8, 64, 256, 1024])
 def test_gpu_real_shape_epilogue_schedules_with_massive_ties(schedule, k):
     if schedule is _sliced_in_2048_columns and k > SLICED_MAX_K:
         pytest.skip(f"the sliced schedule takes k <= {SLICED_MAX_K}")
+    if schedule is teacher_topk_maxima and k > MAXIMA_MAX_K:
+        pytest.skip(f"the maxima schedule takes k <= {MAXIMA_MAX_K}")
     generator = torch.Generator(device="cuda").manual_seed(k + 7)
     hidden = (0.2 * torch.randn(2100, 4096, device="cuda", generator=generator)).bfloat16()
     hidden[[0, 1000, 2099]] = 0  # logits = the bias: 0 but for a 1 at the last existing column

@@ -152,6 +152,60 @@ def finish_row(row, count, overflowed, keys_ptr, counts_ptr, overflow_ptr, value
 
 
 @triton.jit
+def row_logsumexp(tile_max2_ptr, tile_sum2_ptr, lse_ptr, row, tiles, TILES: tl.constexpr):
+    """The row's logsumexp at τ (natural units) stored from its tiles' (max, sum of exp) in
+    log2 units; returns the tile maxima ``[TILES]`` (-inf past ``tiles``)."""
+    t = tl.arange(0, TILES)
+    tile_max2 = tl.load(tile_max2_ptr + row * tiles + t, mask=t < tiles, other=float("-inf"))
+    tile_sum2 = tl.load(tile_sum2_ptr + row * tiles + t, mask=t < tiles, other=0.0)
+    row_max2 = tl.max(tile_max2, axis=0)
+    safe_max2 = tl.where(row_max2 == float("-inf"), 0.0, row_max2)
+    total = tl.sum(tile_sum2 * tl.exp2(tile_max2 - safe_max2), axis=0)
+    tl.store(lse_ptr + row, tl.where(row_max2 == float("-inf"), float("-inf"),
+                                     (safe_max2 + tl.log2(total)) * 0.6931471805599453))
+    return tile_max2
+
+
+@triton.jit
+def group_threshold(tile_max2, group_row, groups, tiles, k, log2e_over_t, TILES: tl.constexpr,
+                    THRESHOLD_BLOCKS: tl.constexpr, MERGE: tl.constexpr, GROUPS_PER_TILE: tl.constexpr):
+    """T: the ordered bits of the k-th largest maximum of blocks of MERGE adjacent groups, in
+    the epilogue's units z · log2e / τ (rounding is monotone, so an element below it in those
+    units is below k others in value, and the k-th is never left out); the smallest int32
+    where fewer than k blocks exist."""
+    if MERGE == GROUPS_PER_TILE:  # the k-th largest tile maximum (tiles are in registers already)
+        threshold = kth_largest_bits(ordered_bits(tile_max2), tl.arange(0, TILES) < tiles, k)
+    else:  # the k-th largest maximum of MERGE adjacent groups: ≥ 2k such blocks, ~k candidates
+        block = tl.arange(0, THRESHOLD_BLOCKS)[:, None] * MERGE + tl.arange(0, MERGE)[None, :]
+        block_max = tl.max(tl.load(group_row + block, mask=block < groups, other=float("-inf")), axis=1)
+        threshold = kth_largest_bits(ordered_bits(block_max * log2e_over_t),
+                                     tl.arange(0, THRESHOLD_BLOCKS) * MERGE < groups, k)
+    return threshold
+
+
+@triton.jit
+def list_reaching_groups(group_row, groups, threshold, log2e_over_t, row_group_ids_ptr, group_counts_ptr,
+                         row_ranks_ptr, capacity, GROUP_BLOCK: tl.constexpr, COUNT_GROUPS: tl.constexpr):
+    """The ids of the groups whose maximum reaches ``threshold``, in column order, into the
+    row's first slots (those past ``capacity`` dropped); returns how many reach it. With
+    COUNT_GROUPS each (row, group) pair's place among the group's pairs too (an atomic a pair:
+    the listed schedule's pairs are then grouped by group without a sort)."""
+    listed = tl.zeros([], tl.int32)
+    block = tl.arange(0, GROUP_BLOCK)
+    for start in range(0, groups, GROUP_BLOCK):
+        group = start + block
+        block_max2 = tl.load(group_row + group, mask=group < groups, other=0.0) * log2e_over_t
+        candidate = (group < groups) & (ordered_bits(block_max2) >= threshold)
+        slot = listed + tl.cumsum(candidate.to(tl.int32), axis=0) - 1
+        tl.store(row_group_ids_ptr + slot, group, mask=candidate & (slot < capacity))
+        if COUNT_GROUPS:
+            rank = tl.atomic_add(group_counts_ptr + group, 1, mask=candidate & (slot < capacity), sem="relaxed")
+            tl.store(row_ranks_ptr + slot, rank, mask=candidate & (slot < capacity))
+        listed += tl.sum(candidate.to(tl.int32), axis=0)
+    return listed
+
+
+@triton.jit
 def _topk_from_groups_kernel(logits_ptr, stride_row, tile_max2_ptr, tile_sum2_ptr, group_max_ptr, group_ids_ptr,
                              thresholds_ptr, group_counts_ptr, ranks_ptr, keys_ptr, counts_ptr, values_ptr,
                              columns_ptr, lse_ptr, overflow_ptr, tiles, width, k, capacity, log2e_over_t,
@@ -164,44 +218,18 @@ def _topk_from_groups_kernel(logits_ptr, stride_row, tile_max2_ptr, tile_sum2_pt
     # STAGES < 4 stops early (benchmarks/teacher_epilogue_parts.py times the stages): 1 the lse,
     # 2 the threshold, 3 the listed groups, 4 everything
     row = tl.program_id(0).to(tl.int64)
-    t = tl.arange(0, TILES)
-    tile_max2 = tl.load(tile_max2_ptr + row * tiles + t, mask=t < tiles, other=float("-inf"))
-    tile_sum2 = tl.load(tile_sum2_ptr + row * tiles + t, mask=t < tiles, other=0.0)
-    row_max2 = tl.max(tile_max2, axis=0)
-    safe_max2 = tl.where(row_max2 == float("-inf"), 0.0, row_max2)
-    total = tl.sum(tile_sum2 * tl.exp2(tile_max2 - safe_max2), axis=0)
-    tl.store(lse_ptr + row, tl.where(row_max2 == float("-inf"), float("-inf"),
-                                     (safe_max2 + tl.log2(total)) * 0.6931471805599453))
-
+    tile_max2 = row_logsumexp(tile_max2_ptr, tile_sum2_ptr, lse_ptr, row, tiles, TILES)
     if STAGES < 2:
         return
-    # The threshold in the epilogue's units, z · log2e / τ: rounding is monotone, so an element
-    # below it in those units is below k others in value, and the k-th is never left out.
     groups = tiles * GROUPS_PER_TILE
     group_row = group_max_ptr + row * groups
-    if MERGE == GROUPS_PER_TILE:  # the k-th largest tile maximum (tiles are in registers already)
-        threshold = kth_largest_bits(ordered_bits(tile_max2), t < tiles, k)
-    else:  # the k-th largest maximum of MERGE adjacent groups: ≥ 2k such blocks, ~k candidates
-        block = tl.arange(0, THRESHOLD_BLOCKS)[:, None] * MERGE + tl.arange(0, MERGE)[None, :]
-        block_max = tl.max(tl.load(group_row + block, mask=block < groups, other=float("-inf")), axis=1)
-        threshold = kth_largest_bits(ordered_bits(block_max * log2e_over_t),
-                                     tl.arange(0, THRESHOLD_BLOCKS) * MERGE < groups, k)
+    threshold = group_threshold(tile_max2, group_row, groups, tiles, k, log2e_over_t, TILES, THRESHOLD_BLOCKS, MERGE,
+                                GROUPS_PER_TILE)
     if STAGES < 3:
         tl.store(counts_ptr + row, threshold)
         return
-    # the ids of the groups that reach it, in order
-    listed = tl.zeros([], tl.int32)
-    block = tl.arange(0, GROUP_BLOCK)
-    for start in range(0, groups, GROUP_BLOCK):
-        group = start + block
-        block_max2 = tl.load(group_row + group, mask=group < groups, other=0.0) * log2e_over_t
-        candidate = (group < groups) & (ordered_bits(block_max2) >= threshold)
-        slot = listed + tl.cumsum(candidate.to(tl.int32), axis=0) - 1
-        tl.store(group_ids_ptr + row * capacity + slot, group, mask=candidate & (slot < capacity))
-        if COUNT_GROUPS:  # the listed schedule's pairs by group: each (row, group) pair's place among the group's
-            rank = tl.atomic_add(group_counts_ptr + group, 1, mask=candidate & (slot < capacity), sem="relaxed")
-            tl.store(ranks_ptr + row * capacity + slot, rank, mask=candidate & (slot < capacity))
-        listed += tl.sum(candidate.to(tl.int32), axis=0)
+    listed = list_reaching_groups(group_row, groups, threshold, log2e_over_t, group_ids_ptr + row * capacity,
+                                  group_counts_ptr, ranks_ptr + row * capacity, capacity, GROUP_BLOCK, COUNT_GROUPS)
     tl.debug_barrier()  # every thread's group ids are in memory
 
     if STAGES < 4:

@@ -1,0 +1,142 @@
+"""The teacher's maxima schedule against the float64 reference: the epilogue matmul leaving each
+group's maximum, its column and second largest (ops/lm_head_group_maxima.py, ``group_top2``),
+single-candidate groups' keys straight from them and the groups holding two or more top-k
+elements computed again (ops/topk_from_group_top2.py); overflowing rows redone exactly.
+Interpreter tiles: 16 rows × 32 columns, groups of 8 (the real shape runs on a GPU in
+tests/test_teacher_epilogue.py)."""
+import pytest
+import torch
+
+from helpers import HAS_CUDA, check_teacher_topk, small_teacher_problem
+from kd_kernels import reference
+from kd_kernels.ops.lm_head_group_maxima import lm_head_logits_with_summaries, padded_width
+from kd_kernels.ops.topk_from_group_top2 import group_top2_candidates
+from kd_kernels.teacher_chunked import teacher_topk_maxima
+
+pytestmark = pytest.mark.interpret
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+
+
+def _padded_groups(exact: torch.Tensor, groups: int, columns_per_group: int) -> torch.Tensor:
+    """float64 logits ``[R, width]`` -> ``[R, groups, columns_per_group]``, -inf past the width."""
+    padded = torch.full((exact.shape[0], groups * columns_per_group), float("-inf"), dtype=torch.float64)
+    padded[:, :exact.shape[1]] = exact
+    return padded.view(exact.shape[0], groups, columns_per_group)
+
+
+def test_group_top2_is_each_groups_maximum_column_and_second_largest():
+    hidden, weight, bias = small_teacher_problem(2, dtype=torch.float16)
+    width = 200
+    logits = torch.empty(37, padded_width(width), dtype=torch.float32, device=DEVICE)
+    stored = lm_head_logits_with_summaries(hidden, weight, bias, width, 0.7, logits)
+    summaries = lm_head_logits_with_summaries(hidden, weight, bias, width, 0.7, None, group_top2=True)
+    for name in ("tile_max2", "tile_sum2", "group_max"):  # the top-2 changes nothing else
+        assert torch.equal(getattr(stored, name), getattr(summaries, name)), name
+    groups = summaries.group_max.shape[1]
+    # against the kernel's own float32 logits: the column of the maximum is exact, ties to the lowest
+    mine = _padded_groups(logits[:, :width].double().cpu(), groups, summaries.group_columns)
+    maximum, column = mine.max(dim=-1)
+    assert torch.equal(summaries.group_arg.long().cpu(), column)
+    others = mine.scatter(2, column.unsqueeze(-1), float("-inf")).max(dim=-1).values
+    assert torch.equal(summaries.group_second.double().cpu(), others)
+    exact = _padded_groups(reference.lm_head_logits(hidden, weight, bias)[:, :width].cpu(), groups,
+                           summaries.group_columns)
+    finite = maximum.isfinite()
+    assert torch.allclose(summaries.group_max.double().cpu()[finite], exact.max(dim=-1).values[finite], atol=1e-4)
+
+
+def test_a_tie_at_a_groups_maximum_makes_its_second_equal_to_it():
+    hidden = torch.zeros(16, 16, dtype=torch.float16, device=DEVICE)
+    hidden[:, 0] = 1
+    weight = torch.zeros(64, 16, dtype=torch.float16, device=DEVICE)
+    weight[[3, 5, 17], 0] = 2  # group 0 ties at columns 3 and 5; group 2 has one maximum
+    summaries = lm_head_logits_with_summaries(hidden, weight, None, 64, 1.0, None, group_top2=True)
+    assert (summaries.group_arg[:, 0] == 3).all() and (summaries.group_second[:, 0] == 2).all()
+    assert (summaries.group_arg[:, 2] == 1).all() and (summaries.group_second[:, 2] == 0).all()
+
+
+@pytest.mark.parametrize("k", [1, 5, 12])
+def test_single_candidate_groups_give_their_maxima_and_the_rest_are_listed_again(k):
+    hidden, weight, bias = small_teacher_problem(k, dtype=torch.float16)
+    width, temperature = 200, 2.0
+    summaries = lm_head_logits_with_summaries(hidden, weight, bias, width, temperature, None, group_top2=True)
+    lse, keys, counts, group_ids, recompute, group_counts, ranks, thresholds, overflow = group_top2_candidates(
+        summaries, k, temperature, width)
+    exact = reference.lm_head_logits(hidden, weight, bias)[:, :width].cpu()
+    assert torch.allclose(lse.double().cpu(), torch.logsumexp(exact / temperature, -1), atol=1e-5, rtol=0)
+    assert not overflow.any()
+    columns_per_group = summaries.group_columns
+    top = exact.topk(k, dim=-1).indices
+    for row in range(37):
+        kept = keys[row, :counts[row]].cpu()
+        columns = (0xFFFFFFFF - (kept & 0xFFFFFFFF)).tolist()
+        again = group_ids[row, :recompute[row]].cpu().tolist()
+        assert not {c // columns_per_group for c in columns} & set(again)
+        # every top-k column is a single group's key or in a group computed again
+        for column in top[row].tolist():
+            assert column in columns or column // columns_per_group in again, (row, column)
+        # a group is computed again only if its second largest reaches the k-th group maximum
+        second = summaries.group_second[row].cpu()
+        kth = summaries.group_max[row].cpu().topk(k).values[-1]
+        assert all(second[group] >= kth for group in again)
+    recomputed_pairs = [(int(g), int(r)) for row in range(37)
+                        for g, r in zip(group_ids[row, :recompute[row]], ranks[row, :recompute[row]])]
+    assert group_counts.sum().item() == len(recomputed_pairs)
+    for group in set(g for g, _ in recomputed_pairs):
+        assert sorted(r for g, r in recomputed_pairs if g == group) == list(range(int(group_counts[group])))
+
+
+@pytest.mark.parametrize("k, temperature, scale, chunk_rows", [(1, 1.0, 1.0, None), (8, 2.0, 1.0, 16),
+                                                               (12, 0.7, 3.0, None), (40, 1.0, 1.0, 16)])
+def test_maxima_schedule_matches_the_reference(k, temperature, scale, chunk_rows):
+    """scale 3: peaked rows (a few groups hold the whole top-k, many computed again), logits
+    near 90 at τ = 0.7, where a float32 ulp is 8e-6 (every schedule is within 1.1e-5); k = 40:
+    most groups of 200 columns hold several of the top-k."""
+    hidden, weight, bias = small_teacher_problem(k + 100, dtype=torch.float16, scale=scale)
+    top = teacher_topk_maxima(hidden, weight, k, temperature, 200, bias, chunk_rows=chunk_rows)
+    logits = reference.lm_head_logits(hidden, weight, bias)
+    check_teacher_topk(top, reference.teacher_topk(hidden, weight, k, temperature, 200, bias), 1e-5 * scale, logits,
+                       temperature, 200)
+
+
+def test_maxima_schedule_ties_fewer_columns_than_k_and_a_small_budget(monkeypatch):
+    import kd_kernels.teacher_chunked as chunked
+
+    generator = torch.Generator().manual_seed(8)
+    hidden = torch.randn(20, 16, generator=generator).half()
+    hidden[[2, 11, 19]] = 0  # logits = weight[:, 0]: 0 everywhere but 1 at the last column
+    hidden[[2, 11, 19], 0] = 1
+    weight = torch.randn(300, 16, generator=generator).half()
+    weight[:, 0] = 0
+    weight[299, 0] = 1
+    top = teacher_topk_maxima(hidden.to(DEVICE), weight.to(DEVICE), 5, 1.0, 300, chunk_rows=8)
+    assert top.indices[[2, 11, 19]].tolist() == [[299, 0, 1, 2, 3]] * 3  # redone: every group ties
+    logits = reference.lm_head_logits(hidden, weight)
+    check_teacher_topk(top, reference.teacher_topk(hidden, weight, 5, 1.0, 300), 1e-5, logits, 1.0, 300)
+    for k, width in ((12, 7), (40, 32)):  # fewer columns than k: within one group, over whole groups
+        few = teacher_topk_maxima(hidden.to(DEVICE), weight.to(DEVICE), k, 0.5, width)
+        expected = reference.teacher_topk(hidden, weight, k, 0.5, width)
+        assert torch.equal(few.indices[:, :width].cpu(), expected.indices[:, :width].to(torch.int32).cpu())
+        assert torch.isneginf(few.logprobs[:, width:]).all() and (few.indices[:, width:] == 0).all()
+    # a budget of one recomputed group a row: the rows past it are redone, still exact
+    monkeypatch.setattr(chunked, "maxima_pairs_per_row", lambda k: 1)
+    hidden, weight, bias = small_teacher_problem(3, dtype=torch.float16, scale=3.0)
+    top = teacher_topk_maxima(hidden, weight, 12, 1.0, 200, bias)
+    check_teacher_topk(top, reference.teacher_topk(hidden, weight, 12, 1.0, 200, bias), 1e-5,
+                       reference.lm_head_logits(hidden, weight, bias), 1.0, 200)
+
+
+def test_maxima_schedule_rejects_a_k_past_its_limit():
+    hidden, weight, _ = small_teacher_problem(4, dtype=torch.float16)
+    with pytest.raises(ValueError, match="k: the maxima schedule takes 1 <= k <= 256, got 257"):
+        teacher_topk_maxima(hidden, weight, 257, 1.0, 203)
+
+
+def test_the_ranking_past_the_rank_limit_is_a_sort(monkeypatch):
+    from kd_kernels.ops import topk_from_group_top2 as top2_module
+
+    monkeypatch.setattr(top2_module, "RANK_MAX_K", 4)  # k = 12: the keys sorted outside the kernel
+    hidden, weight, bias = small_teacher_problem(12, dtype=torch.float16)
+    top = teacher_topk_maxima(hidden, weight, 12, 0.7, 200, bias)
+    logits = reference.lm_head_logits(hidden, weight, bias)
+    check_teacher_topk(top, reference.teacher_topk(hidden, weight, 12, 0.7, 200, bias), 1e-5, logits, 0.7, 200)
