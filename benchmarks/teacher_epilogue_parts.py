@@ -6,7 +6,7 @@ the pair plan, the recomputed groups, the top-k among them) and the whole schedu
 the float32 store), the whole schedule at several tiles and launches.
 
 ``--top2``: the matmul storing no logits but each group's top two; ``--maxima``: the maxima
-schedule's parts (that matmul, the candidates, the recomputed groups, the final top-k).
+schedule's parts (that matmul, the selection).
 
 usage: python benchmarks/teacher_epilogue_parts.py [--selection-only | --listed | --sliced | --store | --top2 | --maxima]
 """
@@ -167,12 +167,10 @@ def top2_parts(hidden, weight, rows):
 
 
 def maxima_parts(hidden, weight, rows):
-    """The maxima schedule's parts per chunk (the matmul with group top-2, the candidates, the
-    pair plan, the recomputed groups, the final top-k), scaled to all rows, groups computed
-    again per row, and the whole of it."""
-    from kd_kernels.ops.listed_group_logits import listed_group_logits, plan_pairs
-    from kd_kernels.ops.topk_from_group_top2 import group_top2_candidates, topk_of_keys_and_groups
-    from kd_kernels.teacher_chunked import maxima_chunk_rows, maxima_pairs_per_row, teacher_topk_maxima
+    """The maxima schedule's parts per chunk (the matmul with group top-2, the selection),
+    scaled to all rows, the groups it computes again per row, and the whole of it."""
+    from kd_kernels.ops.topk_from_group_top2 import topk_from_group_top2
+    from kd_kernels.teacher_chunked import maxima_chunk_rows, teacher_topk_maxima
 
     n, v = hidden.shape[0], weight.shape[0]
     for k in (8, 64, 256):
@@ -181,27 +179,16 @@ def maxima_parts(hidden, weight, rows):
         summaries = lm_head_logits_with_summaries(part, weight, None, v, TEMPERATURE, None, group_top2=True)
         rows.append((f"k={k}, {chunk} rows: matmul with group top-2 (× {scale:.2f})", scale * time_ms(
             lambda: lm_head_logits_with_summaries(part, weight, None, v, TEMPERATURE, None, group_top2=True))[0]))
-        rows.append((f"k={k}: candidates (× {scale:.2f})",
-                     scale * time_ms(lambda: group_top2_candidates(summaries, k, TEMPERATURE, v))[0]))
-        _, keys, counts, group_ids, recompute, group_counts, ranks, thresholds, overflow = group_top2_candidates(
-            summaries, k, TEMPERATURE, v)
-        budget = maxima_pairs_per_row(k) * chunk
-        rows.append((f"k={k}: pair plan (× {scale:.2f})", scale * time_ms(
-            lambda: plan_pairs(group_ids, recompute, group_counts, ranks, budget))[0]))
-        plan = plan_pairs(group_ids, recompute, group_counts, ranks, budget)
-        rows.append((f"k={k}: groups computed again (× {scale:.2f})", scale * time_ms(
-            lambda: listed_group_logits(part, weight, None, v, plan, summaries.group_columns))[0]))
-        group_logits = listed_group_logits(part, weight, None, v, plan, summaries.group_columns)
-        rows.append((f"k={k}: top-k of keys and groups (× {scale:.2f})", scale * time_ms(
-            lambda: topk_of_keys_and_groups(keys.clone(), counts.clone(), group_logits, plan.offsets, group_ids,
-                                            recompute, thresholds, k, TEMPERATURE, v, "cuda"))[0]))
-        rows.append((f"  k={k}: groups computed again a row: mean {recompute.float().mean().item():.2f}, "
-                     f"max {recompute.max().item()}; rows overflowing {int(overflow.sum() + plan.overflow.sum())}",
-                     0.0))
+        rows.append((f"k={k}: selection (× {scale:.2f})", scale * time_ms(
+            lambda: topk_from_group_top2(part, weight, None, summaries, k, TEMPERATURE, v, order="cuda"))[0]))
+        kth = summaries.group_max.topk(k, dim=-1).values[:, -1:]
+        again = ((summaries.group_max >= kth) & (summaries.group_second >= kth)).sum(-1).float()
+        rows.append((f"  k={k}: groups computed again a row: mean {again.mean().item():.2f}, max "
+                     f"{again.max().item():.0f}", 0.0))
         rows.append((f"k={k}: the whole maxima schedule", time_ms(lambda: teacher_topk_maxima(
             hidden, weight, k, TEMPERATURE, v, select="cuda"))[0]))
-        print(*rows[-7:], sep="\n", flush=True)
-        summaries = keys = group_logits = plan = None
+        print(*rows[-4:], sep="\n", flush=True)
+        summaries = None
 
 
 def main():

@@ -245,24 +245,15 @@ def teacher_topk_listed(hidden: torch.Tensor, weight: torch.Tensor, k: int, temp
 def maxima_chunk_rows(num_rows: int, width: int, k: int, group_columns: int = 32) -> int:
     """Rows per chunk of the maxima schedule: its buffers within MAXIMA_BYTES, in quarters of the
     matmul's L2 group of row tiles. A row holds its tile statistics (8 · V / 256 bytes), each
-    group's maximum, column and second largest (9 · V / group_columns), 24 bytes per candidate
-    slot (capacity_for(k): keys, group ids, ranks) and its share of the recomputed groups
-    (MAXIMA_PAIRS_PER_ROW(k) · 4 · group_columns)."""
+    group's maximum, column and second largest (9 · V / group_columns) and 12 bytes per
+    candidate slot (capacity_for(k): keys, group ids)."""
     from .ops.topk_from_groups import capacity_for
 
-    per_row = (8 * width // 256 + 9 * width // group_columns + 24 * capacity_for(k)
-               + 4 * group_columns * maxima_pairs_per_row(k))
+    per_row = 8 * width // 256 + 9 * width // group_columns + 12 * capacity_for(k)
     rows = MAXIMA_BYTES // per_row
     if rows >= num_rows:
         return num_rows
     return max(EPILOGUE_ROW_MULTIPLE // 4, rows // (EPILOGUE_ROW_MULTIPLE // 4) * (EPILOGUE_ROW_MULTIPLE // 4))
-
-
-def maxima_pairs_per_row(k: int) -> int:
-    """Groups a chunk may compute again, per row on average: several times the ~k² / (2 · groups)
-    a row holding its top-k in distinct groups but for chance needs (0.4 at k = 64, 7 at k = 256
-    over 4748 groups), and room for rows whose top-k clusters."""
-    return max(8, k // 4)
 
 
 def teacher_topk_maxima(hidden: torch.Tensor, weight: torch.Tensor, k: int, temperature: float, vocab_size: int,
@@ -271,39 +262,31 @@ def teacher_topk_maxima(hidden: torch.Tensor, weight: torch.Tensor, k: int, temp
     """hidden ``[N, H]``, weight ``[V, H]`` 16-bit -> `TopK` float32 without storing logits and
     within MAXIMA_BYTES whatever N (k <= MAXIMA_MAX_K): per chunk of rows the Triton matmul
     leaves each row's tile statistics and each group's maximum, its column and the group's
-    second largest (ops/lm_head_group_maxima.py, ``group_top2``); groups whose maximum reaches
-    the row's k-th largest group maximum T and whose second does not give one key each, the
-    maximum itself; the few whose second reaches T too are computed again from hidden × weight
-    (ops/listed_group_logits.py) and their elements ≥ T join the keys
-    (ops/topk_from_group_top2.py). Rows that overflow (massive ties, more groups to compute
-    again than the chunk's budget) are redone by cuBLAS logits and the full-row selection."""
-    from .ops.listed_group_logits import listed_group_logits, plan_pairs
+    second largest (ops/lm_head_group_maxima.py, ``group_top2``); then one program per row
+    (ops/topk_from_group_top2.py): groups whose maximum reaches the row's k-th largest group
+    maximum T and whose second does not give one key each, the maximum itself; the few whose
+    second reaches T too are computed again from hidden × weight and their elements ≥ T join
+    the keys. Rows that overflow (massive ties) are redone by cuBLAS logits and the full-row
+    selection ``select``."""
     from .ops.lm_head_group_maxima import default_config, lm_head_logits_with_summaries
-    from .ops.topk_from_group_top2 import group_top2_candidates, topk_of_keys_and_groups
+    from .ops.topk_from_group_top2 import topk_from_group_top2
 
     if not 1 <= k <= MAXIMA_MAX_K:
         raise ValueError(f"k: the maxima schedule takes 1 <= k <= {MAXIMA_MAX_K}, got {k}")
     num_rows = hidden.shape[0]
     width, column_start = (vocab_size, 0) if shard is None else (shard.existing, shard.vocab_start)
-    group_columns = default_config().group_columns
-    chunk_rows = chunk_rows or maxima_chunk_rows(num_rows, width, k, group_columns)
+    chunk_rows = chunk_rows or maxima_chunk_rows(num_rows, width, k, default_config().group_columns)
     values, indices, lse = _outputs(num_rows, k, hidden.device)
     overflow = torch.empty(num_rows, dtype=torch.bool, device=hidden.device)
     for start in range(0, num_rows, chunk_rows):
-        stop = min(start + chunk_rows, num_rows)
-        part = hidden[start:stop]
-        summaries = lm_head_logits_with_summaries(part, weight, bias, width, temperature, None, group_top2=True)
-        (lse[start:stop], keys, counts, group_ids, recompute, group_counts, ranks, thresholds,
-         listed_overflow) = group_top2_candidates(summaries, k, temperature, width)
-        summaries = None  # the group top-2's bytes go to the recomputed logits
-        plan = plan_pairs(group_ids, recompute, group_counts, ranks, maxima_pairs_per_row(k) * (stop - start))
-        group_logits = listed_group_logits(part, weight, bias, width, plan, group_columns)
-        chunk_values, indices[start:stop], chunk_overflow = topk_of_keys_and_groups(
-            keys, counts, group_logits, plan.offsets, group_ids, recompute, thresholds, k, temperature, width,
-            order="cuda" if select == "cuda" else "torch")
-        values[start:stop] = chunk_values.div_(temperature)
-        overflow[start:stop] = chunk_overflow | plan.overflow | listed_overflow
-        keys = group_ids = ranks = group_logits = plan = None
+        rows = slice(start, min(start + chunk_rows, num_rows))
+        summaries = lm_head_logits_with_summaries(hidden[rows], weight, bias, width, temperature, None,
+                                                  group_top2=True)
+        topk_from_group_top2(hidden[rows], weight, bias, summaries, k, temperature, width,
+                             (values[rows], indices[rows], lse[rows], overflow[rows]),
+                             order="cuda" if select == "cuda" else "torch")
+        summaries = None  # freed before the next chunk's are made
+    values.div_(temperature)
     _redo_rows(overflow, hidden, weight, k, temperature, width, bias, max(1, MAXIMA_BYTES // (4 * weight.shape[0])),
                select, (values, indices, lse))
     return _finish(values, indices.add_(column_start), lse, k, temperature, shard)

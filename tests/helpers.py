@@ -46,8 +46,8 @@ def check_teacher_topk(top, expected, atol, logits, temperature, vocab_size):
     that float32 accumulation order can flip)."""
     assert top.logprobs.dtype == torch.float32 and top.indices.dtype == torch.int32
     assert torch.allclose(top.logprobs.double().cpu(), expected.logprobs.cpu(), atol=atol, rtol=0)
-    exact = torch.log_softmax(logits[:, :vocab_size].double() / temperature, -1)
-    exact_at_ours = exact.gather(1, top.indices.long()).cpu()
+    exact = torch.log_softmax(logits[:, :vocab_size].double().cpu() / temperature, -1)
+    exact_at_ours = exact.gather(1, top.indices.long().cpu())
     same = top.indices.cpu() == expected.indices.cpu()
     assert (same | ((exact_at_ours - expected.logprobs.cpu()).abs() <= atol)).all()
     assert all(len(set(row)) == len(row) for row in top.indices.tolist())

@@ -164,7 +164,7 @@ def test_the_schedule_choice_and_its_switch(monkeypatch):
         with pytest.raises(ValueError, match=f"KD_KERNELS_TEACHER_SCHEDULE={schedule}: needs bf16 / fp16"):
             teacher_schedule(*unfit, 64)
     monkeypatch.setenv("KD_KERNELS_TEACHER_SCHEDULE", "fast")
-    with pytest.raises(ValueError, match="expected 'epilogue', 'listed', 'sliced' or 'cublas', got 'fast'"):
+    with pytest.raises(ValueError, match="expected 'epilogue', 'maxima', 'listed', 'sliced' or 'cublas', got 'fast'"):
         teacher_schedule(*half, 64)
 
 

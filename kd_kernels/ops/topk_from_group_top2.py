@@ -6,17 +6,19 @@ Let T be the k-th largest group maximum of a row (in the epilogue's units z · l
 rounding is monotone). k distinct groups hold an element ≥ T, so the row's k-th value is ≥ T,
 and an element ≥ T lies in a group whose maximum reaches T. Of those groups, one whose second
 largest is below T holds exactly one candidate, its maximum, whose value and column the
-matmul left: a key without reading anything else. A group whose second largest reaches T (on
-LLM logits at k = 64 and V = 151,936 about 0.4 a row: C(k, 2) / groups) is computed again
-(ops/listed_group_logits.py) and its elements ≥ T join the keys.
+matmul left: a key without reading anything else. A group whose second largest reaches T too
+(on LLM logits at k = 64 and V = 151,936 about 0.4 a row: ~C(k, 2) / groups) is computed again
+from the row's hidden state and the group's weight rows, and its elements ≥ T (less a margin:
+those sums round apart from the matmul's by ulps) join the keys.
 
-Two kernels, one program per row:
-- `group_top2_candidates`: the logsumexp from the tile statistics; T by bisection over the
-  maxima of the groups reaching the tile threshold (ops/topk_from_groups.py; ~k of them); the
-  single-candidate groups' keys; the ids of the groups to compute again, each with its place
-  among the group's pairs (an atomic) for `plan_pairs`;
-- `topk_of_keys_and_groups`: the recomputed groups' elements ≥ T (less a margin: the
-  recomputed sums round apart from the matmul's by ulps) appended to the keys, then ranked.
+Three launches per chunk of rows, no host work between them:
+- one program per row: the logsumexp from the tile statistics; the groups reaching the tile
+  threshold (ops/topk_from_groups.py; ~k of them); T by bisection over their maxima; the
+  single-candidate keys; the ids of the groups to compute again (at most `most_groups_again`);
+- one program per (row, slot of a group to compute again), most exiting at once: that group's
+  logits, a 16-row tensor-core dot whose weight loads are pipelined (the listed schedule's pair
+  plan grouping pairs by group cost ~15 small launches a chunk: NOTES e25);
+- one program per row: the recomputed elements ≥ T appended to the keys, the keys ranked.
 """
 from __future__ import annotations
 
@@ -28,19 +30,28 @@ import triton.language as tl
 
 from .sort_keys import ordered_bits, top_of_counted_keys
 from .topk_from_groups import (RANK_MAX_K, RANK_TILE, _LOG2E, _launch, append_keys, capacity_for, finish_row,
-                               group_threshold, kth_largest_bits, list_reaching_groups, listed_columns, row_logsumexp)
+                               group_threshold, kth_largest_bits, list_reaching_groups, listed_columns,
+                               row_logsumexp)
 
 SELECT_WARPS = 1 if os.environ.get("TRITON_INTERPRET") == "1" else 4
-GROUPS_PER_STEP = 4  # recomputed groups appended per step (~0.4 a row at k = 64)
+HIDDEN_STEP = 16 if os.environ.get("TRITON_INTERPRET") == "1" else 128  # hidden columns a recompute step reads
+GROUPS_PER_STEP = 4  # recomputed groups appended per step of the ranking kernel
 # below T, the recomputed elements still taken: relative to |T| + 1 (log2 units); their sums
 # round apart from the matmul's by a few ulps, and a key too many is ranked away
 RECOMPUTED_MARGIN = 2.0 ** -12
 
 
+def most_groups_again(k: int) -> int:
+    """Groups a row may compute again (rows with more are redone): the mean is ~k² / (2 ·
+    groups) on LLM logits (0.4 at k = 64, 7 at k = 256 over 4748 groups; at most 4 and 15 of
+    8192 rows, H200 runs), the tail Poisson-like."""
+    return max(8, k // 8)
+
+
 @triton.jit
 def _group_top2_candidates_kernel(tile_max2_ptr, tile_sum2_ptr, group_max_ptr, group_arg_ptr, group_second_ptr,
-                                  group_ids_ptr, group_counts_ptr, ranks_ptr, keys_ptr, counts_ptr, recompute_ptr,
-                                  thresholds_ptr, lse_ptr, overflow_ptr, tiles, width, k, capacity, log2e_over_t,
+                                  group_ids_ptr, again_ptr, again_count_ptr, keys_ptr, counts_ptr, thresholds_ptr,
+                                  lse_ptr, overflow_ptr, tiles, k, capacity, most_again, log2e_over_t,
                                   TILES: tl.constexpr, THRESHOLD_BLOCKS: tl.constexpr, MERGE: tl.constexpr,
                                   GROUPS_PER_TILE: tl.constexpr, GROUP_COLUMNS: tl.constexpr,
                                   GROUP_BLOCK: tl.constexpr, SLOTS: tl.constexpr):
@@ -51,8 +62,8 @@ def _group_top2_candidates_kernel(tile_max2_ptr, tile_sum2_ptr, group_max_ptr, g
     threshold = group_threshold(tile_max2, group_max_ptr + group_row, groups, tiles, k, log2e_over_t, TILES,
                                 THRESHOLD_BLOCKS, MERGE, GROUPS_PER_TILE)
     row_ids = group_ids_ptr + row * capacity
-    listed = list_reaching_groups(group_max_ptr + group_row, groups, threshold, log2e_over_t, row_ids,
-                                  group_counts_ptr, ranks_ptr, capacity, GROUP_BLOCK, False)
+    listed = list_reaching_groups(group_max_ptr + group_row, groups, threshold, log2e_over_t, row_ids, row_ids,
+                                  row_ids, capacity, GROUP_BLOCK, False)
     tl.debug_barrier()  # every thread's group ids are in memory
     slot = tl.arange(0, SLOTS)
     in_list = slot < tl.minimum(listed, capacity)
@@ -67,101 +78,122 @@ def _group_top2_candidates_kernel(tile_max2_ptr, tile_sum2_ptr, group_max_ptr, g
     single = reaching & ~again
     column = group * GROUP_COLUMNS + tl.load(group_arg_ptr + group_row + group, mask=single, other=0).to(tl.int32)
     count = append_keys(keys_ptr + row * capacity, tl.zeros([], tl.int32), capacity, single, maximum, column)
-    tl.debug_barrier()  # the listed ids are read: their slots now take the ids to compute again
     place = tl.cumsum(again.to(tl.int32), axis=0) - 1
-    tl.store(row_ids + place, group, mask=again)
-    rank = tl.atomic_add(group_counts_ptr + group, 1, mask=again, sem="relaxed")
-    tl.store(ranks_ptr + row * capacity + place, rank, mask=again)
-    tl.store(recompute_ptr + row, tl.sum(again.to(tl.int32), axis=0))
+    tl.store(again_ptr + row * most_again + place, group, mask=again & (place < most_again))
+    again_count = tl.sum(again.to(tl.int32), axis=0)
+    tl.store(again_count_ptr + row, again_count)
     tl.store(counts_ptr + row, count)
     tl.store(thresholds_ptr + row, kth)
-    tl.store(overflow_ptr + row, (listed > capacity).to(tl.int8))
-
-
-def group_top2_candidates(summaries, k: int, temperature: float, width: int):
-    """The chunk's `RowSummaries` with group top-2 -> (lse ``[R]`` float32 at τ; keys
-    ``[R, capacity_for(k)]`` int64, the first ``counts [R]`` int32 those of single-candidate
-    groups (value before τ, column); group_ids ``[R, capacity]`` int32, the first
-    ``recompute [R]`` int32 the groups to compute again, in column order; group_counts ``[G]``
-    int32 and ranks ``[R, capacity]`` int32, each such pair's place among its group's (for
-    `plan_pairs`); thresholds ``[R]`` int32, T's ordered bits in log2 units at τ (the smallest
-    int32 where fewer than k groups exist); overflow ``[R]`` bool, more listed groups than the
-    capacity: redo the row)."""
-    if summaries.group_arg is None or summaries.group_second is None:
-        raise ValueError("summaries: expected the group top-2 (EpilogueMatmul(..., group_top2=True)), got maxima only")
-    rows, tiles = summaries.tile_max2.shape
-    groups = summaries.group_max.shape[1]
-    device = summaries.group_max.device
-    capacity = capacity_for(k)
-    lse = torch.empty(rows, dtype=torch.float32, device=device)
-    keys = torch.empty(rows, capacity, dtype=torch.int64, device=device)
-    counts = torch.empty(rows, dtype=torch.int32, device=device)
-    group_ids = torch.empty(rows, capacity, dtype=torch.int32, device=device)
-    recompute = torch.empty(rows, dtype=torch.int32, device=device)
-    group_counts = torch.zeros(groups, dtype=torch.int32, device=device)
-    ranks = torch.empty(rows, capacity, dtype=torch.int32, device=device)
-    thresholds = torch.empty(rows, dtype=torch.int32, device=device)
-    overflow = torch.empty(rows, dtype=torch.int8, device=device)
-    if rows:
-        launch = _launch(summaries, k)
-        launch = {name: launch[name] for name in ("TILES", "THRESHOLD_BLOCKS", "MERGE", "GROUPS_PER_TILE",
-                                                   "GROUP_COLUMNS", "GROUP_BLOCK")}
-        _group_top2_candidates_kernel[(rows,)](
-            summaries.tile_max2, summaries.tile_sum2, summaries.group_max, summaries.group_arg, summaries.group_second,
-            group_ids, group_counts, ranks, keys, counts, recompute, thresholds, lse, overflow, tiles, width, k,
-            capacity, _LOG2E / temperature, SLOTS=triton.next_power_of_2(capacity), num_warps=SELECT_WARPS, **launch)
-    return lse, keys, counts, group_ids, recompute, group_counts, ranks, thresholds, overflow.bool()
+    tl.store(overflow_ptr + row, ((listed > capacity) | (count > capacity) | (again_count > most_again)).to(tl.int8))
 
 
 @triton.jit
-def _topk_of_keys_and_groups_kernel(keys_ptr, counts_ptr, group_logits_ptr, offsets_ptr, group_ids_ptr, recompute_ptr,
-                                    thresholds_ptr, values_ptr, columns_ptr, overflow_ptr, width, k, capacity, budget,
-                                    log2e_over_t, margin, GROUP_COLUMNS: tl.constexpr, GROUPS_PER_STEP: tl.constexpr,
-                                    RANK_ROWS: tl.constexpr, RANK_COLUMNS: tl.constexpr,
-                                    RANK_IN_KERNEL: tl.constexpr):
+def _again_group_logits_kernel(hidden_ptr, weight_ptr, bias_ptr, again_ptr, again_count_ptr, out_ptr, width,
+                               hidden_size, stride_hidden, stride_weight, most_again, HAS_BIAS: tl.constexpr,
+                               GROUP_COLUMNS: tl.constexpr, HIDDEN_STEP: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    # one program per (row, slot): the row's slot-th group to compute again, if it has one; the
+    # hidden row fills the first of 16 dot rows (the smallest tile the matrix units take), so
+    # the weight loads feeding the dot are pipelined
+    row = tl.program_id(0).to(tl.int64)
+    entry = tl.program_id(1)
+    if entry >= tl.minimum(tl.load(again_count_ptr + row), most_again):
+        return
+    group = tl.load(again_ptr + row * most_again + entry)
+    columns = group * GROUP_COLUMNS + tl.arange(0, GROUP_COLUMNS)
+    exists = columns < width
+    first = tl.arange(0, 16) == 0
+    accumulator = tl.zeros([16, GROUP_COLUMNS], tl.float32)
+    for start in range(0, hidden_size, HIDDEN_STEP):
+        depth = start + tl.arange(0, HIDDEN_STEP)
+        inside = depth < hidden_size
+        h = tl.load(hidden_ptr + row * stride_hidden + depth[None, :] + tl.zeros([16, 1], tl.int64),
+                    mask=first[:, None] & inside[None, :], other=0.0)
+        w = tl.load(weight_ptr + columns.to(tl.int64)[:, None] * stride_weight + depth[None, :],
+                    mask=exists[:, None] & inside[None, :], other=0.0)
+        accumulator = tl.dot(h, tl.trans(w), accumulator, input_precision=DOT_PRECISION)
+    logits = tl.sum(tl.where(first[:, None], accumulator, 0.0), axis=0)
+    if HAS_BIAS:
+        logits += tl.load(bias_ptr + columns, mask=exists, other=0.0).to(tl.float32)
+    tl.store(out_ptr + (row * most_again + entry) * GROUP_COLUMNS + tl.arange(0, GROUP_COLUMNS),
+             tl.where(exists, logits, float("-inf")))
+
+
+@triton.jit
+def _topk_of_keys_and_again_kernel(keys_ptr, counts_ptr, again_logits_ptr, again_ptr, again_count_ptr,
+                                   thresholds_ptr, values_ptr, columns_ptr, overflow_ptr, width, k, capacity,
+                                   most_again, log2e_over_t, margin, GROUP_COLUMNS: tl.constexpr,
+                                   GROUPS_PER_STEP: tl.constexpr, RANK_ROWS: tl.constexpr,
+                                   RANK_COLUMNS: tl.constexpr, RANK_IN_KERNEL: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     count = tl.load(counts_ptr + row)
-    usable = tl.load(recompute_ptr + row)
-    offset = tl.load(offsets_ptr + row)
-    usable = tl.where(offset + usable > budget, 0, usable)  # not recomputed: the plan flagged the row
+    usable = tl.minimum(tl.load(again_count_ptr + row), most_again)
     kth = tl.load(thresholds_ptr + row)
     kth_value = tl.where(kth < 0, kth ^ 0x7FFFFFFF, kth).to(tl.float32, bitcast=True)
     floor = tl.where(kth == -2147483648, float("-inf"), kth_value - (tl.abs(kth_value) + 1.0) * margin)
     lanes = tl.arange(0, GROUPS_PER_STEP * GROUP_COLUMNS)
     for start in range(0, usable, GROUPS_PER_STEP):
-        in_list, columns = listed_columns(group_ids_ptr + row * capacity, start, usable, lanes, GROUP_COLUMNS)
-        z = tl.load(group_logits_ptr + (offset + start) * GROUP_COLUMNS + lanes, mask=in_list, other=float("-inf"))
+        in_list, columns = listed_columns(again_ptr + row * most_again, start, usable, lanes, GROUP_COLUMNS)
+        z = tl.load(again_logits_ptr + (row * most_again + start) * GROUP_COLUMNS + lanes, mask=in_list,
+                    other=float("-inf"))
         take = in_list & (columns < width) & (z * log2e_over_t >= floor)
         count = append_keys(keys_ptr + row * capacity, count, capacity, take, z, columns)
-    finish_row(row, count, count > capacity, keys_ptr, counts_ptr, overflow_ptr, values_ptr, columns_ptr, k, capacity,
+    overflowed = (tl.load(overflow_ptr + row) != 0) | (count > capacity)
+    finish_row(row, count, overflowed, keys_ptr, counts_ptr, overflow_ptr, values_ptr, columns_ptr, k, capacity,
                RANK_IN_KERNEL, RANK_ROWS, RANK_COLUMNS)
 
 
-def topk_of_keys_and_groups(keys: torch.Tensor, counts: torch.Tensor, group_logits: torch.Tensor,
-                            offsets: torch.Tensor, group_ids: torch.Tensor, recompute: torch.Tensor,
-                            thresholds: torch.Tensor, k: int, temperature: float, width: int, order: str = "torch"):
-    """`group_top2_candidates`' keys, counts, group_ids, recompute and thresholds, with the
-    recomputed groups' logits ``[P, GROUP_COLUMNS]`` float32 (row r's from ``offsets[r]``
-    int64, `plan_pairs`) -> (values ``[R, k]`` float32 logits before τ, descending, lower
-    column first among ties, -inf past the candidates; columns ``[R, k]`` int32, 0 there;
-    overflow ``[R]`` bool: more candidates than the capacity, redo the row). ``keys`` and
-    ``counts`` are appended to in place. Past ``RANK_MAX_K`` the keys are ordered by ``order``
-    ("cuda" or "torch")."""
-    rows, capacity = keys.shape
-    if capacity != capacity_for(k) or group_ids.shape != keys.shape:
-        raise ValueError(f"keys, group_ids: expected [{rows}, {capacity_for(k)}] for k = {k}, got "
-                         f"{list(keys.shape)}, {list(group_ids.shape)}")
-    device = keys.device
+def topk_from_group_top2(hidden: torch.Tensor, weight: torch.Tensor, bias, summaries, k: int, temperature: float,
+                         width: int, outputs=None, order: str = "torch"):
+    """hidden ``[R, H]``, weight ``[≥ width, H]``, bias ``[≥ width]`` or None (what the matmul
+    took) and its `RowSummaries` with group top-2 -> (values ``[R, k]`` float32 logits before τ,
+    descending, lower column first among ties, -inf past the candidates; columns ``[R, k]``
+    int32, 0 there; lse ``[R]`` float32 at τ; overflow ``[R]`` bool: more listed groups,
+    candidates or groups to compute again than there is room for, redo the row), written into
+    ``outputs`` (that tuple, each contiguous) where given. Past ``RANK_MAX_K`` the keys are
+    ordered by ``order`` ("cuda": the extension's sort per row, or "torch")."""
+    if summaries.group_arg is None or summaries.group_second is None:
+        raise ValueError("summaries: expected the group top-2 (EpilogueMatmul(..., group_top2=True)), got maxima only")
+    if hidden.stride(1) != 1 or weight.stride(1) != 1:
+        raise ValueError(f"hidden, weight: expected contiguous rows, got strides {tuple(hidden.stride())}, "
+                         f"{tuple(weight.stride())}")
+    rows, tiles = summaries.tile_max2.shape
+    device = summaries.group_max.device
+    capacity, most_again, group_columns = capacity_for(k), most_groups_again(k), summaries.group_columns
+    log2e_over_t = _LOG2E / temperature
     rank_in_kernel = k <= RANK_MAX_K
-    values = torch.empty(rows, k, dtype=torch.float32, device=device)
-    columns = torch.empty(rows, k, dtype=torch.int32, device=device)
-    overflow = torch.empty(rows, dtype=torch.int8, device=device)
-    if rows:
-        _topk_of_keys_and_groups_kernel[(rows,)](
-            keys, counts, group_logits, offsets, group_ids, recompute, thresholds, values, columns, overflow, width, k,
-            capacity, group_logits.shape[0], _LOG2E / temperature, RECOMPUTED_MARGIN,
-            GROUP_COLUMNS=group_logits.shape[1], GROUPS_PER_STEP=GROUPS_PER_STEP, RANK_ROWS=RANK_TILE[0][0],
-            RANK_COLUMNS=RANK_TILE[0][1], RANK_IN_KERNEL=rank_in_kernel, num_warps=SELECT_WARPS)
+    if outputs is None:
+        outputs = (torch.empty(rows, k, dtype=torch.float32, device=device),
+                   torch.empty(rows, k, dtype=torch.int32, device=device),
+                   torch.empty(rows, dtype=torch.float32, device=device),
+                   torch.empty(rows, dtype=torch.bool, device=device))
+    values, columns, lse, overflow = outputs
+    if not rows:
+        return values, columns, lse, overflow
+    keys = torch.empty(rows, capacity, dtype=torch.int64, device=device)
+    counts = torch.empty(rows, dtype=torch.int32, device=device)
+    group_ids = torch.empty(rows, capacity, dtype=torch.int32, device=device)
+    again = torch.empty(rows, most_again, dtype=torch.int32, device=device)
+    again_count = torch.empty(rows, dtype=torch.int32, device=device)
+    thresholds = torch.empty(rows, dtype=torch.int32, device=device)
+    again_logits = torch.empty(rows, most_again, group_columns, dtype=torch.float32, device=device)
+    launch = _launch(summaries, k)
+    launch = {name: launch[name] for name in ("TILES", "THRESHOLD_BLOCKS", "MERGE", "GROUPS_PER_TILE",
+                                               "GROUP_COLUMNS", "GROUP_BLOCK")}
+    _group_top2_candidates_kernel[(rows,)](
+        summaries.tile_max2, summaries.tile_sum2, summaries.group_max, summaries.group_arg, summaries.group_second,
+        group_ids, again, again_count, keys, counts, thresholds, lse, overflow.view(torch.int8), tiles, k, capacity,
+        most_again, log2e_over_t, SLOTS=triton.next_power_of_2(capacity), num_warps=SELECT_WARPS, **launch)
+    _again_group_logits_kernel[(rows, most_again)](
+        hidden, weight, bias if bias is not None else again_logits, again, again_count, again_logits, width,
+        hidden.shape[1], hidden.stride(0), weight.stride(0), most_again, HAS_BIAS=bias is not None,
+        GROUP_COLUMNS=group_columns, HIDDEN_STEP=HIDDEN_STEP,
+        DOT_PRECISION="ieee" if hidden.dtype == torch.float32 else "tf32",
+        num_warps=1 if os.environ.get("TRITON_INTERPRET") == "1" else 4, num_stages=3)
+    _topk_of_keys_and_again_kernel[(rows,)](
+        keys, counts, again_logits, again, again_count, thresholds, values, columns, overflow.view(torch.int8), width,
+        k, capacity, most_again, log2e_over_t, RECOMPUTED_MARGIN, GROUP_COLUMNS=group_columns,
+        GROUPS_PER_STEP=GROUPS_PER_STEP, RANK_ROWS=RANK_TILE[0][0], RANK_COLUMNS=RANK_TILE[0][1],
+        RANK_IN_KERNEL=rank_in_kernel, num_warps=SELECT_WARPS)
     if not rank_in_kernel:
-        values, columns = top_of_counted_keys(keys, counts, k, order)
-    return values, columns, overflow.bool()
+        values[:], columns[:] = top_of_counted_keys(keys, counts, k, order)
+    return values, columns, lse, overflow
