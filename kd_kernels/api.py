@@ -79,25 +79,28 @@ def teacher_topk(hidden: torch.Tensor, weight: torch.Tensor, k: int = 64, *, tem
         logprobs_dtype: dtype of ``TopK.logprobs``.
         backend: "auto" | "cuda" | "triton" | "torch" (see `available_backends`); "auto" takes
             cuda (the CUDA top-k kernel, k <= 1024) when built, else triton (a Triton threshold
-            select; no compiled extension needed). bf16 / fp16 inputs with k <= 1024 take, on
-            either GPU backend, a Triton matmul whose epilogue also summarizes each row, then
-            read ~k groups of each row (on an H200 1.01-1.18x the bare matmul at k <= 64,
-            1.15-1.23x at k = 1024 on cuda, whose extension gathers and sorts the candidates
-            past k = 256; timed in turn with the matmul 1.17-1.31x and 1.31-1.40x in the latest
-            runs: benchmarks/RESULTS.md);
-            the backend's own selection then only redoes rows of massive ties.
+            select; no compiled extension needed). bf16 / fp16 inputs take, on either GPU
+            backend, a Triton matmul whose epilogue also summarizes each row: at k <= 64 the
+            maxima schedule (each 32-column group's maximum, its column and its second largest
+            give the top-k with no logits stored, the few groups holding two top-k elements
+            computed again; ~50 MiB beyond the outputs at 8192 rows; on an H200 1.04-1.14x the
+            bare matmul in blocks, 1.19-1.22x timed in turn with it), at k <= 1024 the epilogue
+            schedule (the float32 logits stored, ~1.25 GiB a chunk, then ~k groups read per row;
+            1.15-1.23x at k = 1024 on cuda, whose extension gathers and sorts the candidates past
+            k = 256; 1.31-1.40x in turn: benchmarks/RESULTS.md); the backend's own selection then
+            only redoes rows of massive ties.
             ``KD_KERNELS_TEACHER_SCHEDULE=cublas`` forces cuBLAS logits + the full-row selection;
-            ``=listed`` the same matmul storing no logits, the ~k column groups per row that can
-            hold the top-k computed again (≤ 512 MiB of buffers; timed no faster than the
-            default: 0.99-1.11x in blocks at k <= 64, 2.1x at k = 1024); ``=sliced`` (k <= 256)
-            what ``lean=True`` runs for 16-bit inputs (below).
-        chunk_rows: rows per chunk on the GPU backends (``chunk_rows · V · 4`` bytes); None: ~1.25 GiB.
+            ``=epilogue`` / ``=maxima`` (k <= 256) one of the two above; ``=listed`` the same
+            matmul storing no logits, the ~k column groups per row that can hold the top-k
+            computed again (≤ 512 MiB of buffers; timed no faster: 0.99-1.11x in blocks at
+            k <= 64, 2.1x at k = 1024); ``=sliced`` (k <= 256) the epilogue matmul over vocab
+            slices of row chunks (1.2-1.6x at ≤ 64 MiB).
+        chunk_rows: rows per chunk on the GPU backends (``chunk_rows · V · 4`` bytes for the
+            schedules that store logits); None: ~1.25 GiB, or within ~56 MiB for the maxima one.
         lean: ≤ ~64 MiB beyond the inputs and outputs whatever N and V: bf16 / fp16 inputs with
-            k <= 256 take the sliced schedule (the epilogue matmul over 3072-column vocab slices
-            of row chunks, each row keeping the elements that reach its running k-th value; on an
-            H200 1.18-1.40× the bare matmul in blocks at k <= 64, 1.42-1.74× timed in turn), others
-            tiles of rows × vocab columns (48 MiB of float32 logits plus ~16 MiB for merging;
-            2.9-3.2× at k = 1024).
+            k <= 256 take the maxima schedule (at k = 256 1.27-1.35× the bare matmul in blocks),
+            others tiles of rows × vocab columns (48 MiB of float32 logits plus ~16 MiB for
+            merging; 2.9-3.2× at k = 1024).
         fused: the top-k chosen in the epilogue of a Triton matmul (triton backend): no logits in
             memory at all, ``N · S · C · 8`` bytes of candidates (S vocab splits, C ≥ k + 128);
             k <= 256. Exact, but slow: 2.9–4.1× the bare matmul at k = 64 on an H200, against

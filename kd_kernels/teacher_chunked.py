@@ -1,5 +1,5 @@
 """Teacher top-k on the GPU backends: chunks of rows (never the whole ``[N, V]`` logits), per
-chunk the float32 logits, each row's top-k and its logsumexp. Two schedules from hidden:
+chunk each row's top-k and its logsumexp. Schedules from hidden:
 
 - the epilogue schedule (`teacher_topk_epilogue`; 16-bit inputs, k ≤ 1024): a Triton matmul
   writes the chunk's float32 logits and, from its accumulator, each row's tile statistics and
@@ -13,16 +13,20 @@ chunk the float32 logits, each row's top-k and its logsumexp. Two schedules from
   from the lanes' maxima, then the elements above it) and a sort of the few candidates
   (ops/topk_threshold.py): no compiled extension needed.
 
-Both hold one chunk's float32 logits (``chunk_rows · V · 4`` bytes, ~1.25 GiB by default).
-``lean=True`` (`teacher_topk_lean`) stays within ~64 MiB whatever N and V: the sliced schedule
-(`teacher_topk_sliced`; 16-bit inputs, k ≤ 256: the epilogue matmul over vocab slices of row
-chunks, its buffers within SLICED_BYTES, each row keeping the elements that reach its running
-k-th value), else the tiled one (`teacher_topk_tiled`: tiles of rows × vocab columns, 48 MiB of
-float32 logits, each slice's top-k merged into the row chunk's running one).
-`teacher_topk_fused` writes no logits at all: the top-k is selected in the epilogue of a Triton
-matmul (ops/lm_head_topk.py), per vocab split, and the splits are merged here. Opt-in, forced
-by KD_KERNELS_TEACHER_SCHEDULE: the listed schedule (`teacher_topk_listed`: no logits stored,
-the listed groups computed again) and the sliced one without lean=True.
+The epilogue and cuBLAS schedules hold one chunk's float32 logits (``chunk_rows · V · 4``
+bytes, ~1.25 GiB by default). The maxima schedule (`teacher_topk_maxima`; 16-bit inputs, k ≤
+256; the default at k ≤ 64 and ``lean=True``'s) stores no logits: the epilogue matmul leaves
+each 32-column group's maximum, its column and the group's second largest, which give most of
+the top-k directly; the few groups holding two or more top-k elements are computed again.
+Its buffers stay within MAXIMA_BYTES whatever N and V. ``lean=True`` (`teacher_topk_lean`)
+stays within ~64 MiB: the maxima schedule where it applies, else the tiled one
+(`teacher_topk_tiled`: tiles of rows × vocab columns, 48 MiB of float32 logits, each slice's
+top-k merged into the row chunk's running one). `teacher_topk_fused` writes no logits at all:
+the top-k is selected in the epilogue of a Triton matmul (ops/lm_head_topk.py), per vocab
+split, and the splits are merged here. Opt-in, forced by KD_KERNELS_TEACHER_SCHEDULE: the
+listed schedule (`teacher_topk_listed`: no logits stored, the listed groups computed again)
+and the sliced one (`teacher_topk_sliced`: the epilogue matmul over vocab slices of row chunks,
+each row keeping the elements that reach its running k-th value).
 """
 from __future__ import annotations
 
@@ -51,6 +55,7 @@ LISTED_PAIRS_PER_K = 2  # listed groups a row may use on average (k to ~1.5k on 
 # the maxima schedule: a chunk's summaries with group top-2, candidate keys and recomputed groups
 MAXIMA_BYTES = 56 << 20
 MAXIMA_MAX_K = 256
+MAXIMA_DEFAULT_K = 64  # the default schedule up to here (H200: the epilogue schedule is faster at k = 256)
 # the sliced schedule: a float32 vocab slice of a chunk of rows and the rows' candidate keys
 SLICED_BYTES = 50 << 20
 SLICED_MAX_K = 256
@@ -128,16 +133,19 @@ def teacher_topk(hidden: torch.Tensor, weight: torch.Tensor, k: int, temperature
 
 
 def teacher_schedule(hidden: torch.Tensor, weight: torch.Tensor, k: int) -> str:
-    """"epilogue" (the Triton matmul that also summarizes each row, then ~k groups read per
-    row) for 16-bit TMA-aligned inputs and k <= EPILOGUE_MAX_K, else "cublas" (H200, each timed
-    in its own block: at k = 1024 with the candidates gathered and sorted by the extension
-    1.15-1.23x the matmul against 1.25-1.34x for cuBLAS + the full-row selection in the same
-    runs; at k = 64 1.04-1.16x against 1.12-1.22x; benchmarks/RESULTS.md).
-    ``KD_KERNELS_TEACHER_SCHEDULE=cublas`` / ``=epilogue`` / ``=listed`` / ``=sliced`` force one
-    (A/B in the benchmark; "listed", `teacher_topk_listed`, stores no logits and is not chosen by
-    default: timed no faster, 2.1x at k = 1024; "sliced", `teacher_topk_sliced`, stays within
-    ~64 MiB at 1.18-1.40x at k <= 64, lean=True's schedule); the three epilogue-matmul schedules
-    where that matmul does not apply (dtype, alignment) are an error."""
+    """For 16-bit TMA-aligned inputs: "maxima" for k <= MAXIMA_DEFAULT_K (no logits stored,
+    ~50 MiB beyond the outputs at 8192 rows against ~1.25 GiB for "epilogue", at the same speed
+    within the runs' spread: H200 k = 64 1.04-1.05x the matmul in blocks, 1.22x in turn, against
+    1.01-1.08x / 1.19-1.22x; slower at k = 256, 1.27-1.35x against 1.07-1.15x), "epilogue" (the
+    Triton matmul that also stores the float32 logits and summarizes each row, then ~k groups
+    read per row) for k <= EPILOGUE_MAX_K, else "cublas" (at k = 1024 with the candidates
+    gathered and sorted by the extension 1.15-1.23x the matmul against 1.25-1.34x for cuBLAS +
+    the full-row selection in the same runs; benchmarks/RESULTS.md).
+    ``KD_KERNELS_TEACHER_SCHEDULE=cublas`` / ``=epilogue`` / ``=maxima`` / ``=listed`` /
+    ``=sliced`` force one (A/B in the benchmark; "listed", `teacher_topk_listed`, is not chosen
+    by default: timed no faster, 2.1x at k = 1024; "sliced", `teacher_topk_sliced`, stays within
+    ~64 MiB at 1.18-1.40x at k <= 64, lean=True's schedule past MAXIMA_DEFAULT_K); the
+    epilogue-matmul schedules where that matmul does not apply (dtype, alignment) are an error."""
     from .ops.lm_head_group_maxima import epilogue_applies
 
     forced = os.environ.get("KD_KERNELS_TEACHER_SCHEDULE", "")
@@ -148,7 +156,11 @@ def teacher_schedule(hidden: torch.Tensor, weight: torch.Tensor, k: int) -> str:
     if forced in ("epilogue", "maxima", "listed", "sliced") and not applies:
         raise ValueError(f"KD_KERNELS_TEACHER_SCHEDULE={forced}: needs bf16 / fp16 hidden and weight with rows at "
                          f"16-byte boundaries; got {hidden.dtype} / {weight.dtype}, hidden size {hidden.shape[1]}")
-    return forced or ("epilogue" if applies and k <= EPILOGUE_MAX_K else "cublas")
+    if forced:
+        return forced
+    if applies and k <= MAXIMA_DEFAULT_K:
+        return "maxima"
+    return "epilogue" if applies and k <= EPILOGUE_MAX_K else "cublas"
 
 
 def _chunk_rows(chunk_rows: Optional[int], num_rows: int, columns: int) -> int:
@@ -451,14 +463,15 @@ def _merge_running(running, candidates):
 
 def teacher_topk_lean(hidden: torch.Tensor, weight: torch.Tensor, k: int, temperature: float, vocab_size: int,
                       bias: Optional[torch.Tensor] = None, shard=None, select: str = "triton") -> TopK:
-    """``lean=True``: `teacher_topk_sliced` where the epilogue matmul takes the inputs and k <=
-    SLICED_MAX_K (on an H200 1.18-1.40× the bare matmul at k <= 64 in blocks, against 1.49-2.53×
-    for the tiled one in the same session's runs), else `teacher_topk_tiled`; both within ~64 MiB
-    beyond inputs and outputs."""
+    """``lean=True``: `teacher_topk_maxima` where the epilogue matmul takes the inputs and k <=
+    MAXIMA_MAX_K (on an H200 at 8192 × 4096 × 151,936 in blocks: k = 64 1.04-1.05× the bare
+    matmul, k = 256 1.27-1.35×, against 1.31-1.32× and 1.61-1.62× for the sliced schedule that
+    was lean=True's before), else `teacher_topk_tiled`; both within ~64 MiB beyond inputs and
+    outputs."""
     from .ops.lm_head_group_maxima import epilogue_applies
 
-    if k <= SLICED_MAX_K and epilogue_applies(hidden, weight):
-        return teacher_topk_sliced(hidden, weight, k, temperature, vocab_size, bias, shard, select)
+    if k <= MAXIMA_MAX_K and epilogue_applies(hidden, weight):
+        return teacher_topk_maxima(hidden, weight, k, temperature, vocab_size, bias, None, shard, select)
     return teacher_topk_tiled(hidden, weight, k, temperature, vocab_size, bias, shard, select)
 
 

@@ -151,14 +151,14 @@ def test_the_schedule_choice_and_its_switch(monkeypatch):
     half = torch.zeros(4, 16, dtype=torch.float16), torch.zeros(50, 16, dtype=torch.float16)
     single = torch.zeros(4, 16), torch.zeros(50, 16)
     odd = torch.zeros(4, 12, dtype=torch.float16), torch.zeros(50, 12, dtype=torch.float16)  # 24-byte rows
-    assert teacher_schedule(*half, 64) == "epilogue"
-    assert teacher_schedule(*half, 1024) == "epilogue"
+    assert teacher_schedule(*half, 64) == "maxima"  # up to MAXIMA_DEFAULT_K
+    assert teacher_schedule(*half, 65) == "epilogue" and teacher_schedule(*half, 1024) == "epilogue"
     assert teacher_schedule(*half, 1025) == "cublas"  # past EPILOGUE_MAX_K
     assert teacher_schedule(*single, 64) == "cublas" and teacher_schedule(*odd, 64) == "cublas"
     monkeypatch.setenv("KD_KERNELS_TEACHER_SCHEDULE", "cublas")
     assert teacher_schedule(*half, 64) == "cublas"
     # the epilogue-matmul schedules, forced: taken past EPILOGUE_MAX_K, refused where it does not apply
-    for schedule, unfit in (("epilogue", single), ("listed", odd), ("sliced", single)):
+    for schedule, unfit in (("epilogue", single), ("maxima", odd), ("listed", odd), ("sliced", single)):
         monkeypatch.setenv("KD_KERNELS_TEACHER_SCHEDULE", schedule)
         assert teacher_schedule(*half, 2048) == schedule
         with pytest.raises(ValueError, match=f"KD_KERNELS_TEACHER_SCHEDULE={schedule}: needs bf16 / fp16"):
@@ -168,22 +168,23 @@ def test_the_schedule_choice_and_its_switch(monkeypatch):
         teacher_schedule(*half, 64)
 
 
-def test_the_public_function_takes_the_epilogue_schedule_and_both_agree(monkeypatch):
+@pytest.mark.parametrize("k, function", [(8, "teacher_topk_maxima"), (70, "teacher_topk_epilogue")])
+def test_the_public_function_takes_the_default_schedule_and_agrees_with_cublas(k, function, monkeypatch):
     generator = torch.Generator().manual_seed(9)
     hidden = torch.randn(18, 16, generator=generator).to(DEVICE, torch.float16)
     weight = torch.randn(150, 16, generator=generator).to(DEVICE, torch.float16)
     calls = []
     import kd_kernels.teacher_chunked as chunked
 
-    original = chunked.teacher_topk_epilogue
-    monkeypatch.setattr(chunked, "teacher_topk_epilogue", lambda *a, **kw: calls.append(1) or original(*a, **kw))
-    epilogue = kd.teacher_topk(hidden, weight, k=8, temperature=2.0, backend="triton")
+    original = getattr(chunked, function)
+    monkeypatch.setattr(chunked, function, lambda *a, **kw: calls.append(1) or original(*a, **kw))
+    default = kd.teacher_topk(hidden, weight, k=k, temperature=2.0, backend="triton")
     assert calls == [1]
     monkeypatch.setenv("KD_KERNELS_TEACHER_SCHEDULE", "cublas")
-    cublas = kd.teacher_topk(hidden, weight, k=8, temperature=2.0, backend="triton")
+    cublas = kd.teacher_topk(hidden, weight, k=k, temperature=2.0, backend="triton")
     assert calls == [1]
-    assert torch.equal(epilogue.indices, cublas.indices)
-    assert torch.allclose(epilogue.logprobs, cublas.logprobs, atol=1e-5, rtol=0)
+    assert torch.equal(default.indices, cublas.indices)
+    assert torch.allclose(default.logprobs, cublas.logprobs, atol=1e-5, rtol=0)
 
 
 def _sliced_in_2048_columns(hidden, weight, k, temperature, vocab_size, bias, chunk_rows):

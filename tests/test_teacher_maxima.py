@@ -9,6 +9,7 @@ import torch
 
 from helpers import HAS_CUDA, check_teacher_topk, small_teacher_problem
 from kd_kernels import reference
+from kd_kernels.topk import TopK
 from kd_kernels.ops.lm_head_group_maxima import lm_head_logits_with_summaries, padded_width
 from kd_kernels.ops.topk_from_group_top2 import topk_from_group_top2
 from kd_kernels.teacher_chunked import teacher_topk_maxima
@@ -120,3 +121,49 @@ def test_the_ranking_past_the_rank_limit_is_a_sort(monkeypatch):
     top = teacher_topk_maxima(hidden, weight, 12, 0.7, 200, bias)
     logits = reference.lm_head_logits(hidden, weight, bias)
     check_teacher_topk(top, reference.teacher_topk(hidden, weight, 12, 0.7, 200, bias), 1e-5, logits, 0.7, 200)
+
+
+@pytest.mark.parametrize("dtype, k, expected", [(torch.float16, 5, "maxima"), (torch.float16, 256, "maxima"),
+                                                (torch.float16, 257, "tiled"), (torch.float32, 5, "tiled")])
+def test_lean_takes_the_maxima_schedule_for_16_bit_inputs_up_to_its_k(monkeypatch, dtype, k, expected):
+    """``lean=True``: 16-bit inputs the epilogue matmul takes and k <= 256 go to the maxima
+    schedule, the rest to the tiled one; both match the reference."""
+    import kd_kernels as kd
+    from kd_kernels import teacher_chunked
+
+    taken = []
+    for name in ("teacher_topk_maxima", "teacher_topk_tiled"):
+        schedule = getattr(teacher_chunked, name)
+        monkeypatch.setattr(teacher_chunked, name, lambda *args, _schedule=schedule, _name=name, **kwargs: (
+            taken.append(_name.split("_")[-1]), _schedule(*args, **kwargs))[1])
+    hidden, weight, bias = small_teacher_problem(k, rows=6, columns=300, dtype=dtype)
+    top = kd.teacher_topk(hidden, weight, k=k, temperature=2.0, vocab_size=300, bias=bias, backend="triton",
+                          lean=True)
+    assert taken == [expected]
+    expected_top = reference.teacher_topk(hidden, weight, k, 2.0, 300, bias)
+    check_teacher_topk(top, expected_top, 1e-4, reference.lm_head_logits(hidden, weight, bias), 2.0, 300)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("k, lean", [(8, False), (64, False), (8, True), (64, True), (256, True)])
+def test_gpu_teacher_stays_within_64_mib_at_8192_tokens(k, lean):
+    """The issue's memory target: beyond the inputs and the top-k it returns, the default
+    schedule at k <= 64 and ``lean=True`` at any k hold at most 64 MiB at 8192 × 4096 × 151,936
+    (the maxima schedule, measured 46-54 MiB on an H200)."""
+    import kd_kernels as kd
+
+    generator = torch.Generator(device="cuda").manual_seed(k)
+    weight = (torch.randn(151_936, 4096, device="cuda", generator=generator) * 0.02).bfloat16()
+    hidden = (torch.randn(8192, 4096, device="cuda", generator=generator) * 0.8).bfloat16()
+    kd.teacher_topk(hidden[:256], weight, k=k, temperature=2.0, lean=lean)  # compiled before measuring
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    top = kd.teacher_topk(hidden, weight, k=k, temperature=2.0, lean=lean)
+    torch.cuda.synchronize()
+    outputs = top.logprobs.nbytes + top.indices.nbytes + top.lse.nbytes
+    assert torch.cuda.max_memory_allocated() - before - outputs <= 64 << 20
+    rows = torch.arange(0, 8192, 1021, device="cuda")
+    expected = reference.teacher_topk(hidden[rows], weight, k, 2.0, 151_936)
+    check_teacher_topk(TopK(top.logprobs[rows], top.indices[rows], top.lse[rows], 2.0), expected, 1e-4,
+                       reference.lm_head_logits(hidden[rows], weight), 2.0, 151_936)
