@@ -194,8 +194,8 @@ def teacher_topk_epilogue(hidden: torch.Tensor, weight: torch.Tensor, k: int, te
         values[start:stop], indices[start:stop], lse[start:stop], overflow[start:stop] = topk_from_group_maxima(
             chunk, summaries, k, temperature, width, order="cuda" if select == "cuda" else "torch")
     logits = chunk = None  # a redo's logits can take their place
-    _redo_rows(overflow, hidden, weight, k, temperature, width, bias, chunk_rows, select, (values, indices, lse))
-    return _finish(values, indices.add_(column_start), lse, k, temperature, shard)
+    return _finish_with_redo(overflow, hidden, weight, k, temperature, width, bias, chunk_rows, select,
+                             (values, indices, lse), column_start, shard)
 
 
 def listed_chunk_rows(num_rows: int, width: int, k: int, group_columns: int = 32) -> int:
@@ -250,8 +250,8 @@ def teacher_topk_listed(hidden: torch.Tensor, weight: torch.Tensor, k: int, temp
             order="cuda" if select == "cuda" else "torch")
         values[start:stop] = chunk_values.div_(temperature)
         overflow[start:stop] = chunk_overflow | plan.overflow
-    _redo_rows(overflow, hidden, weight, k, temperature, width, bias, chunk_rows, select, (values, indices, lse))
-    return _finish(values, indices.add_(column_start), lse, k, temperature, shard)
+    return _finish_with_redo(overflow, hidden, weight, k, temperature, width, bias, chunk_rows, select,
+                             (values, indices, lse), column_start, shard)
 
 
 def maxima_chunk_rows(num_rows: int, width: int, k: int, group_columns: int = 32) -> int:
@@ -299,9 +299,9 @@ def teacher_topk_maxima(hidden: torch.Tensor, weight: torch.Tensor, k: int, temp
                              order="cuda" if select == "cuda" else "torch")
         summaries = None  # freed before the next chunk's are made
     values.div_(temperature)
-    _redo_rows(overflow, hidden, weight, k, temperature, width, bias, max(1, MAXIMA_BYTES // (4 * weight.shape[0])),
-               select, (values, indices, lse))
-    return _finish(values, indices.add_(column_start), lse, k, temperature, shard)
+    return _finish_with_redo(overflow, hidden, weight, k, temperature, width, bias,
+                             max(1, MAXIMA_BYTES // (4 * weight.shape[0])), select, (values, indices, lse), column_start,
+                             shard)
 
 
 def sliced_tile(num_rows: int, k: int, multiprocessors: Optional[int] = None,
@@ -396,9 +396,9 @@ def teacher_topk_sliced(hidden: torch.Tensor, weight: torch.Tensor, k: int, temp
         # freed before the next chunk's are made (both alive at once: +20 MiB at k = 256, measured)
         state = slice_logits = summaries = None
     buffer = logits = None  # a redo's logits can take their place
-    _redo_rows(overflow, hidden, weight, k, temperature, width, bias, max(1, SLICED_BYTES // (4 * weight.shape[0])),
-               select, (values, indices, lse))
-    return _finish(values, indices.add_(column_start), lse, k, temperature, shard)
+    return _finish_with_redo(overflow, hidden, weight, k, temperature, width, bias,
+                             max(1, SLICED_BYTES // (4 * weight.shape[0])), select, (values, indices, lse), column_start,
+                             shard)
 
 
 def _rank_chunk_keys(state, k: int, temperature: float, select: str, outputs, rows: slice) -> None:
@@ -419,14 +419,35 @@ def _rank_chunk_keys(state, k: int, temperature: float, select: str, outputs, ro
     overflow[rows] = state.overflow.bool()
 
 
+def _finish_with_redo(overflow: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor, k: int, temperature: float,
+                      width: int, bias: Optional[torch.Tensor], chunk_rows: int, select: str, outputs,
+                      column_start: int, shard) -> TopK:
+    """`_finish` of ``outputs`` = (tempered values, local ids, lse) with the rows ``overflow``
+    marks redone (`_redo_rows`). Unsharded, the log-probs and global ids are made first and the
+    overflow test is the call's last launch and one host sync: a sync followed by launches left
+    the device idle ~0.3 ms a call on an H200 (`nonzero` syncs twice, then the finishing ops
+    wait for the host; `benchmarks/profile_teacher.py`, NOTES e25)."""
+    values, indices, lse = outputs
+    if shard is not None:
+        _redo_rows(overflow, hidden, weight, k, temperature, width, bias, chunk_rows, select, outputs)
+        return _finish(values, indices.add_(column_start), lse, k, temperature, shard)
+    values.sub_(lse.unsqueeze(-1))
+    indices.add_(column_start)
+    if bool(overflow.any()):
+        rows = _redo_rows(overflow, hidden, weight, k, temperature, width, bias, chunk_rows, select, outputs)
+        values[rows] = values[rows] - lse[rows].unsqueeze(-1)
+        indices[rows] = indices[rows] + column_start
+    return TopK(values, indices, lse, temperature)
+
+
 def _redo_rows(overflow: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor, k: int, temperature: float,
                width: int, bias: Optional[torch.Tensor], chunk_rows: int, select: str, outputs) -> None:
     """Overwrites ``outputs`` = (tempered values, local ids, lse) at the rows ``overflow`` ``[N]``
     bool marks with the cuBLAS float32 logits and the full-row selection, ``chunk_rows`` rows at
-    a time. Reading the mask is the schedules' one host sync."""
+    a time; returns the rows redone (int64). Reading the mask is the schedules' one host sync."""
     rows = overflow.nonzero().flatten()
     if not rows.numel():
-        return
+        return rows
     values, indices, lse = outputs
     logits = torch.empty(min(chunk_rows, rows.numel()), weight.shape[0], dtype=torch.float32, device=hidden.device)
     for start in range(0, rows.numel(), chunk_rows):
@@ -434,6 +455,7 @@ def _redo_rows(overflow: torch.Tensor, hidden: torch.Tensor, weight: torch.Tenso
         chunk = lm_head_logits_fp32(hidden[part], weight, logits[:part.numel()])
         part_values, part_ids, part_lse = _chunk_candidates(chunk, bias, k, temperature, width, 0, select)
         values[part], indices[part], lse[part] = part_values, part_ids.to(torch.int32), part_lse
+    return rows
 
 
 def teacher_topk_cublas(hidden: torch.Tensor, weight: torch.Tensor, k: int, temperature: float, vocab_size: int,
