@@ -27,7 +27,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import kd_kernels as kd  # noqa: E402
 from harness import (environment, llm_like_hidden, peak_extra_gib, time_interleaved_ms, time_ms,  # noqa: E402
                      with_attributes, with_env, write_json)
-from kd_kernels import teacher_chunked  # noqa: E402
 from kd_kernels.ops import topk_from_groups  # noqa: E402
 from kd_kernels.teacher_chunked import teacher_topk_tiled  # noqa: E402
 from shapes import TEACHER_SHAPES  # noqa: E402
@@ -72,12 +71,6 @@ def bench_shape(name, n, h, v, ks, only=None, fused_sweep=False, interleave=Fals
                 lambda: kd.teacher_topk(hidden, weight, k=k, temperature=TEMPERATURE, backend="cuda")),
             "ours from hidden (triton)": lambda: kd.teacher_topk(hidden, weight, k=k, temperature=TEMPERATURE,
                                                                  backend="triton"),
-            # the maxima schedule with each chunk's selection after its matmul on one stream
-            **{f"ours from hidden (cuda, maxima schedule in order{label})": (
-                lambda options=options: with_attributes(teacher_chunked, dict(MAXIMA_OVERLAP=False), lambda: with_env(
-                    "KD_KERNELS_TEACHER_SCHEDULE", "maxima", lambda: kd.teacher_topk(
-                        hidden, weight, k=k, temperature=TEMPERATURE, backend="cuda", **options))))
-               for label, options in (("", {}), (", 1024-row chunks", dict(chunk_rows=1024)))},
             **{f"ours from hidden ({backend}, {schedule} schedule{label})": (
                 lambda backend=backend, schedule=schedule, options=options: with_env(
                     "KD_KERNELS_TEACHER_SCHEDULE", schedule.lower(),

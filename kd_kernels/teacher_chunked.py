@@ -55,7 +55,6 @@ LISTED_PAIRS_PER_K = 2  # listed groups a row may use on average (k to ~1.5k on 
 # the maxima schedule: a chunk's summaries with group top-2, candidate keys and recomputed groups
 MAXIMA_BYTES = 56 << 20
 MAXIMA_MAX_K = 256
-MAXIMA_OVERLAP = True  # the selection of a chunk beside the matmul of the next, on a second stream
 MAXIMA_DEFAULT_K = 64  # the default schedule up to here (H200: the epilogue schedule is faster at k = 256)
 # the sliced schedule: a float32 vocab slice of a chunk of rows and the rows' candidate keys
 SLICED_BYTES = 50 << 20
@@ -257,56 +256,16 @@ def teacher_topk_listed(hidden: torch.Tensor, weight: torch.Tensor, k: int, temp
 
 def maxima_chunk_rows(num_rows: int, width: int, k: int, group_columns: int = 32) -> int:
     """Rows per chunk of the maxima schedule: its buffers within MAXIMA_BYTES, in quarters of the
-    matmul's L2 group of row tiles. A row holds, twice (the matmul fills one set while the
-    selection reads the other), its tile statistics (8 · V / 256 bytes) and each group's
-    maximum, column and second largest (9 · V / group_columns); and once 12 bytes per candidate
-    slot (capacity_for(k): keys, group ids)."""
+    matmul's L2 group of row tiles. A row holds its tile statistics (8 · V / 256 bytes), each
+    group's maximum, column and second largest (9 · V / group_columns) and 12 bytes per
+    candidate slot (capacity_for(k): keys, group ids)."""
     from .ops.topk_from_groups import capacity_for
 
-    per_row = 2 * (8 * width // 256 + 9 * width // group_columns) + 12 * capacity_for(k)
+    per_row = 8 * width // 256 + 9 * width // group_columns + 12 * capacity_for(k)
     rows = MAXIMA_BYTES // per_row
     if rows >= num_rows:
         return num_rows
     return max(EPILOGUE_ROW_MULTIPLE // 4, rows // (EPILOGUE_ROW_MULTIPLE // 4) * (EPILOGUE_ROW_MULTIPLE // 4))
-
-
-class _SideStream:
-    """A second CUDA stream for work that may run beside the main stream's (nothing on the
-    CPU: the interpreter runs everything in order). ``beside(ready)`` runs a block after the
-    main stream's work so far; ``join()`` makes the main stream wait for it all."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-        self.stream = torch.cuda.Stream(device) if self.cuda else None
-
-    def record_main(self):
-        """An event after the main stream's work so far (None on the CPU)."""
-        if not self.cuda:
-            return None
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(self.stream.device))
-        return event
-
-    def run(self, after, fn):
-        """fn() on the side stream after the event ``after``; returns an event after it."""
-        if not self.cuda:
-            fn()
-            return None
-        self.stream.wait_event(after)
-        with torch.cuda.stream(self.stream):
-            fn()
-        done = torch.cuda.Event()
-        done.record(self.stream)
-        return done
-
-    def wait(self, event) -> None:
-        """The main stream waits for ``event`` (a side-stream event, or None)."""
-        if event is not None:
-            torch.cuda.current_stream(self.stream.device).wait_event(event)
-
-    def join(self) -> None:
-        if self.cuda:
-            torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
 
 
 def teacher_topk_maxima(hidden: torch.Tensor, weight: torch.Tensor, k: int, temperature: float, vocab_size: int,
@@ -319,44 +278,26 @@ def teacher_topk_maxima(hidden: torch.Tensor, weight: torch.Tensor, k: int, temp
     (ops/topk_from_group_top2.py): groups whose maximum reaches the row's k-th largest group
     maximum T and whose second does not give one key each, the maximum itself; the few whose
     second reaches T too are computed again from hidden × weight and their elements ≥ T join
-    the keys. With MAXIMA_OVERLAP the selection of a chunk runs on a second stream beside the
-    matmul of the next (two sets of summaries, taken in turn; the matmul's persistent programs
-    leave each SM room for a few selection programs). Rows that overflow (massive ties) are
-    redone by cuBLAS logits and the full-row selection ``select``."""
-    from .ops.lm_head_group_maxima import EpilogueMatmul, default_config
+    the keys. Rows that overflow (massive ties) are redone by cuBLAS logits and the full-row
+    selection ``select``."""
+    from .ops.lm_head_group_maxima import default_config, lm_head_logits_with_summaries
     from .ops.topk_from_group_top2 import topk_from_group_top2
 
     if not 1 <= k <= MAXIMA_MAX_K:
         raise ValueError(f"k: the maxima schedule takes 1 <= k <= {MAXIMA_MAX_K}, got {k}")
     num_rows = hidden.shape[0]
     width, column_start = (vocab_size, 0) if shard is None else (shard.existing, shard.vocab_start)
-    config = default_config()
-    chunk_rows = chunk_rows or maxima_chunk_rows(num_rows, width, k, config.group_columns)
+    chunk_rows = chunk_rows or maxima_chunk_rows(num_rows, width, k, default_config().group_columns)
     values, indices, lse = _outputs(num_rows, k, hidden.device)
     overflow = torch.empty(num_rows, dtype=torch.bool, device=hidden.device)
-    order = "cuda" if select == "cuda" else "torch"
-    side = _SideStream(hidden.device) if MAXIMA_OVERLAP else None
-    buffers, read = [None, None], [None, None]  # each set of summaries, and the event after its last reader
-    for index, start in enumerate(range(0, num_rows, chunk_rows)):
-        rows, turn = slice(start, min(start + chunk_rows, num_rows)), index % 2 if side else 0
-        if side:
-            side.wait(read[turn])  # the selection two chunks back has read this set
-        matmul = EpilogueMatmul(hidden[rows], weight, bias, width, temperature, None, config, group_top2=True,
-                                summaries=buffers[turn])
-        summaries = matmul(0, width)
-        if buffers[turn] is None:
-            buffers[turn] = summaries
-
-        def selection(rows=rows, summaries=summaries):
-            topk_from_group_top2(hidden[rows], weight, bias, summaries, k, temperature, width,
-                                 (values[rows], indices[rows], lse[rows], overflow[rows]), order=order)
-        if side:
-            read[turn] = side.run(side.record_main(), selection)
-        else:
-            selection()
-    if side:
-        side.join()
-    buffers = matmul = summaries = None
+    for start in range(0, num_rows, chunk_rows):
+        rows = slice(start, min(start + chunk_rows, num_rows))
+        summaries = lm_head_logits_with_summaries(hidden[rows], weight, bias, width, temperature, None,
+                                                  group_top2=True)
+        topk_from_group_top2(hidden[rows], weight, bias, summaries, k, temperature, width,
+                             (values[rows], indices[rows], lse[rows], overflow[rows]),
+                             order="cuda" if select == "cuda" else "torch")
+        summaries = None  # freed before the next chunk's are made
     values.div_(temperature)
     return _finish_with_redo(overflow, hidden, weight, k, temperature, width, bias,
                              max(1, MAXIMA_BYTES // (4 * weight.shape[0])), select, (values, indices, lse), column_start,

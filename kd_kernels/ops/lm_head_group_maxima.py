@@ -68,13 +68,6 @@ class RowSummaries:
     group_arg: torch.Tensor | None = None
     group_second: torch.Tensor | None = None
 
-    def head(self, rows: int) -> "RowSummaries":
-        """The first ``rows`` rows (views)."""
-        def first(tensor):
-            return None if tensor is None else tensor[:rows]
-        return RowSummaries(self.tile_max2[:rows], self.tile_sum2[:rows], self.group_max[:rows], self.group_columns,
-                            first(self.group_arg), first(self.group_second))
-
 
 @triton.jit
 def _tile_position(tile, row_tiles, column_tiles, GROUP_M: tl.constexpr):
@@ -179,8 +172,7 @@ class EpilogueMatmul:
     ``bias`` whole (the slices are offsets into them)."""
 
     def __init__(self, hidden: torch.Tensor, weight: torch.Tensor, bias, max_width: int, temperature: float,
-                 logits: torch.Tensor | None, config: GroupMaximaConfig | None = None, group_top2: bool = False,
-                 summaries: RowSummaries | None = None):
+                 logits: torch.Tensor | None, config: GroupMaximaConfig | None = None, group_top2: bool = False):
         config = config or default_config()
         if logits is not None and logits.dtype != torch.float32:
             raise ValueError(f"logits: expected a float32 buffer (rows of padded_width(width)), got {logits.dtype}")
@@ -190,8 +182,7 @@ class EpilogueMatmul:
         self.log2e_over_t = 1.4426950408889634 / temperature
         self.store_logits = logits is not None
         self.group_top2 = group_top2
-        # given: their first rows are filled (a caller taking turns between buffers)
-        self.summaries = self._summaries(max_width) if summaries is None else summaries.head(hidden.shape[0])
+        self.summaries = self._summaries(max_width)
         if hidden.shape[0] == 0:
             return
         user = "the teacher's epilogue matmul"
