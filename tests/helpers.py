@@ -63,3 +63,30 @@ def small_teacher_problem(seed, rows=37, columns=203, dtype=torch.float32, scale
     weight = torch.randn(columns, 16, generator=generator).to(device, dtype)
     bias = torch.randn(columns, generator=generator).to(device, dtype)
     return hidden, weight, bias
+
+
+def check_schedule_with_ties_and_fewer_columns_than_k(schedule):
+    """A teacher schedule ``schedule(hidden, weight, k, temperature, vocab_size, chunk_rows=None)``
+    (16-bit inputs) against the reference where every group of a row ties (only the exact redo
+    finds the one larger column) and where fewer columns than k exist (within one group, over
+    whole groups: -inf at column 0 past them)."""
+    from kd_kernels import reference
+
+    device = "cuda" if HAS_CUDA else "cpu"
+    generator = torch.Generator().manual_seed(8)
+    hidden = torch.randn(20, 16, generator=generator).half()
+    hidden[[2, 11, 19]] = 0  # logits = weight[:, 0]: 0 everywhere but 1 at the last column
+    hidden[[2, 11, 19], 0] = 1
+    weight = torch.randn(300, 16, generator=generator).half()
+    weight[:, 0] = 0
+    weight[299, 0] = 1
+    top = schedule(hidden.to(device), weight.to(device), 5, 1.0, 300, chunk_rows=8)
+    assert top.indices[[2, 11, 19]].tolist() == [[299, 0, 1, 2, 3]] * 3
+    logits = reference.lm_head_logits(hidden, weight)
+    check_teacher_topk(top, reference.teacher_topk(hidden, weight, 5, 1.0, 300), 1e-5, logits, 1.0, 300)
+    for k, width in ((12, 7), (40, 32)):
+        few = schedule(hidden.to(device), weight.to(device), k, 0.5, width)
+        expected = reference.teacher_topk(hidden, weight, k, 0.5, width)
+        assert torch.equal(few.indices[:, :width].cpu(), expected.indices[:, :width].to(torch.int32).cpu())
+        assert torch.isneginf(few.logprobs[:, width:]).all() and (few.indices[:, width:] == 0).all()
+

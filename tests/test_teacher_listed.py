@@ -7,7 +7,8 @@ real shape on a GPU: beside the epilogue schedule's, tests/test_teacher_epilogue
 import pytest
 import torch
 
-from helpers import HAS_CUDA, check_teacher_topk as _check, small_teacher_problem as _problem
+from helpers import (HAS_CUDA, check_schedule_with_ties_and_fewer_columns_than_k, check_teacher_topk as _check,
+                     small_teacher_problem as _problem)
 from kd_kernels import reference
 from kd_kernels.ops.listed_group_logits import listed_group_logits, plan_pairs
 from kd_kernels.ops.lm_head_group_maxima import lm_head_logits_with_summaries, padded_width
@@ -75,22 +76,7 @@ def test_pairs_grouped_by_group_and_past_the_budget_not_computed():
 
 
 def test_listed_schedule_ties_fewer_columns_than_k_and_overflow():
-    generator = torch.Generator().manual_seed(8)
-    hidden = torch.randn(20, 16, generator=generator).half()
-    hidden[[2, 11, 19]] = 0  # logits = weight[:, 0]: 0 everywhere but 1 at the last column
-    hidden[[2, 11, 19], 0] = 1
-    weight = torch.randn(300, 16, generator=generator).half()
-    weight[:, 0] = 0
-    weight[299, 0] = 1
-    top = teacher_topk_listed(hidden.to(DEVICE), weight.to(DEVICE), 5, 1.0, 300, chunk_rows=8)
-    assert top.indices[[2, 11, 19]].tolist() == [[299, 0, 1, 2, 3]] * 3  # redone: every group ties
-    logits = reference.lm_head_logits(hidden, weight)
-    _check(top, reference.teacher_topk(hidden, weight, 5, 1.0, 300), 1e-5, logits, 1.0, 300)
-    for k, width in ((12, 7), (40, 32)):  # fewer columns than k: within one group, over whole groups
-        few = teacher_topk_listed(hidden.to(DEVICE), weight.to(DEVICE), k, 0.5, width)
-        expected = reference.teacher_topk(hidden, weight, k, 0.5, width)
-        assert torch.equal(few.indices[:, :width].cpu(), expected.indices[:, :width].to(torch.int32).cpu())
-        assert torch.isneginf(few.logprobs[:, width:]).all() and (few.indices[:, width:] == 0).all()
+    check_schedule_with_ties_and_fewer_columns_than_k(teacher_topk_listed)
 
 
 @pytest.mark.parametrize("schedule, function", [("listed", "teacher_topk_listed"), ("sliced", "teacher_topk_sliced")])

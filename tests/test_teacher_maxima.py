@@ -7,7 +7,8 @@ tests/test_teacher_epilogue.py)."""
 import pytest
 import torch
 
-from helpers import HAS_CUDA, check_teacher_topk, small_teacher_problem
+from helpers import (HAS_CUDA, check_schedule_with_ties_and_fewer_columns_than_k, check_teacher_topk,
+                     small_teacher_problem)
 from kd_kernels import reference
 from kd_kernels.topk import TopK
 from kd_kernels.ops.lm_head_group_maxima import lm_head_logits_with_summaries, padded_width
@@ -89,22 +90,7 @@ def test_maxima_schedule_matches_the_reference(k, temperature, scale, chunk_rows
 
 
 def test_maxima_schedule_ties_and_fewer_columns_than_k():
-    generator = torch.Generator().manual_seed(8)
-    hidden = torch.randn(20, 16, generator=generator).half()
-    hidden[[2, 11, 19]] = 0  # logits = weight[:, 0]: 0 everywhere but 1 at the last column
-    hidden[[2, 11, 19], 0] = 1
-    weight = torch.randn(300, 16, generator=generator).half()
-    weight[:, 0] = 0
-    weight[299, 0] = 1
-    top = teacher_topk_maxima(hidden.to(DEVICE), weight.to(DEVICE), 5, 1.0, 300, chunk_rows=8)
-    assert top.indices[[2, 11, 19]].tolist() == [[299, 0, 1, 2, 3]] * 3  # redone: every group ties
-    logits = reference.lm_head_logits(hidden, weight)
-    check_teacher_topk(top, reference.teacher_topk(hidden, weight, 5, 1.0, 300), 1e-5, logits, 1.0, 300)
-    for k, width in ((12, 7), (40, 32)):  # fewer columns than k: within one group, over whole groups
-        few = teacher_topk_maxima(hidden.to(DEVICE), weight.to(DEVICE), k, 0.5, width)
-        expected = reference.teacher_topk(hidden, weight, k, 0.5, width)
-        assert torch.equal(few.indices[:, :width].cpu(), expected.indices[:, :width].to(torch.int32).cpu())
-        assert torch.isneginf(few.logprobs[:, width:]).all() and (few.indices[:, width:] == 0).all()
+    check_schedule_with_ties_and_fewer_columns_than_k(teacher_topk_maxima)
 
 
 def test_maxima_schedule_rejects_a_k_past_its_limit():
