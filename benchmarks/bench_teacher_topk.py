@@ -1,11 +1,13 @@
 """Teacher side: hidden → top-k log-probs and ids at temperature 2, providers side by side.
 
 Providers: the bare lm_head matmul (the floor), ours from hidden (the default schedule for
-16-bit inputs: a Triton matmul whose epilogue also leaves each row's tile statistics and group
-maxima, then ~k groups read per row; "epilogue schedule": that one forced at any k; "cuBLAS schedule": cuBLAS fp32 chunks + the CUDA top-k
-kernel (cuda backend) or the Triton threshold select (triton backend); triton fused: the top-k
-in the epilogue of a Triton matmul, no logits, with a sweep of its tiles under --fused-sweep;
-lean: tiles), eager
+16-bit inputs: a Triton matmul whose epilogue also leaves each row's tile statistics and each
+group's maximum, its column and second largest, no logits stored, at k <= 64 ("maxima
+schedule"), or the float32 logits and group maxima, then ~k groups read per row, past it
+("epilogue schedule"); each forced at any k it takes; "cuBLAS schedule": cuBLAS fp32 chunks +
+the CUDA top-k kernel (cuda backend) or the Triton threshold select (triton backend); triton
+fused: the top-k in the epilogue of a Triton matmul, no logits, with a sweep of its tiles under
+--fused-sweep; lean: the maxima schedule to k = 256, tiles past it), eager
 PyTorch (matmul, log_softmax, topk), torch.compile of it, torch.topk alone on logits in
 memory, and ours from bf16 logits in memory (GB/s against a measured device copy, which
 counts its read and its write).
@@ -82,7 +84,7 @@ def bench_shape(name, n, h, v, ks, only=None, fused_sweep=False, interleave=Fals
                 "KD_KERNELS_FUSED_TOPK", tiles, lambda: kd.teacher_topk(hidden, weight, k=k, temperature=TEMPERATURE,
                                                                         backend="triton", fused=True)))
                for tiles in (FUSED_SWEEP if fused_sweep else ())},
-            # lean=True: the sliced schedule at k <= 256 on 16-bit inputs, the tiled one past it
+            # lean=True: the maxima schedule at k <= 256 on 16-bit inputs, the tiled one past it
             "ours from hidden, lean (cuda)": lambda: kd.teacher_topk(hidden, weight, k=k, temperature=TEMPERATURE,
                                                                      backend="cuda", lean=True),
             "ours from hidden, lean tiled schedule (cuda)": lambda: teacher_topk_tiled(hidden, weight, k, TEMPERATURE,
