@@ -89,6 +89,21 @@ def test_maxima_schedule_matches_the_reference(k, temperature, scale, chunk_rows
                        temperature, 200)
 
 
+@pytest.mark.parametrize("k", [3, 12])
+def test_a_listing_threshold_below_the_tile_threshold_gives_the_same_top_k(k, monkeypatch):
+    """LISTING_STEPS: the listing's threshold from a few value-space bisection steps over the
+    tile maxima (a lower bound: more groups listed, T itself exact) leaves the result as it was."""
+    from kd_kernels.ops import topk_from_group_top2 as top2_module
+
+    hidden, weight, bias = small_teacher_problem(k + 30, rows=37, columns=1000, dtype=torch.float16, scale=2.0)
+    exact = teacher_topk_maxima(hidden, weight, k, 1.0, 1000, bias)
+    monkeypatch.setattr(top2_module, "LISTING_STEPS", 4)
+    below = teacher_topk_maxima(hidden, weight, k, 1.0, 1000, bias)
+    assert torch.equal(below.indices, exact.indices) and torch.equal(below.logprobs, exact.logprobs)
+    check_teacher_topk(below, reference.teacher_topk(hidden, weight, k, 1.0, 1000, bias), 2e-5,
+                       reference.lm_head_logits(hidden, weight, bias), 1.0, 1000)
+
+
 def test_maxima_schedule_ties_and_fewer_columns_than_k():
     check_schedule_with_ties_and_fewer_columns_than_k(teacher_topk_maxima)
 

@@ -36,6 +36,10 @@ from .topk_from_groups import (RANK_MAX_K, RANK_TILE, _LOG2E, _launch, append_ke
 SELECT_WARPS = 1 if os.environ.get("TRITON_INTERPRET") == "1" else 4
 HIDDEN_STEP = 16 if os.environ.get("TRITON_INTERPRET") == "1" else 128  # hidden columns a recompute step reads
 GROUPS_PER_STEP = 4  # recomputed groups appended per step of the ranking kernel
+# the listing's threshold: 0, the k-th largest tile maximum (a 32-step bisection on its bits);
+# n > 0, a lower bound of it from n bisection steps in value space (a lower threshold lists a
+# few more groups; T, over the listed maxima, stays exact)
+LISTING_STEPS = 0
 # below T, the recomputed elements still taken: relative to |T| + 1 (log2 units); their sums
 # round apart from the matmul's by a few ulps, and a key too many is ranked away
 RECOMPUTED_MARGIN = 2.0 ** -12
@@ -49,18 +53,37 @@ def most_groups_again(k: int) -> int:
 
 
 @triton.jit
+def _tile_threshold_below(tile_max2, valid, k, STEPS: tl.constexpr):
+    """The ordered bits of a lower bound of the k-th largest valid tile maximum, from STEPS
+    bisection steps between the smallest and largest (each step keeps ≥ k at or above the
+    bound); the smallest int32 where fewer than k are valid."""
+    low = tl.min(tl.where(valid, tile_max2, float("inf")), axis=0)
+    high = tl.max(tl.where(valid, tile_max2, float("-inf")), axis=0)
+    for _ in range(STEPS):
+        middle = low + (high - low) * 0.5
+        enough = tl.sum((valid & (tile_max2 >= middle)).to(tl.int32), axis=0) >= k
+        low = tl.where(enough, middle, low)
+        high = tl.where(enough, high, middle)
+    few = tl.sum(valid.to(tl.int32), axis=0) < k
+    return tl.where(few | (low == float("-inf")), -2147483648, ordered_bits(low))
+
+
+@triton.jit
 def _group_top2_candidates_kernel(tile_max2_ptr, tile_sum2_ptr, group_max_ptr, group_arg_ptr, group_second_ptr,
                                   group_ids_ptr, again_ptr, again_count_ptr, keys_ptr, counts_ptr, thresholds_ptr,
                                   lse_ptr, overflow_ptr, tiles, k, capacity, most_again, log2e_over_t,
                                   TILES: tl.constexpr, THRESHOLD_BLOCKS: tl.constexpr, MERGE: tl.constexpr,
                                   GROUPS_PER_TILE: tl.constexpr, GROUP_COLUMNS: tl.constexpr,
-                                  GROUP_BLOCK: tl.constexpr, SLOTS: tl.constexpr):
+                                  GROUP_BLOCK: tl.constexpr, SLOTS: tl.constexpr, LISTING_STEPS: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     tile_max2 = row_logsumexp(tile_max2_ptr, tile_sum2_ptr, lse_ptr, row, tiles, TILES)
     groups = tiles * GROUPS_PER_TILE
     group_row = row * groups
-    threshold = group_threshold(tile_max2, group_max_ptr + group_row, groups, tiles, k, log2e_over_t, TILES,
-                                THRESHOLD_BLOCKS, MERGE, GROUPS_PER_TILE)
+    if LISTING_STEPS > 0 and MERGE == GROUPS_PER_TILE:
+        threshold = _tile_threshold_below(tile_max2, tl.arange(0, TILES) < tiles, k, LISTING_STEPS)
+    else:
+        threshold = group_threshold(tile_max2, group_max_ptr + group_row, groups, tiles, k, log2e_over_t, TILES,
+                                    THRESHOLD_BLOCKS, MERGE, GROUPS_PER_TILE)
     row_ids = group_ids_ptr + row * capacity
     listed = list_reaching_groups(group_max_ptr + group_row, groups, threshold, log2e_over_t, row_ids, row_ids,
                                   row_ids, capacity, GROUP_BLOCK, False)
@@ -182,7 +205,8 @@ def topk_from_group_top2(hidden: torch.Tensor, weight: torch.Tensor, bias, summa
     _group_top2_candidates_kernel[(rows,)](
         summaries.tile_max2, summaries.tile_sum2, summaries.group_max, summaries.group_arg, summaries.group_second,
         group_ids, again, again_count, keys, counts, thresholds, lse, overflow.view(torch.int8), tiles, k, capacity,
-        most_again, log2e_over_t, SLOTS=triton.next_power_of_2(capacity), num_warps=SELECT_WARPS, **launch)
+        most_again, log2e_over_t, SLOTS=triton.next_power_of_2(capacity), LISTING_STEPS=LISTING_STEPS,
+        num_warps=SELECT_WARPS, **launch)
     _again_group_logits_kernel[(rows, most_again)](
         hidden, weight, bias if bias is not None else again_logits, again, again_count, again_logits, width,
         hidden.shape[1], hidden.stride(0), weight.stride(0), most_again, HAS_BIAS=bias is not None,
