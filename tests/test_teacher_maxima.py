@@ -96,6 +96,7 @@ def test_a_listing_threshold_below_the_tile_threshold_gives_the_same_top_k(k, mo
     from kd_kernels.ops import topk_from_group_top2 as top2_module
 
     hidden, weight, bias = small_teacher_problem(k + 30, rows=37, columns=1000, dtype=torch.float16, scale=2.0)
+    monkeypatch.setattr(top2_module, "LISTING_STEPS", 0)
     exact = teacher_topk_maxima(hidden, weight, k, 1.0, 1000, bias)
     monkeypatch.setattr(top2_module, "LISTING_STEPS", 4)
     below = teacher_topk_maxima(hidden, weight, k, 1.0, 1000, bias)
