@@ -84,7 +84,7 @@ def teacher_topk(hidden: torch.Tensor, weight: torch.Tensor, k: int = 64, *, tem
             maxima schedule (each 32-column group's maximum, its column and its second largest
             give the top-k with no logits stored, the few groups holding two top-k elements
             computed again; ~50 MiB beyond the outputs at 8192 rows; on an H200 1.04-1.14x the
-            bare matmul in blocks, 1.19-1.22x timed in turn with it), at k <= 1024 the epilogue
+            bare matmul in blocks, 1.19-1.25x timed in turn with it), at k <= 1024 the epilogue
             schedule (the float32 logits stored, ~1.25 GiB a chunk, then ~k groups read per row;
             1.15-1.23x at k = 1024 on cuda, whose extension gathers and sorts the candidates past
             k = 256; 1.31-1.40x in turn: benchmarks/RESULTS.md); the backend's own selection then

@@ -135,8 +135,9 @@ def teacher_topk(hidden: torch.Tensor, weight: torch.Tensor, k: int, temperature
 def teacher_schedule(hidden: torch.Tensor, weight: torch.Tensor, k: int) -> str:
     """For 16-bit TMA-aligned inputs: "maxima" for k <= MAXIMA_DEFAULT_K (no logits stored,
     ~50 MiB beyond the outputs at 8192 rows against ~1.25 GiB for "epilogue", at the same speed
-    within the runs' spread: H200 k = 64 1.04-1.05x the matmul in blocks, 1.22x in turn, against
-    1.01-1.08x / 1.19-1.22x; slower at k = 256, 1.27-1.35x against 1.07-1.15x), "epilogue" (the
+    within the runs' spread: H200 k = 64 1.04-1.10x the matmul in blocks, 1.21-1.31x in turn,
+    against 1.01-1.10x / 1.19-1.27x over three runs; slower at k = 256, 1.27-1.35x against
+    1.07-1.15x), "epilogue" (the
     Triton matmul that also stores the float32 logits and summarizes each row, then ~k groups
     read per row) for k <= EPILOGUE_MAX_K, else "cublas" (at k = 1024 with the candidates
     gathered and sorted by the extension 1.15-1.23x the matmul against 1.25-1.34x for cuBLAS +
@@ -144,7 +145,7 @@ def teacher_schedule(hidden: torch.Tensor, weight: torch.Tensor, k: int) -> str:
     ``KD_KERNELS_TEACHER_SCHEDULE=cublas`` / ``=epilogue`` / ``=maxima`` / ``=listed`` /
     ``=sliced`` force one (A/B in the benchmark; "listed", `teacher_topk_listed`, is not chosen
     by default: timed no faster, 2.1x at k = 1024; "sliced", `teacher_topk_sliced`, stays within
-    ~64 MiB at 1.18-1.40x at k <= 64, lean=True's schedule past MAXIMA_DEFAULT_K); the
+    ~64 MiB at 1.18-1.40x at k <= 64, lean=True's schedule before the maxima one); the
     epilogue-matmul schedules where that matmul does not apply (dtype, alignment) are an error."""
     from .ops.lm_head_group_maxima import epilogue_applies
 
@@ -208,10 +209,14 @@ def listed_chunk_rows(num_rows: int, width: int, k: int, group_columns: int = 32
 
     per_row = (4 * width // group_columns + 8 * width // 256 + 28 * capacity_for(k)
                + 4 * group_columns * LISTED_PAIRS_PER_K * k)
-    rows = LISTED_BYTES // per_row
-    if rows >= num_rows:
-        return num_rows
-    return max(EPILOGUE_ROW_MULTIPLE // 4, rows // (EPILOGUE_ROW_MULTIPLE // 4) * (EPILOGUE_ROW_MULTIPLE // 4))
+    return _rows_in_quarter_groups(LISTED_BYTES // per_row, num_rows)
+
+
+def _rows_in_quarter_groups(rows: int, num_rows: int) -> int:
+    """``rows`` (what a chunk's buffers hold) as whole quarters of the epilogue matmul's L2 group
+    of row tiles (at least one quarter), or all ``num_rows`` where they fit."""
+    quarter = EPILOGUE_ROW_MULTIPLE // 4
+    return num_rows if rows >= num_rows else max(quarter, rows // quarter * quarter)
 
 
 def teacher_topk_listed(hidden: torch.Tensor, weight: torch.Tensor, k: int, temperature: float, vocab_size: int,
@@ -262,10 +267,7 @@ def maxima_chunk_rows(num_rows: int, width: int, k: int, group_columns: int = 32
     from .ops.topk_from_groups import capacity_for
 
     per_row = 8 * width // 256 + 9 * width // group_columns + 12 * capacity_for(k)
-    rows = MAXIMA_BYTES // per_row
-    if rows >= num_rows:
-        return num_rows
-    return max(EPILOGUE_ROW_MULTIPLE // 4, rows // (EPILOGUE_ROW_MULTIPLE // 4) * (EPILOGUE_ROW_MULTIPLE // 4))
+    return _rows_in_quarter_groups(MAXIMA_BYTES // per_row, num_rows)
 
 
 def teacher_topk_maxima(hidden: torch.Tensor, weight: torch.Tensor, k: int, temperature: float, vocab_size: int,
@@ -486,7 +488,7 @@ def _merge_running(running, candidates):
 def teacher_topk_lean(hidden: torch.Tensor, weight: torch.Tensor, k: int, temperature: float, vocab_size: int,
                       bias: Optional[torch.Tensor] = None, shard=None, select: str = "triton") -> TopK:
     """``lean=True``: `teacher_topk_maxima` where the epilogue matmul takes the inputs and k <=
-    MAXIMA_MAX_K (on an H200 at 8192 × 4096 × 151,936 in blocks: k = 64 1.04-1.05× the bare
+    MAXIMA_MAX_K (on an H200 at 8192 × 4096 × 151,936 in blocks: k = 64 1.04-1.09× the bare
     matmul, k = 256 1.27-1.35×, against 1.31-1.32× and 1.61-1.62× for the sliced schedule that
     was lean=True's before), else `teacher_topk_tiled`; both within ~64 MiB beyond inputs and
     outputs."""
