@@ -88,6 +88,19 @@ def time_interleaved_ms(calls, warmup=2, repeats=15):
     return summary, ratios
 
 
+def time_after_idle_ms(fn, setup=None, idle_s=0.2, repeats=10):
+    """Median of ``fn()`` in ms, each run after ``idle_s`` of host sleep (the card back at its
+    boost clock, whatever ran before: the protocol that compares calls at equal clocks)."""
+    import time
+
+    elapsed_ms(fn, setup() if setup else ())  # warm-up
+    times = []
+    for _ in range(repeats):
+        time.sleep(idle_s)
+        times.append(elapsed_ms(fn, setup() if setup else ()))
+    return statistics.median(times)
+
+
 def print_device_gaps(fn, annotation="call"):
     """Runs ``fn`` once from a synchronized start under torch.profiler and prints where the device
     waited: the call's span (its host start to its last kernel's end), the kernels' busy time,

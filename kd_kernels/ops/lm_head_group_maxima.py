@@ -27,6 +27,10 @@ import triton.language as tl
 from .tma import row_tile_descriptor, tma_rows
 
 
+# the group top-2 from lanes taken in pairs first (fewer instructions, more registers) or one by one
+TOP2_IN_PAIRS = True
+
+
 @dataclasses.dataclass(frozen=True)
 class GroupMaximaConfig:
     """Tiles (rows, columns, hidden step), warps, stages, row tiles per L2 group, columns per
@@ -57,10 +61,12 @@ class RowSummaries:
     ``[R, tiles]`` float32 (log2 units at τ; their combination is the row's logsumexp / ln 2),
     ``group_max`` ``[R, groups]`` float32 (logits before τ; -inf past ``width``), the group
     width in columns and, from a matmul asked for them (``group_top2``), ``group_arg``
-    ``[R, groups]`` int8 (the maximum's column within its group, the lowest among ties) and
-    ``group_second`` ``[R, groups]`` float32 (the largest of the group's other columns: equal to
+    ``[R, groups]`` int8 (the maximum's lane within its group; any of them on a tie) and
+    ``group_second`` ``[R, groups]`` float32 (the largest of the group's other lanes: equal to
     the maximum on a tie): a group whose second is below a row's k-th value holds one top-k
-    element at most, whose value and column are then known without reading the logits."""
+    element at most, whose value and column are then known without reading the logits. The
+    groups of a ``group_top2`` matmul interleave (`top2_group_columns`: a group is what one
+    thread of the matrix units holds); the others are runs of ``group_columns`` columns."""
     tile_max2: torch.Tensor
     tile_sum2: torch.Tensor
     group_max: torch.Tensor
@@ -80,6 +86,43 @@ def _tile_position(tile, row_tiles, column_tiles, GROUP_M: tl.constexpr):
 
 
 @triton.jit
+def _combine_top2(max_a, arg_a, second_a, max_b, arg_b, second_b):
+    # (maximum, its lane, second largest) of two parts: on a tie the second equals the maximum,
+    # so the lane matters only where the maximum is unique
+    return (tl.maximum(max_a, max_b), tl.where(max_b > max_a, arg_b, arg_a),
+            tl.maximum(tl.minimum(max_a, max_b), tl.maximum(second_a, second_b)))
+
+
+@triton.jit
+def _thread_groups(z, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_COLUMNS: tl.constexpr):
+    """``z`` [BLOCK_M, BLOCK_N] -> [BLOCK_M, groups, GROUP_COLUMNS]: group 4·h + q holds columns
+    4·GROUP_COLUMNS·h + 8·j + 2·q + b (lane 2·j + b; j < GROUP_COLUMNS / 2, b < 2). A thread of the
+    Hopper matrix units' accumulator holds a row's columns 8·j + 2·q + b for one q, so a group is
+    reduced in registers, with no shuffles (contiguous groups took 3 shuffle reductions each)."""
+    halves: tl.constexpr = BLOCK_N // (4 * GROUP_COLUMNS)
+    z5 = tl.reshape(z, (BLOCK_M, halves, GROUP_COLUMNS // 2, 4, 2))
+    return tl.reshape(tl.permute(z5, (0, 1, 3, 2, 4)), (BLOCK_M, halves * 4, GROUP_COLUMNS))
+
+
+@triton.jit
+def top2_group_columns(group, lane, GROUP_COLUMNS: tl.constexpr):
+    """The column (int32) of ``lane`` of group ``group`` of a `group_top2` matmul (`_thread_groups`:
+    group 4·t + q of a row's ``groups_per_tile`` · t-th … holds, from the column of its first
+    lane on, every 8th pair of columns)."""
+    quarter = group % 4
+    return (group - quarter) * GROUP_COLUMNS + 2 * quarter + 8 * (lane // 2) + lane % 2
+
+
+def top2_group_column_table(groups: int, group_columns: int) -> torch.Tensor:
+    """``[groups, group_columns]`` int64: the columns of each group of a `group_top2` matmul
+    (`top2_group_columns` for the host)."""
+    group = torch.arange(groups)[:, None]
+    lane = torch.arange(group_columns)[None, :]
+    quarter = group % 4
+    return (group - quarter) * group_columns + 2 * quarter + 8 * (lane // 2) + lane % 2
+
+
+@triton.jit
 def _lm_head_group_maxima_kernel(hidden_desc, weight_desc, logits_desc, bias_ptr, tile_max2_ptr, tile_sum2_ptr,
                                  group_max_ptr, group_arg_ptr, group_second_ptr, num_rows, width, column_offset,
                                  hidden_size, log2e_over_t,
@@ -87,7 +130,7 @@ def _lm_head_group_maxima_kernel(hidden_desc, weight_desc, logits_desc, bias_ptr
                                  BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
                                  GROUP_COLUMNS: tl.constexpr, SUBTILE: tl.constexpr, FLATTEN: tl.constexpr,
                                  DOT_PRECISION: tl.constexpr, STORE_LOGITS: tl.constexpr = True,
-                                 GROUP_TOP2: tl.constexpr = False):
+                                 GROUP_TOP2: tl.constexpr = False, TOP2_IN_PAIRS: tl.constexpr = True):
     row_tiles = tl.cdiv(num_rows, BLOCK_M)
     column_tiles = tl.cdiv(width, BLOCK_N)
     groups_per_tile: tl.constexpr = BLOCK_N // GROUP_COLUMNS
@@ -117,26 +160,34 @@ def _lm_head_group_maxima_kernel(hidden_desc, weight_desc, logits_desc, bias_ptr
                                   right.to(logits_desc.dtype))
             else:
                 logits_desc.store([row_tile * BLOCK_M, column_tile * BLOCK_N], accumulator.to(logits_desc.dtype))
-        z = tl.where(columns[None, :] < width, accumulator, float("-inf"))
-        z2 = z * log2e_over_t
-        tile_max2 = tl.max(z2, axis=1)
-        safe_max2 = tl.where(tile_max2 == float("-inf"), 0.0, tile_max2)
-        tile_sum2 = tl.sum(tl.exp2(z2 - safe_max2[:, None]), axis=1)
+        z = accumulator
+        if (column_tile + 1) * BLOCK_N > width:  # only the last tile has columns past the width
+            z = tl.where(columns[None, :] < width, accumulator, float("-inf"))
         rows_ok = rows < num_rows
         row_offsets = rows.to(tl.int64)
-        tl.store(tile_max2_ptr + row_offsets * column_tiles + column_tile, tile_max2, mask=rows_ok)
-        tl.store(tile_sum2_ptr + row_offsets * column_tiles + column_tile, tile_sum2, mask=rows_ok)
         groups = column_tile * groups_per_tile + tl.arange(0, groups_per_tile)
         group_offsets = row_offsets[:, None] * num_groups + groups[None, :]
-        z_groups = tl.reshape(z, (BLOCK_M, groups_per_tile, GROUP_COLUMNS))
-        if GROUP_TOP2:  # the maximum's lane (the lowest among ties) and the largest of the other lanes
-            group_max, group_arg = tl.max(z_groups, axis=2, return_indices=True, return_indices_tie_break_left=True)
-            lane = tl.arange(0, GROUP_COLUMNS)[None, None, :]
-            group_second = tl.max(tl.where(lane == group_arg[:, :, None], float("-inf"), z_groups), axis=2)
+        if GROUP_TOP2:
+            z_groups = _thread_groups(z, BLOCK_M, BLOCK_N, GROUP_COLUMNS)
+            if TOP2_IN_PAIRS:  # lanes in pairs first: a pair's (larger, its lane, smaller) needs no -inf operand
+                even, odd = tl.split(tl.reshape(z_groups, (BLOCK_M, groups_per_tile, GROUP_COLUMNS // 2, 2)))
+                pair_lane = 2 * tl.arange(0, GROUP_COLUMNS // 2)[None, None, :] + (odd > even).to(tl.int32)
+                group_max, group_arg, group_second = tl.reduce(
+                    (tl.maximum(even, odd), pair_lane, tl.minimum(even, odd)), 2, _combine_top2)
+            else:
+                lane = tl.broadcast_to(tl.arange(0, GROUP_COLUMNS)[None, None, :], z_groups.shape)
+                group_max, group_arg, group_second = tl.reduce(
+                    (z_groups, lane, tl.full(z_groups.shape, float("-inf"), tl.float32)), 2, _combine_top2)
             tl.store(group_arg_ptr + group_offsets, group_arg.to(tl.int8), mask=rows_ok[:, None])
             tl.store(group_second_ptr + group_offsets, group_second, mask=rows_ok[:, None])
         else:
-            group_max = tl.max(z_groups, axis=2)
+            group_max = tl.max(tl.reshape(z, (BLOCK_M, groups_per_tile, GROUP_COLUMNS)), axis=2)
+        tile_max = tl.max(group_max, axis=1)
+        tile_max2 = tile_max * log2e_over_t  # rounding is monotone: the maximum of z · log2e / τ
+        safe_max2 = tl.where(tile_max2 == float("-inf"), 0.0, tile_max2)
+        tile_sum2 = tl.sum(tl.exp2(tl.fma(z, log2e_over_t, -safe_max2[:, None])), axis=1)
+        tl.store(tile_max2_ptr + row_offsets * column_tiles + column_tile, tile_max2, mask=rows_ok)
+        tl.store(tile_sum2_ptr + row_offsets * column_tiles + column_tile, tile_sum2, mask=rows_ok)
         tl.store(group_max_ptr + group_offsets, group_max, mask=rows_ok[:, None])
 
 
@@ -178,6 +229,9 @@ class EpilogueMatmul:
             raise ValueError(f"logits: expected a float32 buffer (rows of padded_width(width)), got {logits.dtype}")
         if config.block_n % config.group_columns:
             raise ValueError(f"config: group_columns {config.group_columns} must divide block_n {config.block_n}")
+        if group_top2 and (config.block_n % (4 * config.group_columns) or config.group_columns % 2):
+            raise ValueError(f"config: group_top2 takes an even group_columns whose 4 groups divide block_n, got "
+                             f"{config.group_columns} and {config.block_n}")
         self.hidden, self.bias, self.max_width, self.config = hidden, bias, max_width, config
         self.log2e_over_t = 1.4426950408889634 / temperature
         self.store_logits = logits is not None
@@ -228,7 +282,7 @@ class EpilogueMatmul:
             HAS_BIAS=self.bias is not None, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
             GROUP_M=config.group_m, NUM_PROGRAMS=programs, GROUP_COLUMNS=config.group_columns,
             SUBTILE=config.subtile, FLATTEN=config.flatten, STORE_LOGITS=self.store_logits,
-            GROUP_TOP2=self.group_top2,
+            GROUP_TOP2=self.group_top2, TOP2_IN_PAIRS=TOP2_IN_PAIRS,
             # float32 inputs get float32 products (tf32 would move logits by ~1e-3)
             DOT_PRECISION="ieee" if self.hidden.dtype == torch.float32 else "tf32",
             num_warps=config.num_warps, num_stages=config.num_stages)

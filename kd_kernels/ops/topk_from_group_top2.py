@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .lm_head_group_maxima import top2_group_columns
 from .sort_keys import ordered_bits, top_of_counted_keys
 from .topk_from_groups import (RANK_MAX_K, RANK_TILE, _LOG2E, _launch, append_keys, capacity_for, finish_row,
                                group_threshold, kth_largest_bits, list_reaching_groups, listed_columns,
@@ -102,7 +103,8 @@ def _group_top2_candidates_kernel(tile_max2_ptr, tile_sum2_ptr, group_max_ptr, g
     reaching = in_list & (maximum_bits >= kth)
     again = reaching & (ordered_bits(second * log2e_over_t) >= kth)
     single = reaching & ~again
-    column = group * GROUP_COLUMNS + tl.load(group_arg_ptr + group_row + group, mask=single, other=0).to(tl.int32)
+    column = top2_group_columns(group, tl.load(group_arg_ptr + group_row + group, mask=single, other=0).to(tl.int32),
+                                GROUP_COLUMNS)
     count = append_keys(keys_ptr + row * capacity, tl.zeros([], tl.int32), capacity, single, maximum, column)
     place = tl.cumsum(again.to(tl.int32), axis=0) - 1
     tl.store(again_ptr + row * most_again + place, group, mask=again & (place < most_again))
@@ -125,7 +127,7 @@ def _again_group_logits_kernel(hidden_ptr, weight_ptr, bias_ptr, again_ptr, agai
     if entry >= tl.minimum(tl.load(again_count_ptr + row), most_again):
         return
     group = tl.load(again_ptr + row * most_again + entry)
-    columns = group * GROUP_COLUMNS + tl.arange(0, GROUP_COLUMNS)
+    columns = top2_group_columns(group, tl.arange(0, GROUP_COLUMNS), GROUP_COLUMNS)
     exists = columns < width
     first = tl.arange(0, 16) == 0
     accumulator = tl.zeros([16, GROUP_COLUMNS], tl.float32)
@@ -158,7 +160,7 @@ def _topk_of_keys_and_again_kernel(keys_ptr, counts_ptr, again_logits_ptr, again
     floor = tl.where(kth == -2147483648, float("-inf"), kth_value - (tl.abs(kth_value) + 1.0) * margin)
     lanes = tl.arange(0, GROUPS_PER_STEP * GROUP_COLUMNS)
     for start in range(0, usable, GROUPS_PER_STEP):
-        in_list, columns = listed_columns(again_ptr + row * most_again, start, usable, lanes, GROUP_COLUMNS)
+        in_list, columns = listed_columns(again_ptr + row * most_again, start, usable, lanes, GROUP_COLUMNS, True)
         z = tl.load(again_logits_ptr + (row * most_again + start) * GROUP_COLUMNS + lanes, mask=in_list,
                     other=float("-inf"))
         take = in_list & (columns < width) & (z * log2e_over_t >= floor)

@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .lm_head_group_maxima import top2_group_columns
 from .sort_keys import ordered_bits, top_of_counted_keys, value_column_key, value_of_key
 
 # groups whose columns one step reads, group maxima per step of the listing: (k <= tiles / 2,
@@ -90,12 +91,16 @@ def kth_largest_bits(block_key, valid, k, other_key=None, other_valid=None):
 
 
 @triton.jit
-def listed_columns(row_group_ids_ptr, start, usable, lanes, GROUP_COLUMNS: tl.constexpr):
+def listed_columns(row_group_ids_ptr, start, usable, lanes, GROUP_COLUMNS: tl.constexpr,
+                   INTERLEAVED: tl.constexpr = False):
     """(in the list, column) of each lane of the step reading listed groups ``start, …`` of a
-    row (``GROUP_COLUMNS`` lanes a group; ``usable`` groups listed)."""
+    row (``GROUP_COLUMNS`` lanes a group; ``usable`` groups listed; groups of a ``group_top2``
+    matmul where ``INTERLEAVED``, else runs of columns)."""
     entry = start + lanes // GROUP_COLUMNS
     in_list = entry < usable
     group = tl.load(row_group_ids_ptr + entry, mask=in_list, other=0)
+    if INTERLEAVED:
+        return in_list, top2_group_columns(group, lanes % GROUP_COLUMNS, GROUP_COLUMNS)
     return in_list, group * GROUP_COLUMNS + lanes % GROUP_COLUMNS
 
 
