@@ -84,15 +84,24 @@ def main():
     hidden, entropy, _ = llm_like_hidden(n, h, weight)
     check(before, after_module, hidden, weight)
     table = []
-    protocols({"cuBLAS bf16": (lambda: hidden @ weight.T, None),
-               "before: statistics only": (chunked(before, hidden, weight, False), None),
-               "before: group top-2": (chunked(before, hidden, weight, True), None),
-               "after: statistics only": (chunked(after_module, hidden, weight, False), None),
-               "after: group top-2, lanes in pairs": (chunked(after_module, hidden, weight, True,
-                                                              {"TOP2_IN_PAIRS": True}), None),
-               "after: group top-2, lanes one by one": (chunked(after_module, hidden, weight, True,
-                                                                {"TOP2_IN_PAIRS": False}), None)}, table)
-    for k in (8, 64):
+    plain = dict(TOP2_IN_PAIRS=True, THREAD_GROUPS=True, MASK_IN_LAST_TILE=False, MAX_FROM_GROUPS=False,
+                 EXP_BY_FMA=False)
+    forms = {"runs of columns (the form before)": dict(plain, THREAD_GROUPS=False),
+             "interleaved, lanes in pairs": plain,
+             "interleaved, pairs, fma": dict(plain, EXP_BY_FMA=True),
+             "interleaved, one by one, fma": dict(plain, EXP_BY_FMA=True, TOP2_IN_PAIRS=False),
+             "interleaved, pairs, fma, mask in the last tile": dict(plain, EXP_BY_FMA=True, MASK_IN_LAST_TILE=True),
+             "interleaved, pairs, fma, tile max from groups": dict(plain, EXP_BY_FMA=True, MAX_FROM_GROUPS=True)}
+    calls = {"cuBLAS bf16": (lambda: hidden @ weight.T, None),
+             "before: statistics only": (chunked(before, hidden, weight, False), None),
+             "before: group top-2": (chunked(before, hidden, weight, True), None),
+             "statistics only": (chunked(after_module, hidden, weight, False, {"EPILOGUE_FORM": plain}), None),
+             "statistics only, fma": (chunked(after_module, hidden, weight, False,
+                                              {"EPILOGUE_FORM": dict(plain, EXP_BY_FMA=True)}), None)}
+    calls.update({f"top-2, {name}": (chunked(after_module, hidden, weight, True, {"EPILOGUE_FORM": form}), None)
+                  for name, form in forms.items()})
+    protocols(calls, table)
+    for k in (64,):
         protocols({"floor: lm_head matmul": (lambda: hidden @ weight.T, None),
                    f"after: teacher_topk k={k}": (lambda: kd.teacher_topk(hidden, weight, k=k, temperature=TEMPERATURE,
                                                                           backend="cuda"), None)}, table)
