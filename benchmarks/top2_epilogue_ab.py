@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import kd_kernels as kd  # noqa: E402
-from harness import llm_like_hidden, time_after_idle_ms, time_interleaved_ms, time_ms, with_attributes  # noqa: E402
+from harness import llm_like_hidden, time_after_idle_ms, time_interleaved_ms, time_ms  # noqa: E402
 from kd_kernels.ops import lm_head_group_maxima as after_module  # noqa: E402
 
 CHUNK = 1024
@@ -35,13 +35,11 @@ def load_before(path):
     return module
 
 
-def chunked(module, hidden, weight, top2, settings=None):
+def chunked(module, hidden, weight, top2):
     """All rows through ``module``'s EpilogueMatmul in CHUNK-row chunks, no logits stored."""
     v = weight.shape[0]
     matmuls = [module.EpilogueMatmul(hidden[start:start + CHUNK], weight, None, v, TEMPERATURE, None, None, top2)
                for start in range(0, hidden.shape[0], CHUNK)]
-    if settings:
-        return lambda: with_attributes(module, settings, lambda: [matmul(0, v) for matmul in matmuls])
     return lambda: [matmul(0, v) for matmul in matmuls]
 
 
@@ -84,24 +82,13 @@ def main():
     hidden, entropy, _ = llm_like_hidden(n, h, weight)
     check(before, after_module, hidden, weight)
     table = []
-    plain = dict(TOP2_IN_PAIRS=True, THREAD_GROUPS=True, MASK_IN_LAST_TILE=False, MAX_FROM_GROUPS=False,
-                 EXP_BY_FMA=False)
-    forms = {"runs of columns (the form before)": dict(plain, THREAD_GROUPS=False),
-             "interleaved, lanes in pairs": plain,
-             "interleaved, pairs, fma": dict(plain, EXP_BY_FMA=True),
-             "interleaved, one by one, fma": dict(plain, EXP_BY_FMA=True, TOP2_IN_PAIRS=False),
-             "interleaved, pairs, fma, mask in the last tile": dict(plain, EXP_BY_FMA=True, MASK_IN_LAST_TILE=True),
-             "interleaved, pairs, fma, tile max from groups": dict(plain, EXP_BY_FMA=True, MAX_FROM_GROUPS=True)}
     calls = {"cuBLAS bf16": (lambda: hidden @ weight.T, None),
              "before: statistics only": (chunked(before, hidden, weight, False), None),
              "before: group top-2": (chunked(before, hidden, weight, True), None),
-             "statistics only": (chunked(after_module, hidden, weight, False, {"EPILOGUE_FORM": plain}), None),
-             "statistics only, fma": (chunked(after_module, hidden, weight, False,
-                                              {"EPILOGUE_FORM": dict(plain, EXP_BY_FMA=True)}), None)}
-    calls.update({f"top-2, {name}": (chunked(after_module, hidden, weight, True, {"EPILOGUE_FORM": form}), None)
-                  for name, form in forms.items()})
+             "after: statistics only": (chunked(after_module, hidden, weight, False), None),
+             "after: group top-2": (chunked(after_module, hidden, weight, True), None)}
     protocols(calls, table)
-    for k in (64,):
+    for k in (8, 64):
         protocols({"floor: lm_head matmul": (lambda: hidden @ weight.T, None),
                    f"after: teacher_topk k={k}": (lambda: kd.teacher_topk(hidden, weight, k=k, temperature=TEMPERATURE,
                                                                           backend="cuda"), None)}, table)

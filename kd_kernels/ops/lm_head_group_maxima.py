@@ -27,11 +27,6 @@ import triton.language as tl
 from .tma import row_tile_descriptor, tma_rows
 
 
-# the epilogue's form (NOTES e28; the probe benchmarks/top2_epilogue_ab.py times each switch)
-EPILOGUE_FORM = dict(TOP2_IN_PAIRS=True, THREAD_GROUPS=True, MASK_IN_LAST_TILE=False, MAX_FROM_GROUPS=False,
-                     EXP_BY_FMA=True)
-
-
 @dataclasses.dataclass(frozen=True)
 class GroupMaximaConfig:
     """Tiles (rows, columns, hidden step), warps, stages, row tiles per L2 group, columns per
@@ -106,15 +101,6 @@ def _thread_groups(z, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_COLUMN
 
 
 @triton.jit
-def _tile_statistics(z, tile_max2, log2e_over_t, EXP_BY_FMA: tl.constexpr):
-    """(max, sum of exp2 below it) of each row of ``z`` · log2e / τ, given the max."""
-    safe_max2 = tl.where(tile_max2 == float("-inf"), 0.0, tile_max2)
-    if EXP_BY_FMA:
-        return tile_max2, tl.sum(tl.exp2(tl.fma(z, log2e_over_t, -safe_max2[:, None])), axis=1)
-    return tile_max2, tl.sum(tl.exp2(z * log2e_over_t - safe_max2[:, None]), axis=1)
-
-
-@triton.jit
 def top2_group_columns(group, lane, GROUP_COLUMNS: tl.constexpr):
     """The column (int32) of ``lane`` of group ``group`` of a `group_top2` matmul (`_thread_groups`:
     group 4·t + q of a row's ``groups_per_tile`` · t-th … holds, from the column of its first
@@ -140,9 +126,7 @@ def _lm_head_group_maxima_kernel(hidden_desc, weight_desc, logits_desc, bias_ptr
                                  BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
                                  GROUP_COLUMNS: tl.constexpr, SUBTILE: tl.constexpr, FLATTEN: tl.constexpr,
                                  DOT_PRECISION: tl.constexpr, STORE_LOGITS: tl.constexpr = True,
-                                 GROUP_TOP2: tl.constexpr = False, TOP2_IN_PAIRS: tl.constexpr = True,
-                                 THREAD_GROUPS: tl.constexpr = True, MASK_IN_LAST_TILE: tl.constexpr = True,
-                                 MAX_FROM_GROUPS: tl.constexpr = True, EXP_BY_FMA: tl.constexpr = True):
+                                 GROUP_TOP2: tl.constexpr = False):
     row_tiles = tl.cdiv(num_rows, BLOCK_M)
     column_tiles = tl.cdiv(width, BLOCK_N)
     groups_per_tile: tl.constexpr = BLOCK_N // GROUP_COLUMNS
@@ -172,47 +156,30 @@ def _lm_head_group_maxima_kernel(hidden_desc, weight_desc, logits_desc, bias_ptr
                                   right.to(logits_desc.dtype))
             else:
                 logits_desc.store([row_tile * BLOCK_M, column_tile * BLOCK_N], accumulator.to(logits_desc.dtype))
-        if MASK_IN_LAST_TILE:
-            z = accumulator
-            if (column_tile + 1) * BLOCK_N > width:  # only the last tile has columns past the width
-                z = tl.where(columns[None, :] < width, accumulator, float("-inf"))
-        else:
-            z = tl.where(columns[None, :] < width, accumulator, float("-inf"))
+        z = tl.where(columns[None, :] < width, accumulator, float("-inf"))
         rows_ok = rows < num_rows
         row_offsets = rows.to(tl.int64)
         groups = column_tile * groups_per_tile + tl.arange(0, groups_per_tile)
         group_offsets = row_offsets[:, None] * num_groups + groups[None, :]
-        if not MAX_FROM_GROUPS:
-            tile_max2, tile_sum2 = _tile_statistics(z, tl.max(z * log2e_over_t, axis=1), log2e_over_t, EXP_BY_FMA)
-            tl.store(tile_max2_ptr + row_offsets * column_tiles + column_tile, tile_max2, mask=rows_ok)
-            tl.store(tile_sum2_ptr + row_offsets * column_tiles + column_tile, tile_sum2, mask=rows_ok)
-        if GROUP_TOP2 and THREAD_GROUPS:
-            z_groups = _thread_groups(z, BLOCK_M, BLOCK_N, GROUP_COLUMNS)
-            if TOP2_IN_PAIRS:  # lanes in pairs first: a pair's (larger, its lane, smaller) needs no -inf operand
-                even, odd = tl.split(tl.reshape(z_groups, (BLOCK_M, groups_per_tile, GROUP_COLUMNS // 2, 2)))
-                pair_lane = 2 * tl.arange(0, GROUP_COLUMNS // 2)[None, None, :] + (odd > even).to(tl.int32)
-                group_max, group_arg, group_second = tl.reduce(
-                    (tl.maximum(even, odd), pair_lane, tl.minimum(even, odd)), 2, _combine_top2)
-            else:
-                lane = tl.broadcast_to(tl.arange(0, GROUP_COLUMNS)[None, None, :], z_groups.shape)
-                group_max, group_arg, group_second = tl.reduce(
-                    (z_groups, lane, tl.full(z_groups.shape, float("-inf"), tl.float32)), 2, _combine_top2)
+        if GROUP_TOP2:
+            # lanes in pairs first: a pair's (larger, its lane, smaller) needs no -inf operand
+            even, odd = tl.split(tl.reshape(_thread_groups(z, BLOCK_M, BLOCK_N, GROUP_COLUMNS),
+                                            (BLOCK_M, groups_per_tile, GROUP_COLUMNS // 2, 2)))
+            pair_lane = 2 * tl.arange(0, GROUP_COLUMNS // 2)[None, None, :] + (odd > even).to(tl.int32)
+            group_max, group_arg, group_second = tl.reduce(
+                (tl.maximum(even, odd), pair_lane, tl.minimum(even, odd)), 2, _combine_top2)
             tl.store(group_arg_ptr + group_offsets, group_arg.to(tl.int8), mask=rows_ok[:, None])
             tl.store(group_second_ptr + group_offsets, group_second, mask=rows_ok[:, None])
-        elif GROUP_TOP2:  # runs of columns (before e28: three shuffle reductions a group)
-            z_groups = tl.reshape(z, (BLOCK_M, groups_per_tile, GROUP_COLUMNS))
-            group_max, group_arg = tl.max(z_groups, axis=2, return_indices=True, return_indices_tie_break_left=True)
-            lane = tl.arange(0, GROUP_COLUMNS)[None, None, :]
-            group_second = tl.max(tl.where(lane == group_arg[:, :, None], float("-inf"), z_groups), axis=2)
-            tl.store(group_arg_ptr + group_offsets, group_arg.to(tl.int8), mask=rows_ok[:, None])
-            tl.store(group_second_ptr + group_offsets, group_second, mask=rows_ok[:, None])
+            # rounding is monotone: the maximum of z · log2e / τ (from groups in registers, no pass over z;
+            # from groups that are runs of columns this took a layout conversion through shared memory)
+            tile_max2 = tl.max(group_max, axis=1) * log2e_over_t
         else:
             group_max = tl.max(tl.reshape(z, (BLOCK_M, groups_per_tile, GROUP_COLUMNS)), axis=2)
-        if MAX_FROM_GROUPS:  # rounding is monotone: the maximum of z · log2e / τ
-            tile_max2, tile_sum2 = _tile_statistics(z, tl.max(group_max, axis=1) * log2e_over_t, log2e_over_t,
-                                                    EXP_BY_FMA)
-            tl.store(tile_max2_ptr + row_offsets * column_tiles + column_tile, tile_max2, mask=rows_ok)
-            tl.store(tile_sum2_ptr + row_offsets * column_tiles + column_tile, tile_sum2, mask=rows_ok)
+            tile_max2 = tl.max(z * log2e_over_t, axis=1)
+        safe_max2 = tl.where(tile_max2 == float("-inf"), 0.0, tile_max2)
+        tile_sum2 = tl.sum(tl.exp2(tl.fma(z, log2e_over_t, -safe_max2[:, None])), axis=1)
+        tl.store(tile_max2_ptr + row_offsets * column_tiles + column_tile, tile_max2, mask=rows_ok)
+        tl.store(tile_sum2_ptr + row_offsets * column_tiles + column_tile, tile_sum2, mask=rows_ok)
         tl.store(group_max_ptr + group_offsets, group_max, mask=rows_ok[:, None])
 
 
@@ -307,7 +274,7 @@ class EpilogueMatmul:
             HAS_BIAS=self.bias is not None, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
             GROUP_M=config.group_m, NUM_PROGRAMS=programs, GROUP_COLUMNS=config.group_columns,
             SUBTILE=config.subtile, FLATTEN=config.flatten, STORE_LOGITS=self.store_logits,
-            GROUP_TOP2=self.group_top2, **EPILOGUE_FORM,
+            GROUP_TOP2=self.group_top2,
             # float32 inputs get float32 products (tf32 would move logits by ~1e-3)
             DOT_PRECISION="ieee" if self.hidden.dtype == torch.float32 else "tf32",
             num_warps=config.num_warps, num_stages=config.num_stages)
