@@ -1,7 +1,8 @@
 """The maxima schedule's selection kernels under variants (NOTES e27), by device time per kernel
 (torch.profiler, the median of several calls: steadier than whole-call ratios) and the whole
 call timed in turn: the listing's threshold exact or from a few value-space bisection steps
-(`topk_from_group_top2.LISTING_STEPS`), the recompute's hidden step (`HIDDEN_STEP`).
+(`topk_from_group_top2.LISTING_STEPS`), the recompute's hidden step (`HIDDEN_STEP`); since NOTES
+e29, T exact or from a few value-space steps (`KTH_STEPS`) and the selection kernels' warps.
 
 usage: python benchmarks/maxima_selection_ab.py [--k 8,64]   (one H200)
 """
@@ -23,10 +24,11 @@ from harness import llm_like_hidden, time_interleaved_ms, with_attributes  # noq
 from kd_kernels.ops import topk_from_group_top2 as top2_module  # noqa: E402
 from kd_kernels.teacher_chunked import teacher_topk_maxima  # noqa: E402
 
-VARIANTS = {"exact threshold, step 128": dict(LISTING_STEPS=0, HIDDEN_STEP=128),
-            "8 steps, step 128": dict(LISTING_STEPS=8, HIDDEN_STEP=128),
-            "exact threshold, step 256": dict(LISTING_STEPS=0, HIDDEN_STEP=256),
-            "8 steps, step 256": dict(LISTING_STEPS=8, HIDDEN_STEP=256)}
+VARIANTS = {"T exact (32 steps on the bits)": dict(KTH_STEPS=0),
+            "T from 8 value-space steps": dict(KTH_STEPS=8),
+            "T from 6 value-space steps": dict(KTH_STEPS=6),
+            "T from 8 steps, 2 warps": dict(KTH_STEPS=8, SELECT_WARPS=2),
+            "T from 8 steps, 8 warps": dict(KTH_STEPS=8, SELECT_WARPS=8)}
 
 
 def kernel_times(call, repeats=5):

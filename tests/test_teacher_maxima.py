@@ -105,15 +105,19 @@ def test_maxima_schedule_matches_the_reference(k, temperature, scale, chunk_rows
 
 
 @pytest.mark.parametrize("k", [3, 12])
-def test_a_listing_threshold_below_the_tile_threshold_gives_the_same_top_k(k, monkeypatch):
-    """LISTING_STEPS: the listing's threshold from a few value-space bisection steps over the
-    tile maxima (a lower bound: more groups listed, T itself exact) leaves the result as it was."""
+@pytest.mark.parametrize("listing_steps, kth_steps", [(4, 0), (0, 4), (4, 2)])
+def test_thresholds_below_the_exact_ones_give_the_same_top_k(k, listing_steps, kth_steps, monkeypatch):
+    """LISTING_STEPS, KTH_STEPS: the listing's threshold and T from a few value-space bisection
+    steps (lower bounds: more groups listed, more single keys and groups computed again) leave
+    the result as the exact thresholds give it."""
     from kd_kernels.ops import topk_from_group_top2 as top2_module
 
     hidden, weight, bias = small_teacher_problem(k + 30, rows=37, columns=1000, dtype=torch.float16, scale=2.0)
     monkeypatch.setattr(top2_module, "LISTING_STEPS", 0)
+    monkeypatch.setattr(top2_module, "KTH_STEPS", 0)
     exact = teacher_topk_maxima(hidden, weight, k, 1.0, 1000, bias)
-    monkeypatch.setattr(top2_module, "LISTING_STEPS", 4)
+    monkeypatch.setattr(top2_module, "LISTING_STEPS", listing_steps)
+    monkeypatch.setattr(top2_module, "KTH_STEPS", kth_steps)
     below = teacher_topk_maxima(hidden, weight, k, 1.0, 1000, bias)
     assert torch.equal(below.indices, exact.indices) and torch.equal(below.logprobs, exact.logprobs)
     check_teacher_topk(below, reference.teacher_topk(hidden, weight, k, 1.0, 1000, bias), 2e-5,

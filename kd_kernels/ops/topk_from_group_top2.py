@@ -44,6 +44,11 @@ GROUPS_PER_STEP = 4  # recomputed groups appended per step of the ranking kernel
 # few more groups; T, over the listed maxima, stays exact). H200, 8192 rows: the candidates
 # kernel 0.47 -> 0.33 ms at 8 steps, output bit-identical (results/maxima_selection_ab_607e5de.log)
 LISTING_STEPS = 8
+# T: 0, the k-th largest listed group maximum (a 32-step bisection on its bits); n > 0, a lower
+# bound of it from n value-space bisection steps between the listed maxima's extremes (any T at
+# or below the k-th largest group maximum keeps every top-k element among the keys: a lower one
+# gives a few more single keys and groups to compute again, fewer dependent steps)
+KTH_STEPS = 8
 # below T, the recomputed elements still taken: relative to |T| + 1 (log2 units); their sums
 # round apart from the matmul's by a few ulps, and a key too many is ranked away
 RECOMPUTED_MARGIN = 2.0 ** -12
@@ -57,15 +62,15 @@ def most_groups_again(k: int) -> int:
 
 
 @triton.jit
-def _tile_threshold_below(tile_max2, valid, k, STEPS: tl.constexpr):
-    """The ordered bits of a lower bound of the k-th largest valid tile maximum, from STEPS
-    bisection steps between the smallest and largest (each step keeps ≥ k at or above the
+def _kth_largest_below(values, valid, k, STEPS: tl.constexpr):
+    """The ordered bits of a lower bound of the k-th largest valid value (1-D float32), from
+    STEPS bisection steps between the smallest and largest (each step keeps ≥ k at or above the
     bound); the smallest int32 where fewer than k are valid."""
-    low = tl.min(tl.where(valid, tile_max2, float("inf")), axis=0)
-    high = tl.max(tl.where(valid, tile_max2, float("-inf")), axis=0)
+    low = tl.min(tl.where(valid, values, float("inf")), axis=0)
+    high = tl.max(tl.where(valid, values, float("-inf")), axis=0)
     for _ in range(STEPS):
         middle = low + (high - low) * 0.5
-        enough = tl.sum((valid & (tile_max2 >= middle)).to(tl.int32), axis=0) >= k
+        enough = tl.sum((valid & (values >= middle)).to(tl.int32), axis=0) >= k
         low = tl.where(enough, middle, low)
         high = tl.where(enough, high, middle)
     few = tl.sum(valid.to(tl.int32), axis=0) < k
@@ -78,13 +83,14 @@ def _group_top2_candidates_kernel(tile_max2_ptr, tile_sum2_ptr, group_max_ptr, g
                                   lse_ptr, overflow_ptr, tiles, k, capacity, most_again, log2e_over_t,
                                   TILES: tl.constexpr, THRESHOLD_BLOCKS: tl.constexpr, MERGE: tl.constexpr,
                                   GROUPS_PER_TILE: tl.constexpr, GROUP_COLUMNS: tl.constexpr,
-                                  GROUP_BLOCK: tl.constexpr, SLOTS: tl.constexpr, LISTING_STEPS: tl.constexpr):
+                                  GROUP_BLOCK: tl.constexpr, SLOTS: tl.constexpr, LISTING_STEPS: tl.constexpr,
+                                  KTH_STEPS: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     tile_max2 = row_logsumexp(tile_max2_ptr, tile_sum2_ptr, lse_ptr, row, tiles, TILES)
     groups = tiles * GROUPS_PER_TILE
     group_row = row * groups
     if LISTING_STEPS > 0 and MERGE == GROUPS_PER_TILE:
-        threshold = _tile_threshold_below(tile_max2, tl.arange(0, TILES) < tiles, k, LISTING_STEPS)
+        threshold = _kth_largest_below(tile_max2, tl.arange(0, TILES) < tiles, k, LISTING_STEPS)
     else:
         threshold = group_threshold(tile_max2, group_max_ptr + group_row, groups, tiles, k, log2e_over_t, TILES,
                                     THRESHOLD_BLOCKS, MERGE, GROUPS_PER_TILE)
@@ -96,9 +102,14 @@ def _group_top2_candidates_kernel(tile_max2_ptr, tile_sum2_ptr, group_max_ptr, g
     in_list = slot < tl.minimum(listed, capacity)
     group = tl.load(row_ids + slot, mask=in_list, other=0)
     maximum = tl.load(group_max_ptr + group_row + group, mask=in_list, other=float("-inf"))
-    maximum_bits = ordered_bits(maximum * log2e_over_t)
-    # T: the k-th largest group maximum (every group reaching it is listed: the tile threshold is lower)
-    kth = kth_largest_bits(maximum_bits, in_list, k)
+    maximum2 = maximum * log2e_over_t
+    maximum_bits = ordered_bits(maximum2)
+    # T: the k-th largest group maximum or a bound below it (every group reaching the k-th
+    # largest is listed: the tile threshold is lower)
+    if KTH_STEPS > 0:
+        kth = _kth_largest_below(maximum2, in_list, k, KTH_STEPS)
+    else:
+        kth = kth_largest_bits(maximum_bits, in_list, k)
     second = tl.load(group_second_ptr + group_row + group, mask=in_list, other=float("-inf"))
     reaching = in_list & (maximum_bits >= kth)
     again = reaching & (ordered_bits(second * log2e_over_t) >= kth)
@@ -211,6 +222,7 @@ def topk_from_group_top2(hidden: torch.Tensor, weight: torch.Tensor, bias, summa
         summaries.tile_max2, summaries.tile_sum2, summaries.group_max, summaries.group_arg, summaries.group_second,
         group_ids, again, again_count, keys, counts, thresholds, lse, overflow.view(torch.int8), tiles, k, capacity,
         most_again, log2e_over_t, SLOTS=triton.next_power_of_2(capacity), LISTING_STEPS=LISTING_STEPS,
+        KTH_STEPS=KTH_STEPS,
         num_warps=SELECT_WARPS, **launch)
     _again_group_logits_kernel[(rows, most_again)](
         hidden, weight, bias if bias is not None else again_logits, again, again_count, again_logits, width,
