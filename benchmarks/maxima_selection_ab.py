@@ -62,7 +62,11 @@ def main():
         first = calls[next(iter(calls))][0]()
         for name, (call, _) in calls.items():
             out = call()
-            assert torch.equal(out.indices, first.indices) and torch.equal(out.logprobs, first.logprobs), name
+            # bit-identical, but for other warps: the logsumexp sums its tiles in another order
+            same_sums = "SELECT_WARPS" not in VARIANTS[name]
+            assert torch.equal(out.indices, first.indices), name
+            assert (torch.equal(out.logprobs, first.logprobs) if same_sums
+                    else torch.allclose(out.logprobs, first.logprobs, rtol=0, atol=1e-5)), name
         print(f"\n## k = {k}: device ms per kernel (median of 5 calls), whole call in turn")
         print("| variant | candidates | groups again | ranking | matmul | whole (in turn) | × first |")
         print("| --- | --- | --- | --- | --- | --- | --- |")
