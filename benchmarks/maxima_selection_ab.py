@@ -2,7 +2,8 @@
 (torch.profiler, the median of several calls: steadier than whole-call ratios) and the whole
 call timed in turn: the listing's threshold exact or from a few value-space bisection steps
 (`topk_from_group_top2.LISTING_STEPS`), the recompute's hidden step (`HIDDEN_STEP`); since NOTES
-e29, T exact or from a few value-space steps (`KTH_STEPS`) and the selection kernels' warps.
+e29, T exact or from a few value-space steps (`KTH_STEPS`), the selection kernels' warps and
+the recompute's hidden size in parts (`HIDDEN_PARTS`).
 
 usage: python benchmarks/maxima_selection_ab.py [--k 8,64]   (one H200)
 """
@@ -24,11 +25,12 @@ from harness import llm_like_hidden, time_interleaved_ms, with_attributes  # noq
 from kd_kernels.ops import topk_from_group_top2 as top2_module  # noqa: E402
 from kd_kernels.teacher_chunked import teacher_topk_maxima  # noqa: E402
 
-VARIANTS = {"T exact (32 steps on the bits)": dict(KTH_STEPS=0),
-            "T from 8 value-space steps": dict(KTH_STEPS=8),
-            "T from 6 value-space steps": dict(KTH_STEPS=6),
-            "T from 8 steps, 2 warps": dict(KTH_STEPS=8, SELECT_WARPS=2),
-            "T from 8 steps, 8 warps": dict(KTH_STEPS=8, SELECT_WARPS=8)}
+VARIANTS = {"hidden in 1 part": dict(HIDDEN_PARTS=1),
+            "hidden in 2 parts": dict(HIDDEN_PARTS=2),
+            "hidden in 4 parts": dict(HIDDEN_PARTS=4),
+            "hidden in 8 parts": dict(HIDDEN_PARTS=8)}
+# variants whose sums run in another order (the logsumexp's tiles, the recomputed logits' parts)
+REORDERING = ("SELECT_WARPS", "HIDDEN_PARTS")
 
 
 def kernel_times(call, repeats=5):
@@ -62,11 +64,11 @@ def main():
         first = calls[next(iter(calls))][0]()
         for name, (call, _) in calls.items():
             out = call()
-            # bit-identical, but for other warps: the logsumexp sums its tiles in another order
-            same_sums = "SELECT_WARPS" not in VARIANTS[name]
-            assert torch.equal(out.indices, first.indices), name
-            assert (torch.equal(out.logprobs, first.logprobs) if same_sums
-                    else torch.allclose(out.logprobs, first.logprobs, rtol=0, atol=1e-5)), name
+            if not any(setting in VARIANTS[name] for setting in REORDERING):
+                assert torch.equal(out.indices, first.indices) and torch.equal(out.logprobs, first.logprobs), name
+            else:  # the same up to rounding: ids may swap only at near-ties
+                assert torch.allclose(out.logprobs, first.logprobs, rtol=0, atol=1e-5), name
+                assert (out.indices != first.indices).float().mean() < 1e-4, name
         print(f"\n## k = {k}: device ms per kernel (median of 5 calls), whole call in turn")
         print("| variant | candidates | groups again | ranking | matmul | whole (in turn) | × first |")
         print("| --- | --- | --- | --- | --- | --- | --- |")
