@@ -66,9 +66,11 @@ def main():
             out = call()
             if not any(setting in VARIANTS[name] for setting in REORDERING):
                 assert torch.equal(out.indices, first.indices) and torch.equal(out.logprobs, first.logprobs), name
-            else:  # the same up to rounding: ids may swap only at near-ties
-                assert torch.allclose(out.logprobs, first.logprobs, rtol=0, atol=1e-5), name
-                assert (out.indices != first.indices).float().mean() < 1e-4, name
+            else:  # the same up to rounding (4096-term sums in another order): ids swap only at near-ties
+                largest = (out.logprobs - first.logprobs).abs().max().item()
+                swapped = (out.indices != first.indices).float().mean().item()
+                print(f"{name}: log-probs within {largest:.2e} of the first variant's, ids swapped {swapped:.2e}")
+                assert largest < 1e-4 and swapped < 1e-4, name
         print(f"\n## k = {k}: device ms per kernel (median of 5 calls), whole call in turn")
         print("| variant | candidates | groups again | ranking | matmul | whole (in turn) | × first |")
         print("| --- | --- | --- | --- | --- | --- | --- |")
