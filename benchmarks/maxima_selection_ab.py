@@ -2,8 +2,8 @@
 (torch.profiler, the median of several calls: steadier than whole-call ratios) and the whole
 call timed in turn: the listing's threshold exact or from a few value-space bisection steps
 (`topk_from_group_top2.LISTING_STEPS`), the recompute's hidden step (`HIDDEN_STEP`); since NOTES
-e29, T exact or from a few value-space steps (`KTH_STEPS`), the selection kernels' warps and
-the recompute's hidden size in parts (`HIDDEN_PARTS`).
+e29, T exact or from a few value-space steps (`KTH_STEPS`), the selection kernels' warps, the
+recompute's hidden size in parts (tried, removed) and its programs per SM (`AGAIN_PROGRAMS_PER_SM`).
 
 usage: python benchmarks/maxima_selection_ab.py [--k 8,64]   (one H200)
 """
@@ -25,12 +25,12 @@ from harness import llm_like_hidden, time_interleaved_ms, with_attributes  # noq
 from kd_kernels.ops import topk_from_group_top2 as top2_module  # noqa: E402
 from kd_kernels.teacher_chunked import teacher_topk_maxima  # noqa: E402
 
-VARIANTS = {"hidden in 1 part": dict(HIDDEN_PARTS=1),
-            "hidden in 2 parts": dict(HIDDEN_PARTS=2),
-            "hidden in 4 parts": dict(HIDDEN_PARTS=4),
-            "hidden in 8 parts": dict(HIDDEN_PARTS=8)}
+VARIANTS = {"pairs: 1 program an SM": dict(AGAIN_PROGRAMS_PER_SM=1),
+            "pairs: 2 programs an SM": dict(AGAIN_PROGRAMS_PER_SM=2),
+            "pairs: 4 programs an SM": dict(AGAIN_PROGRAMS_PER_SM=4),
+            "pairs: 8 programs an SM": dict(AGAIN_PROGRAMS_PER_SM=8)}
 # variants whose sums run in another order (the logsumexp's tiles, the recomputed logits' parts)
-REORDERING = ("SELECT_WARPS", "HIDDEN_PARTS")
+REORDERING = ("SELECT_WARPS",)
 
 
 def kernel_times(call, repeats=5):

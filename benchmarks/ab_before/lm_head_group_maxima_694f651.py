@@ -1,0 +1,235 @@
+"""The lm_head matmul whose epilogue also summarizes each row for the teacher's top-k.
+
+A persistent Triton matmul (TMA tiles, programs walking output tiles in groups of row tiles so
+weight tiles are reused from L2) writes the float32 logits of columns ``[0, width)`` and, from
+the same float32 accumulator, per row:
+
+- per tile of ``BLOCK_N`` columns: the max and the sum of exp at τ, in log2 units
+  (``tile_max2``, ``tile_sum2``): the row's logsumexp without reading the logits back;
+- per group of ``GROUP_COLUMNS`` columns: the largest logit (``group_max``, before τ). The
+  k-th largest group maximum T is a lower bound of the row's k-th largest logit (k distinct
+  groups each hold an element ≥ T), and every element ≥ T lies in a group whose maximum is
+  ≥ T, so the top-k is found among ~k groups (ops/topk_from_groups.py), not the whole row.
+
+H200, 8192 × 4096 × 151,936 bf16 (benchmarks/triton_matmul_probe.py): 128 × 256 × 64 tiles,
+8 warps, 3 stages, the flattened loop: 15.68 ms with the float32 store and these statistics,
+against cuBLAS 14.68 (bf16 out) / 15.40 (float32 out); the statistics alone cost ~0.3 %.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from .tma import row_tile_descriptor, tma_rows
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupMaximaConfig:
+    """Tiles (rows, columns, hidden step), warps, stages, row tiles per L2 group, columns per
+    group maximum (divides ``block_n``), the float32 store in two halves (less shared memory),
+    the flattened persistent loop (software-pipelined across tiles)."""
+    block_m: int = 128
+    block_n: int = 256
+    block_k: int = 64
+    num_warps: int = 8
+    num_stages: int = 3
+    group_m: int = 8
+    group_columns: int = 32
+    subtile: bool = True
+    flatten: bool = True
+
+
+def default_config() -> GroupMaximaConfig:
+    """Small tiles under the CPU interpreter (several groups per tile, several tiles per row)."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return GroupMaximaConfig(block_m=16, block_n=32, block_k=16, num_warps=1, num_stages=1, group_m=2,
+                                 group_columns=8, subtile=False, flatten=False)
+    return GroupMaximaConfig()
+
+
+@dataclasses.dataclass
+class RowSummaries:
+    """What the epilogue leaves per row besides the logits: ``tile_max2`` and ``tile_sum2``
+    ``[R, tiles]`` float32 (log2 units at τ; their combination is the row's logsumexp / ln 2),
+    ``group_max`` ``[R, groups]`` float32 (logits before τ; -inf past ``width``), the group
+    width in columns and, from a matmul asked for them (``group_top2``), ``group_arg``
+    ``[R, groups]`` int8 (the maximum's column within its group, the lowest among ties) and
+    ``group_second`` ``[R, groups]`` float32 (the largest of the group's other columns: equal to
+    the maximum on a tie): a group whose second is below a row's k-th value holds one top-k
+    element at most, whose value and column are then known without reading the logits."""
+    tile_max2: torch.Tensor
+    tile_sum2: torch.Tensor
+    group_max: torch.Tensor
+    group_columns: int
+    group_arg: torch.Tensor | None = None
+    group_second: torch.Tensor | None = None
+
+
+@triton.jit
+def _tile_position(tile, row_tiles, column_tiles, GROUP_M: tl.constexpr):
+    """(row tile, column tile) of the ``tile``-th output tile: GROUP_M row tiles share each
+    column tile in turn, so a weight tile is read from HBM about once per group."""
+    in_group = GROUP_M * column_tiles
+    first_row_tile = (tile // in_group) * GROUP_M
+    group_rows = tl.minimum(row_tiles - first_row_tile, GROUP_M)
+    return first_row_tile + tile % group_rows, (tile % in_group) // group_rows
+
+
+@triton.jit
+def _lm_head_group_maxima_kernel(hidden_desc, weight_desc, logits_desc, bias_ptr, tile_max2_ptr, tile_sum2_ptr,
+                                 group_max_ptr, group_arg_ptr, group_second_ptr, num_rows, width, column_offset,
+                                 hidden_size, log2e_over_t,
+                                 HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                                 BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
+                                 GROUP_COLUMNS: tl.constexpr, SUBTILE: tl.constexpr, FLATTEN: tl.constexpr,
+                                 DOT_PRECISION: tl.constexpr, STORE_LOGITS: tl.constexpr = True,
+                                 GROUP_TOP2: tl.constexpr = False):
+    row_tiles = tl.cdiv(num_rows, BLOCK_M)
+    column_tiles = tl.cdiv(width, BLOCK_N)
+    groups_per_tile: tl.constexpr = BLOCK_N // GROUP_COLUMNS
+    num_groups = column_tiles * groups_per_tile
+    # the epilogue's tile counter runs apart from the mainloop's: the flattened loop may
+    # software-pipeline the next tile's loads under this tile's epilogue
+    epilogue_tile = tl.program_id(0) - NUM_PROGRAMS
+    for tile in tl.range(tl.program_id(0), row_tiles * column_tiles, NUM_PROGRAMS, flatten=FLATTEN):
+        row_tile, column_tile = _tile_position(tile, row_tiles, column_tiles, GROUP_M)
+        accumulator = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for step in range(0, hidden_size, BLOCK_K):
+            a = hidden_desc.load([row_tile * BLOCK_M, step])
+            b = weight_desc.load([column_offset + column_tile * BLOCK_N, step])
+            accumulator = tl.dot(a, b.T, accumulator, input_precision=DOT_PRECISION)
+        epilogue_tile += NUM_PROGRAMS
+        row_tile, column_tile = _tile_position(epilogue_tile, row_tiles, column_tiles, GROUP_M)
+        rows = row_tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        columns = column_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        if HAS_BIAS:
+            accumulator += tl.load(bias_ptr + column_offset + columns, mask=columns < width,
+                                   other=0.0).to(tl.float32)[None, :]
+        if STORE_LOGITS:
+            if SUBTILE:  # two stores of half the columns: half the shared-memory staging
+                left, right = tl.split(tl.permute(tl.reshape(accumulator, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
+                logits_desc.store([row_tile * BLOCK_M, column_tile * BLOCK_N], left.to(logits_desc.dtype))
+                logits_desc.store([row_tile * BLOCK_M, column_tile * BLOCK_N + BLOCK_N // 2],
+                                  right.to(logits_desc.dtype))
+            else:
+                logits_desc.store([row_tile * BLOCK_M, column_tile * BLOCK_N], accumulator.to(logits_desc.dtype))
+        z = tl.where(columns[None, :] < width, accumulator, float("-inf"))
+        z2 = z * log2e_over_t
+        tile_max2 = tl.max(z2, axis=1)
+        safe_max2 = tl.where(tile_max2 == float("-inf"), 0.0, tile_max2)
+        tile_sum2 = tl.sum(tl.exp2(z2 - safe_max2[:, None]), axis=1)
+        rows_ok = rows < num_rows
+        row_offsets = rows.to(tl.int64)
+        tl.store(tile_max2_ptr + row_offsets * column_tiles + column_tile, tile_max2, mask=rows_ok)
+        tl.store(tile_sum2_ptr + row_offsets * column_tiles + column_tile, tile_sum2, mask=rows_ok)
+        groups = column_tile * groups_per_tile + tl.arange(0, groups_per_tile)
+        group_offsets = row_offsets[:, None] * num_groups + groups[None, :]
+        z_groups = tl.reshape(z, (BLOCK_M, groups_per_tile, GROUP_COLUMNS))
+        if GROUP_TOP2:  # the maximum's lane (the lowest among ties) and the largest of the other lanes
+            group_max, group_arg = tl.max(z_groups, axis=2, return_indices=True, return_indices_tie_break_left=True)
+            lane = tl.arange(0, GROUP_COLUMNS)[None, None, :]
+            group_second = tl.max(tl.where(lane == group_arg[:, :, None], float("-inf"), z_groups), axis=2)
+            tl.store(group_arg_ptr + group_offsets, group_arg.to(tl.int8), mask=rows_ok[:, None])
+            tl.store(group_second_ptr + group_offsets, group_second, mask=rows_ok[:, None])
+        else:
+            group_max = tl.max(z_groups, axis=2)
+        tl.store(group_max_ptr + group_offsets, group_max, mask=rows_ok[:, None])
+
+
+def padded_width(width: int) -> int:
+    """Row length of the float32 logits buffer: TMA stores rows starting at 16-byte boundaries."""
+    return -(-width // 4) * 4
+
+
+def epilogue_applies(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether this kernel takes these inputs: 16-bit (float32 would need IEEE products, far
+    slower than cuBLAS) with rows TMA can move (a hidden size that is a multiple of 8)."""
+    return (hidden.dtype in (torch.bfloat16, torch.float16) and weight.dtype == hidden.dtype
+            and tma_rows(hidden) and tma_rows(weight))
+
+
+def lm_head_logits_with_summaries(hidden: torch.Tensor, weight: torch.Tensor, bias, width: int,
+                                  temperature: float, logits: torch.Tensor | None,
+                                  config: GroupMaximaConfig | None = None, group_top2: bool = False) -> RowSummaries:
+    """hidden ``[R, H]``, weight ``[≥ width, H]`` (bf16 / fp16, or float32 with IEEE products:
+    the interpreter's tests), bias ``[≥ width]`` or None -> the float32 logits
+    ``hidden @ weight[:width].T + bias`` written into ``logits [R, ≥ width]`` (rows 16-byte
+    aligned: `padded_width`), and the rows' `RowSummaries`. ``logits=None``: the summaries
+    only, no logits stored (the listed schedule recomputes the few groups it needs).
+    ``group_top2``: each group's maximum column and second largest too (`RowSummaries`)."""
+    return EpilogueMatmul(hidden, weight, bias, width, temperature, logits, config, group_top2)(0, width)
+
+
+class EpilogueMatmul:
+    """The epilogue matmul of one block of rows against column slices of the weight (each at
+    most ``max_width`` columns) into one logits buffer, its descriptors, summaries and grid made
+    once: a slice's host work is then one launch (the sliced schedule's ~100 slices a call were
+    bound by the host otherwise). Arguments as `lm_head_logits_with_summaries`'s, ``weight`` and
+    ``bias`` whole (the slices are offsets into them)."""
+
+    def __init__(self, hidden: torch.Tensor, weight: torch.Tensor, bias, max_width: int, temperature: float,
+                 logits: torch.Tensor | None, config: GroupMaximaConfig | None = None, group_top2: bool = False):
+        config = config or default_config()
+        if logits is not None and logits.dtype != torch.float32:
+            raise ValueError(f"logits: expected a float32 buffer (rows of padded_width(width)), got {logits.dtype}")
+        if config.block_n % config.group_columns:
+            raise ValueError(f"config: group_columns {config.group_columns} must divide block_n {config.block_n}")
+        self.hidden, self.bias, self.max_width, self.config = hidden, bias, max_width, config
+        self.log2e_over_t = 1.4426950408889634 / temperature
+        self.store_logits = logits is not None
+        self.group_top2 = group_top2
+        self.summaries = self._summaries(max_width)
+        if hidden.shape[0] == 0:
+            return
+        user = "the teacher's epilogue matmul"
+        self.hidden_desc = row_tile_descriptor(hidden, "hidden", [config.block_m, config.block_k], user)
+        self.weight_desc = row_tile_descriptor(weight, "weight", [config.block_n, config.block_k], user)
+        if logits is None:
+            self.logits_desc = self.hidden_desc  # a stand-in: STORE_LOGITS=False compiles the stores away
+        else:  # a narrower last slice stores junk past its width, inside the buffer
+            store_columns = config.block_n // 2 if config.subtile else config.block_n
+            self.logits_desc = row_tile_descriptor(logits[:, :max_width], "logits", [config.block_m, store_columns],
+                                                   user)
+        self.multiprocessors = (torch.cuda.get_device_properties(hidden.device).multi_processor_count
+                                if hidden.device.type == "cuda" else 3)  # the interpreter: several tiles a program
+
+    def _summaries(self, width: int) -> RowSummaries:
+        column_tiles = -(-width // self.config.block_n)
+        groups = column_tiles * (self.config.block_n // self.config.group_columns)
+        rows, device = self.hidden.shape[0], self.hidden.device
+        top2 = ((torch.empty(rows, groups, dtype=torch.int8, device=device),
+                 torch.empty(rows, groups, dtype=torch.float32, device=device)) if self.group_top2 else (None, None))
+        return RowSummaries(torch.empty(rows, column_tiles, dtype=torch.float32, device=device),
+                            torch.empty(rows, column_tiles, dtype=torch.float32, device=device),
+                            torch.empty(rows, groups, dtype=torch.float32, device=device), self.config.group_columns,
+                            *top2)
+
+    def __call__(self, column_start: int, width: int) -> RowSummaries:
+        """Columns ``column_start … column_start + width`` (width ≤ max_width) -> their logits
+        in the buffer's first ``width`` columns and their `RowSummaries` (the same tensors from
+        one full-width call to the next: read them before the next call)."""
+        config = self.config
+        summaries = self.summaries if width == self.max_width else self._summaries(width)
+        num_rows, hidden_size = self.hidden.shape
+        if num_rows == 0:
+            return summaries
+        tiles = -(-num_rows // config.block_m) * summaries.tile_max2.shape[1]
+        programs = min(tiles, self.multiprocessors)
+        _lm_head_group_maxima_kernel[(programs,)](
+            self.hidden_desc, self.weight_desc, self.logits_desc,
+            self.bias if self.bias is not None else summaries.tile_max2, summaries.tile_max2, summaries.tile_sum2,
+            summaries.group_max, summaries.group_arg if self.group_top2 else summaries.group_max,
+            summaries.group_second if self.group_top2 else summaries.group_max,
+            num_rows, width, column_start, hidden_size, self.log2e_over_t,
+            HAS_BIAS=self.bias is not None, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+            GROUP_M=config.group_m, NUM_PROGRAMS=programs, GROUP_COLUMNS=config.group_columns,
+            SUBTILE=config.subtile, FLATTEN=config.flatten, STORE_LOGITS=self.store_logits,
+            GROUP_TOP2=self.group_top2,
+            # float32 inputs get float32 products (tf32 would move logits by ~1e-3)
+            DOT_PRECISION="ieee" if self.hidden.dtype == torch.float32 else "tf32",
+            num_warps=config.num_warps, num_stages=config.num_stages)
+        return summaries
