@@ -2,8 +2,8 @@
 (torch.profiler, the median of several calls: steadier than whole-call ratios) and the whole
 call timed in turn: the listing's threshold exact or from a few value-space bisection steps
 (`topk_from_group_top2.LISTING_STEPS`), the recompute's hidden step (`HIDDEN_STEP`); since NOTES
-e29, T exact or from a few value-space steps (`KTH_STEPS`), the selection kernels' warps, the
-recompute's hidden size in parts (tried, removed) and its programs per SM (`AGAIN_PROGRAMS_PER_SM`).
+e29, T exact or from a few value-space steps (`KTH_STEPS`) and the selection kernels' warps (the
+recompute's hidden size in parts and a listed-pairs grid were timed with it too: NOTES e29).
 
 usage: python benchmarks/maxima_selection_ab.py [--k 8,64]   (one H200)
 """
@@ -25,10 +25,9 @@ from harness import llm_like_hidden, time_interleaved_ms, with_attributes  # noq
 from kd_kernels.ops import topk_from_group_top2 as top2_module  # noqa: E402
 from kd_kernels.teacher_chunked import teacher_topk_maxima  # noqa: E402
 
-VARIANTS = {"pairs: 1 program an SM": dict(AGAIN_PROGRAMS_PER_SM=1),
-            "pairs: 2 programs an SM": dict(AGAIN_PROGRAMS_PER_SM=2),
-            "pairs: 4 programs an SM": dict(AGAIN_PROGRAMS_PER_SM=4),
-            "pairs: 8 programs an SM": dict(AGAIN_PROGRAMS_PER_SM=8)}
+VARIANTS = {"T exact (32 steps on the bits)": dict(KTH_STEPS=0),
+            "T from 8 value-space steps": dict(KTH_STEPS=8),
+            "T from 8 steps, 2 warps": dict(KTH_STEPS=8, SELECT_WARPS=2)}
 # variants whose sums run in another order (the logsumexp's tiles, the recomputed logits' parts)
 REORDERING = ("SELECT_WARPS",)
 

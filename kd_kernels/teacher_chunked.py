@@ -262,14 +262,11 @@ def teacher_topk_listed(hidden: torch.Tensor, weight: torch.Tensor, k: int, temp
 def maxima_chunk_rows(num_rows: int, width: int, k: int, group_columns: int = 32) -> int:
     """Rows per chunk of the maxima schedule: its buffers within MAXIMA_BYTES, in quarters of the
     matmul's L2 group of row tiles. A row holds its tile statistics (8 · V / 256 bytes), each
-    group's maximum, column and second largest (9 · V / group_columns), 12 bytes per
-    candidate slot (capacity_for(k): keys, group ids) and the logits of the groups it may
-    compute again."""
-    from .ops.topk_from_group_top2 import most_groups_again
+    group's maximum, column and second largest (9 · V / group_columns) and 12 bytes per
+    candidate slot (capacity_for(k): keys, group ids)."""
     from .ops.topk_from_groups import capacity_for
 
-    per_row = (8 * width // 256 + 9 * width // group_columns + 12 * capacity_for(k)
-               + (4 * group_columns + 8) * most_groups_again(k))
+    per_row = 8 * width // 256 + 9 * width // group_columns + 12 * capacity_for(k)
     return _rows_in_quarter_groups(MAXIMA_BYTES // per_row, num_rows)
 
 

@@ -11,15 +11,13 @@ matmul left: a key without reading anything else. A group whose second largest r
 from the row's hidden state and the group's weight rows, and its elements ≥ T (less a margin:
 those sums round apart from the matmul's by ulps) join the keys.
 
-Three launches per chunk of rows (and the zeroed pair counter), no host work between them:
+Three launches per chunk of rows, no host work between them:
 - one program per row: the logsumexp from the tile statistics; the groups reaching the tile
-  threshold (ops/topk_from_groups.py; ~k of them); T (or a bound below it) by bisection over
-  their maxima; the single-candidate keys; the ids of the groups to compute again (at most
-  `most_groups_again`), listed as (row, slot) pairs in the chunk's pair list by an atomic;
-- a few programs per multiprocessor taking the listed pairs in turn: that group's logits, a
-  16-row tensor-core dot whose weight loads are pipelined (the listed schedule's pair plan
-  grouping pairs by group cost ~15 small launches a chunk: NOTES e25; a program per (row,
-  slot) was mostly programs with nothing to do: NOTES e29);
+  threshold (ops/topk_from_groups.py; ~k of them); T by bisection over their maxima; the
+  single-candidate keys; the ids of the groups to compute again (at most `most_groups_again`);
+- one program per (row, slot of a group to compute again), most exiting at once: that group's
+  logits, a 16-row tensor-core dot whose weight loads are pipelined (the listed schedule's pair
+  plan grouping pairs by group cost ~15 small launches a chunk: NOTES e25);
 - one program per row: the recomputed elements ≥ T appended to the keys, the keys ranked.
 """
 from __future__ import annotations
@@ -40,10 +38,6 @@ SELECT_WARPS = 1 if os.environ.get("TRITON_INTERPRET") == "1" else 4
 # hidden columns a recompute step reads: 256 over 128, H200 k = 64, 8192 rows: 0.29 against 0.36 ms
 # (fewer dependent steps; 211 registers, but only a few hundred programs a chunk do work)
 HIDDEN_STEP = 16 if os.environ.get("TRITON_INTERPRET") == "1" else 256
-# the groups computed again, listed by the candidates kernel, are taken by this many programs
-# per multiprocessor (a grid over every (row, slot) was mostly programs with nothing to do:
-# ~0.4 of 8 slots a row are used at k = 64)
-AGAIN_PROGRAMS_PER_SM = 2
 GROUPS_PER_STEP = 4  # recomputed groups appended per step of the ranking kernel
 # the listing's threshold: 0, the k-th largest tile maximum (a 32-step bisection on its bits);
 # n > 0, a lower bound of it from n bisection steps in value space (a lower threshold lists a
@@ -85,8 +79,7 @@ def _kth_largest_below(values, valid, k, STEPS: tl.constexpr):
 
 @triton.jit
 def _group_top2_candidates_kernel(tile_max2_ptr, tile_sum2_ptr, group_max_ptr, group_arg_ptr, group_second_ptr,
-                                  group_ids_ptr, again_ptr, again_count_ptr, pairs_ptr, pair_count_ptr, keys_ptr,
-                                  counts_ptr, thresholds_ptr,
+                                  group_ids_ptr, again_ptr, again_count_ptr, keys_ptr, counts_ptr, thresholds_ptr,
                                   lse_ptr, overflow_ptr, tiles, k, capacity, most_again, log2e_over_t,
                                   TILES: tl.constexpr, THRESHOLD_BLOCKS: tl.constexpr, MERGE: tl.constexpr,
                                   GROUPS_PER_TILE: tl.constexpr, GROUP_COLUMNS: tl.constexpr,
@@ -125,13 +118,8 @@ def _group_top2_candidates_kernel(tile_max2_ptr, tile_sum2_ptr, group_max_ptr, g
                                 GROUP_COLUMNS)
     count = append_keys(keys_ptr + row * capacity, tl.zeros([], tl.int32), capacity, single, maximum, column)
     place = tl.cumsum(again.to(tl.int32), axis=0) - 1
-    kept = again & (place < most_again)
-    tl.store(again_ptr + row * most_again + place, group, mask=kept)
+    tl.store(again_ptr + row * most_again + place, group, mask=again & (place < most_again))
     again_count = tl.sum(again.to(tl.int32), axis=0)
-    # the (row, slot) pairs into the chunk's list, wherever the atomic puts this row's run (each
-    # pair's logits land at its own (row, slot): the outcome does not depend on the order)
-    first_pair = tl.atomic_add(pair_count_ptr, tl.minimum(again_count, most_again), sem="relaxed")
-    tl.store(pairs_ptr + first_pair + place, (row * most_again + place).to(tl.int32), mask=kept)
     tl.store(again_count_ptr + row, again_count)
     tl.store(counts_ptr + row, count)
     tl.store(thresholds_ptr + row, kth)
@@ -139,32 +127,34 @@ def _group_top2_candidates_kernel(tile_max2_ptr, tile_sum2_ptr, group_max_ptr, g
 
 
 @triton.jit
-def _again_group_logits_kernel(hidden_ptr, weight_ptr, bias_ptr, again_ptr, pairs_ptr, pair_count_ptr, out_ptr,
-                               width, hidden_size, stride_hidden, stride_weight, most_again, HAS_BIAS: tl.constexpr,
+def _again_group_logits_kernel(hidden_ptr, weight_ptr, bias_ptr, again_ptr, again_count_ptr, out_ptr, width,
+                               hidden_size, stride_hidden, stride_weight, most_again, HAS_BIAS: tl.constexpr,
                                GROUP_COLUMNS: tl.constexpr, HIDDEN_STEP: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    # each program takes listed (row, slot) pairs in turn: that group's logits from the row's
-    # hidden state, which fills the first of 16 dot rows (the smallest tile the matrix units
-    # take), so the weight loads feeding the dot are pipelined
-    for pair in range(tl.program_id(0), tl.load(pair_count_ptr), tl.num_programs(0)):
-        entry = tl.load(pairs_ptr + pair).to(tl.int64)  # row * most_again + slot
-        row = entry // most_again
-        group = tl.load(again_ptr + entry)
-        columns = top2_group_columns(group, tl.arange(0, GROUP_COLUMNS), GROUP_COLUMNS)
-        exists = columns < width
-        first = tl.arange(0, 16) == 0
-        accumulator = tl.zeros([16, GROUP_COLUMNS], tl.float32)
-        for start in range(0, hidden_size, HIDDEN_STEP):
-            depth = start + tl.arange(0, HIDDEN_STEP)
-            inside = depth < hidden_size
-            h = tl.load(hidden_ptr + row * stride_hidden + depth[None, :] + tl.zeros([16, 1], tl.int64),
-                        mask=first[:, None] & inside[None, :], other=0.0)
-            w = tl.load(weight_ptr + columns.to(tl.int64)[:, None] * stride_weight + depth[None, :],
-                        mask=exists[:, None] & inside[None, :], other=0.0)
-            accumulator = tl.dot(h, tl.trans(w), accumulator, input_precision=DOT_PRECISION)
-        logits = tl.sum(tl.where(first[:, None], accumulator, 0.0), axis=0)
-        if HAS_BIAS:
-            logits += tl.load(bias_ptr + columns, mask=exists, other=0.0).to(tl.float32)
-        tl.store(out_ptr + entry * GROUP_COLUMNS + tl.arange(0, GROUP_COLUMNS), tl.where(exists, logits, float("-inf")))
+    # one program per (row, slot): the row's slot-th group to compute again, if it has one; the
+    # hidden row fills the first of 16 dot rows (the smallest tile the matrix units take), so
+    # the weight loads feeding the dot are pipelined
+    row = tl.program_id(0).to(tl.int64)
+    entry = tl.program_id(1)
+    if entry >= tl.minimum(tl.load(again_count_ptr + row), most_again):
+        return
+    group = tl.load(again_ptr + row * most_again + entry)
+    columns = top2_group_columns(group, tl.arange(0, GROUP_COLUMNS), GROUP_COLUMNS)
+    exists = columns < width
+    first = tl.arange(0, 16) == 0
+    accumulator = tl.zeros([16, GROUP_COLUMNS], tl.float32)
+    for start in range(0, hidden_size, HIDDEN_STEP):
+        depth = start + tl.arange(0, HIDDEN_STEP)
+        inside = depth < hidden_size
+        h = tl.load(hidden_ptr + row * stride_hidden + depth[None, :] + tl.zeros([16, 1], tl.int64),
+                    mask=first[:, None] & inside[None, :], other=0.0)
+        w = tl.load(weight_ptr + columns.to(tl.int64)[:, None] * stride_weight + depth[None, :],
+                    mask=exists[:, None] & inside[None, :], other=0.0)
+        accumulator = tl.dot(h, tl.trans(w), accumulator, input_precision=DOT_PRECISION)
+    logits = tl.sum(tl.where(first[:, None], accumulator, 0.0), axis=0)
+    if HAS_BIAS:
+        logits += tl.load(bias_ptr + columns, mask=exists, other=0.0).to(tl.float32)
+    tl.store(out_ptr + (row * most_again + entry) * GROUP_COLUMNS + tl.arange(0, GROUP_COLUMNS),
+             tl.where(exists, logits, float("-inf")))
 
 
 @triton.jit
@@ -189,11 +179,6 @@ def _topk_of_keys_and_again_kernel(keys_ptr, counts_ptr, again_logits_ptr, again
     overflowed = (tl.load(overflow_ptr + row) != 0) | (count > capacity)
     finish_row(row, count, overflowed, keys_ptr, counts_ptr, overflow_ptr, values_ptr, columns_ptr, k, capacity,
                RANK_IN_KERNEL, RANK_ROWS, RANK_COLUMNS)
-
-
-def _multiprocessors(device) -> int:
-    """The device's multiprocessors (the interpreter: 2, so programs take several pairs)."""
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
 
 
 def topk_from_group_top2(hidden: torch.Tensor, weight: torch.Tensor, bias, summaries, k: int, temperature: float,
@@ -230,19 +215,17 @@ def topk_from_group_top2(hidden: torch.Tensor, weight: torch.Tensor, bias, summa
     again_count = torch.empty(rows, dtype=torch.int32, device=device)
     thresholds = torch.empty(rows, dtype=torch.int32, device=device)
     again_logits = torch.empty(rows, most_again, group_columns, dtype=torch.float32, device=device)
-    pairs = torch.empty(rows * most_again, dtype=torch.int32, device=device)
-    pair_count = torch.zeros(1, dtype=torch.int32, device=device)
     launch = _launch(summaries, k)
     launch = {name: launch[name] for name in ("TILES", "THRESHOLD_BLOCKS", "MERGE", "GROUPS_PER_TILE",
                                                "GROUP_COLUMNS", "GROUP_BLOCK")}
     _group_top2_candidates_kernel[(rows,)](
         summaries.tile_max2, summaries.tile_sum2, summaries.group_max, summaries.group_arg, summaries.group_second,
-        group_ids, again, again_count, pairs, pair_count, keys, counts, thresholds, lse, overflow.view(torch.int8),
-        tiles, k, capacity, most_again, log2e_over_t, SLOTS=triton.next_power_of_2(capacity),
-        LISTING_STEPS=LISTING_STEPS, KTH_STEPS=KTH_STEPS,
+        group_ids, again, again_count, keys, counts, thresholds, lse, overflow.view(torch.int8), tiles, k, capacity,
+        most_again, log2e_over_t, SLOTS=triton.next_power_of_2(capacity), LISTING_STEPS=LISTING_STEPS,
+        KTH_STEPS=KTH_STEPS,
         num_warps=SELECT_WARPS, **launch)
-    _again_group_logits_kernel[(min(rows * most_again, AGAIN_PROGRAMS_PER_SM * _multiprocessors(device)),)](
-        hidden, weight, bias if bias is not None else again_logits, again, pairs, pair_count, again_logits, width,
+    _again_group_logits_kernel[(rows, most_again)](
+        hidden, weight, bias if bias is not None else again_logits, again, again_count, again_logits, width,
         hidden.shape[1], hidden.stride(0), weight.stride(0), most_again, HAS_BIAS=bias is not None,
         GROUP_COLUMNS=group_columns, HIDDEN_STEP=HIDDEN_STEP,
         DOT_PRECISION="ieee" if hidden.dtype == torch.float32 else "tf32",
@@ -250,8 +233,8 @@ def topk_from_group_top2(hidden: torch.Tensor, weight: torch.Tensor, bias, summa
     _topk_of_keys_and_again_kernel[(rows,)](
         keys, counts, again_logits, again, again_count, thresholds, values, columns, overflow.view(torch.int8), width,
         k, capacity, most_again, log2e_over_t, RECOMPUTED_MARGIN, GROUP_COLUMNS=group_columns,
-        GROUPS_PER_STEP=GROUPS_PER_STEP, RANK_ROWS=RANK_TILE[0][0],
-        RANK_COLUMNS=RANK_TILE[0][1], RANK_IN_KERNEL=rank_in_kernel, num_warps=SELECT_WARPS)
+        GROUPS_PER_STEP=GROUPS_PER_STEP, RANK_ROWS=RANK_TILE[0][0], RANK_COLUMNS=RANK_TILE[0][1],
+        RANK_IN_KERNEL=rank_in_kernel, num_warps=SELECT_WARPS)
     if not rank_in_kernel:
         values[:], columns[:] = top_of_counted_keys(keys, counts, k, order)
     return values, columns, lse, overflow
