@@ -27,8 +27,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import kd_kernels as kd  # noqa: E402
-from harness import (environment, llm_like_hidden, peak_extra_gib, time_interleaved_ms, time_ms,  # noqa: E402
-                     with_attributes, with_env, write_json)
+from harness import (environment, llm_like_hidden, peak_extra_gib, time_after_idle_ms,  # noqa: E402
+                     time_interleaved_ms, time_ms, with_attributes, with_env, write_json)
 from kd_kernels.ops import topk_from_groups  # noqa: E402
 from kd_kernels.teacher_chunked import teacher_topk_tiled  # noqa: E402
 from shapes import TEACHER_SHAPES  # noqa: E402
@@ -50,7 +50,12 @@ FORCED_SCHEDULES = [("cuda", "epilogue", "", {}), ("cuda", "maxima", "", {}), ("
                     ("cuda", "cuBLAS", "", {}), ("triton", "cuBLAS", "", {})]
 
 
-def bench_shape(name, n, h, v, ks, only=None, fused_sweep=False, interleave=False):
+# timed again each after 200 ms idle with --after-idle (the floor first)
+AFTER_IDLE = ("floor: lm_head matmul", "ours from hidden (cuda)", "ours from hidden (triton)",
+              "ours from hidden, lean (cuda)")
+
+
+def bench_shape(name, n, h, v, ks, only=None, fused_sweep=False, interleave=False, after_idle=False):
     weight = (torch.randn(v, h, device="cuda") * 0.02).to(torch.bfloat16)
     hidden, entropy, scale = llm_like_hidden(n, h, weight)
     logits_bf16 = hidden @ weight.T
@@ -132,6 +137,13 @@ def bench_shape(name, n, h, v, ks, only=None, fused_sweep=False, interleave=Fals
             for row in rows:
                 if row["k"] == k and row["provider"] in ratios:
                     row["ratio_in_turn"] = ratios[row["provider"]]
+        if after_idle:  # the default paths again, each call after 200 ms idle (every call at boost clock)
+            idle = {label: time_after_idle_ms(providers[label]) for label in AFTER_IDLE
+                    if any(row["k"] == k and row["provider"] == label for row in rows)}
+            for row in rows:
+                if row["k"] == k and row["provider"] in idle:
+                    row["ms_after_idle"] = idle[row["provider"]]
+                    row["ratio_after_idle"] = idle[row["provider"]] / idle[AFTER_IDLE[0]]
     floor = {r["k"]: r["ms"] for r in rows if r["provider"].startswith("floor")}
     print("| provider | k | ms (p20–p80) | × matmul | TFLOP/s or GB/s | peak extra GiB beyond the top-k |")
     print("| --- | --- | --- | --- | --- | --- |")
@@ -140,6 +152,14 @@ def bench_shape(name, n, h, v, ks, only=None, fused_sweep=False, interleave=Fals
                 else f"{row['gbs']:.0f} GB/s = {100 * row['of_copy']:.0f} % of copy")
         print(f"| {row['provider']} | {row['k']} | {row['ms']:.2f} ({row['p20']:.2f}–{row['p80']:.2f}) | "
               f"{row['ms'] / floor[row['k']]:.3f} | {rate} | {row['peak_extra_gib']:.3f} |")
+    if after_idle:
+        print("\nEach call after 200 ms idle (both at boost clock; median of 10):")
+        print("| provider | k | ms | × matmul, after idle |")
+        print("| --- | --- | --- | --- |")
+        for row in rows:
+            if "ratio_after_idle" in row:
+                print(f"| {row['provider']} | {row['k']} | {row['ms_after_idle']:.2f} | "
+                      f"{row['ratio_after_idle']:.3f} |")
     if interleave:
         print("\nTimed in turn (each repetition: the floor, then every provider; median of the per-repetition ratio):")
         print("| provider | k | × matmul, in turn |")
@@ -157,6 +177,8 @@ def main():
     parser.add_argument("--shapes", default="all", help="comma-separated shape name prefixes, or all")
     parser.add_argument("--providers", default="", help="comma-separated parts of provider names (default: all)")
     parser.add_argument("--fused-sweep", action="store_true", help="also time the fused kernel's tile sweep")
+    parser.add_argument("--after-idle", action="store_true",
+                        help="also time the floor and the default paths each after 200 ms idle")
     parser.add_argument("--interleave", action="store_true",
                         help="also time the from-hidden providers in turn with the floor (ratios per repetition)")
     args = parser.parse_args()
@@ -164,7 +186,8 @@ def main():
     print(f"environment: {env}")
     ks = [int(k) for k in args.k.split(",")]
     only = [part for part in args.providers.split(",") if part]
-    results = [bench_shape(name, n, h, v, ks, only, args.fused_sweep, args.interleave) for name, n, h, v in TEACHER_SHAPES
+    results = [bench_shape(name, n, h, v, ks, only, args.fused_sweep, args.interleave,
+                           args.after_idle) for name, n, h, v in TEACHER_SHAPES
                if args.shapes == "all" or any(name.startswith(prefix) for prefix in args.shapes.split(","))]
     if args.out:
         write_json(args.out, dict(environment=env, results=results))
