@@ -30,7 +30,7 @@ import triton.language as tl
 
 from .lm_head_group_maxima import top2_group_columns
 from .sort_keys import ordered_bits, top_of_counted_keys
-from .topk_from_groups import (RANK_MAX_K, RANK_TILE, _LOG2E, _launch, append_keys, capacity_for, finish_row,
+from .topk_from_groups import (LOG2E, RANK_MAX_K, RANK_TILE, append_keys, capacity_for, finish_row,
                                group_threshold, kth_largest_bits, list_reaching_groups, listed_columns,
                                row_logsumexp)
 
@@ -198,7 +198,7 @@ def topk_from_group_top2(hidden: torch.Tensor, weight: torch.Tensor, bias, summa
     rows, tiles = summaries.tile_max2.shape
     device = summaries.group_max.device
     capacity, most_again, group_columns = capacity_for(k), most_groups_again(k), summaries.group_columns
-    log2e_over_t = _LOG2E / temperature
+    log2e_over_t = LOG2E / temperature
     rank_in_kernel = k <= RANK_MAX_K
     if outputs is None:
         outputs = (torch.empty(rows, k, dtype=torch.float32, device=device),
@@ -215,7 +215,7 @@ def topk_from_group_top2(hidden: torch.Tensor, weight: torch.Tensor, bias, summa
     again_count = torch.empty(rows, dtype=torch.int32, device=device)
     thresholds = torch.empty(rows, dtype=torch.int32, device=device)
     again_logits = torch.empty(rows, most_again, group_columns, dtype=torch.float32, device=device)
-    launch = _launch(summaries, k)
+    launch = selection_launch(summaries, k)
     launch = {name: launch[name] for name in ("TILES", "THRESHOLD_BLOCKS", "MERGE", "GROUPS_PER_TILE",
                                                "GROUP_COLUMNS", "GROUP_BLOCK")}
     _group_top2_candidates_kernel[(rows,)](

@@ -44,7 +44,7 @@ SELECT_STAGES = 4  # fewer: the profiling stops of the kernel (benchmarks/teache
 # (H200) 5.5-6.4 ms ranked, 4.0-4.4 ms with a torch sort, 3.4-3.5 ms with the CUDA sort (cutting
 # the ~1.3k candidates to k first by bisection cost more than it saved: 3.9 / 4.5 ms)
 RANK_MAX_K = 256
-_LOG2E = 1.4426950408889634
+LOG2E = 1.4426950408889634
 # order="cuda" past RANK_MAX_K: the listed groups' candidates gathered and sorted by the
 # extension (csrc/candidates_from_groups.cu, a block per row, a warp per group) instead of
 # gathered here and sorted there: H200, k = 1024, 8192 rows, 2.4 ms against 4.3 in one run
@@ -259,7 +259,7 @@ def _topk_from_groups_kernel(logits_ptr, stride_row, tile_max2_ptr, tile_sum2_pt
                columns_ptr, k, capacity, RANK_IN_KERNEL, RANK_ROWS, RANK_COLUMNS)
 
 
-def _launch(summaries, k: int, merge: int | None = None) -> dict:
+def selection_launch(summaries, k: int, merge: int | None = None) -> dict:
     """The selection kernel's shape constants and warps for these summaries and k (``merge``
     groups per threshold block; None: `threshold_merge`)."""
     tiles = summaries.tile_max2.shape[1]
@@ -289,7 +289,7 @@ def topk_from_group_maxima(logits: torch.Tensor, summaries, k: int, temperature:
     capacity = capacity_for(k)
     rank_in_kernel = k <= RANK_MAX_K
     gather_in_cuda = GATHER_IN_CUDA and order == "cuda" and not rank_in_kernel
-    log2e_over_t = _LOG2E / temperature
+    log2e_over_t = LOG2E / temperature
     values = torch.empty(rows, k, dtype=torch.float32, device=device)
     columns = torch.empty(rows, k, dtype=torch.int32, device=device)
     lse = torch.empty(rows, dtype=torch.float32, device=device)
@@ -304,7 +304,7 @@ def topk_from_group_maxima(logits: torch.Tensor, summaries, k: int, temperature:
             logits, logits.stride(0), summaries.tile_max2, summaries.tile_sum2, summaries.group_max, group_ids,
             thresholds, group_ids, group_ids, keys, counts, values, columns, lse, overflow, tiles, width, k, capacity,
             log2e_over_t, RANK_IN_KERNEL=rank_in_kernel, GATHER_IN_KERNEL=not gather_in_cuda, STAGES=stages,
-            **_launch(summaries, k))
+            **selection_launch(summaries, k))
     if gather_in_cuda and stages == 4:
         from .topk_candidates import load_extension
 
@@ -345,6 +345,6 @@ def list_groups(summaries, k: int, temperature: float, merge: int | None = None)
         _topk_from_groups_kernel[(rows,)](
             unused, 0, summaries.tile_max2, summaries.tile_sum2, summaries.group_max, group_ids, thresholds,
             group_counts, ranks, unused, listed, unused, unused, lse, overflow, tiles, 0, k, capacity,
-            _LOG2E / temperature, RANK_IN_KERNEL=False, GATHER_IN_KERNEL=False, STAGES=4, COUNT_GROUPS=True,
-            **_launch(summaries, k, merge))
+            LOG2E / temperature, RANK_IN_KERNEL=False, GATHER_IN_KERNEL=False, STAGES=4, COUNT_GROUPS=True,
+            **selection_launch(summaries, k, merge))
     return lse, thresholds, group_ids, listed, group_counts, ranks
