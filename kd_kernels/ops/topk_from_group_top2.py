@@ -32,7 +32,7 @@ from .lm_head_group_maxima import top2_group_columns
 from .sort_keys import ordered_bits, top_of_counted_keys
 from .topk_from_groups import (LOG2E, RANK_MAX_K, RANK_TILE, append_keys, capacity_for, finish_row,
                                group_threshold, kth_largest_bits, list_reaching_groups, listed_columns,
-                               row_logsumexp)
+                               row_logsumexp, selection_launch)
 
 SELECT_WARPS = 1 if os.environ.get("TRITON_INTERPRET") == "1" else 4
 # hidden columns a recompute step reads: 256 over 128, H200 k = 64, 8192 rows: 0.29 against 0.36 ms
