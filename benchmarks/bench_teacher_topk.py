@@ -55,6 +55,15 @@ AFTER_IDLE = ("floor: lm_head matmul", "ours from hidden (cuda)", "ours from hid
               "ours from hidden, lean (cuda)")
 
 
+def _print_ratios(rows, key, protocol, title):
+    print(f"\n{title}")
+    print(f"| provider | k | × matmul, {protocol} |")
+    print("| --- | --- | --- |")
+    for row in rows:
+        if key in row:
+            print(f"| {row['provider']} | {row['k']} | {row[key]:.3f} |")
+
+
 def bench_shape(name, n, h, v, ks, only=None, fused_sweep=False, interleave=False, after_idle=False):
     weight = (torch.randn(v, h, device="cuda") * 0.02).to(torch.bfloat16)
     hidden, entropy, scale = llm_like_hidden(n, h, weight)
@@ -153,20 +162,12 @@ def bench_shape(name, n, h, v, ks, only=None, fused_sweep=False, interleave=Fals
         print(f"| {row['provider']} | {row['k']} | {row['ms']:.2f} ({row['p20']:.2f}–{row['p80']:.2f}) | "
               f"{row['ms'] / floor[row['k']]:.3f} | {rate} | {row['peak_extra_gib']:.3f} |")
     if after_idle:
-        print("\nEach call after 200 ms idle (both at boost clock; median of 10):")
-        print("| provider | k | ms | × matmul, after idle |")
-        print("| --- | --- | --- | --- |")
-        for row in rows:
-            if "ratio_after_idle" in row:
-                print(f"| {row['provider']} | {row['k']} | {row['ms_after_idle']:.2f} | "
-                      f"{row['ratio_after_idle']:.3f} |")
+        _print_ratios(rows, "ratio_after_idle", "after idle",
+                      "Each call after 200 ms idle (both at boost clock; median of 10):")
     if interleave:
-        print("\nTimed in turn (each repetition: the floor, then every provider; median of the per-repetition ratio):")
-        print("| provider | k | × matmul, in turn |")
-        print("| --- | --- | --- |")
-        for row in rows:
-            if "ratio_in_turn" in row:
-                print(f"| {row['provider']} | {row['k']} | {row['ratio_in_turn']:.3f} |")
+        _print_ratios(rows, "ratio_in_turn", "in turn",
+                      "Timed in turn (each repetition: the floor, then every provider; median of the per-repetition "
+                      "ratio):")
     return dict(shape=name, n=n, h=h, v=v, entropy=entropy, copy_gbs=copy_gbs, rows=rows)
 
 

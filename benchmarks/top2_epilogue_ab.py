@@ -2,7 +2,7 @@
 over the schedule's 1024-row chunks of 8192 × 4096 × 151,936 bf16, against cuBLAS: timed in
 blocks, in turn, and each call after 200 ms idle (both at boost clock). ``--before FILE``: the
 old ops/lm_head_group_maxima.py (e.g. ``git show 694f651:kd_kernels/ops/lm_head_group_maxima.py``),
-loaded beside the current one. Then the whole default call at k = 8 and 64 against the floor
+loaded beside the current one (the runs of NOTES e28 used 694f651). Then the whole default call at k = 8 and 64 against the floor
 under the three protocols.
 
 usage: python benchmarks/top2_epilogue_ab.py --before FILE   (one H200)
