@@ -102,9 +102,9 @@ def _thread_groups(z, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_COLUMN
 
 @triton.jit
 def top2_group_columns(group, lane, GROUP_COLUMNS: tl.constexpr):
-    """The column (int32) of ``lane`` of group ``group`` of a `group_top2` matmul (`_thread_groups`:
-    group 4·t + q of a row's ``groups_per_tile`` · t-th … holds, from the column of its first
-    lane on, every 8th pair of columns)."""
+    """The column (int32) of ``lane`` of group ``group`` of a `group_top2` matmul (`_thread_groups`):
+    each run of 4 groups covers 4 · GROUP_COLUMNS columns, and group 4·r + q of it every 8th pair
+    of them from column 2·q of the run on."""
     quarter = group % 4
     return (group - quarter) * GROUP_COLUMNS + 2 * quarter + 8 * (lane // 2) + lane % 2
 

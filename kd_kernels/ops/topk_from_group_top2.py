@@ -3,8 +3,10 @@
 logits stored and only the few groups holding two or more top-k elements computed again.
 
 Let T be the k-th largest group maximum of a row (in the epilogue's units z · log2e / τ:
-rounding is monotone). k distinct groups hold an element ≥ T, so the row's k-th value is ≥ T,
-and an element ≥ T lies in a group whose maximum reaches T. Of those groups, one whose second
+rounding is monotone), or any bound below it (`KTH_STEPS`). k distinct groups hold an element
+≥ T, so the row's k-th value is ≥ T, and an element ≥ T lies in a group whose maximum reaches
+T. The groups are a thread's registers in the matmul, interleaved (`top2_group_columns`). Of
+those reaching T, one whose second
 largest is below T holds exactly one candidate, its maximum, whose value and column the
 matmul left: a key without reading anything else. A group whose second largest reaches T too
 (on LLM logits at k = 64 and V = 151,936 about 0.4 a row: ~C(k, 2) / groups) is computed again
@@ -41,7 +43,7 @@ HIDDEN_STEP = 16 if os.environ.get("TRITON_INTERPRET") == "1" else 256
 GROUPS_PER_STEP = 4  # recomputed groups appended per step of the ranking kernel
 # the listing's threshold: 0, the k-th largest tile maximum (a 32-step bisection on its bits);
 # n > 0, a lower bound of it from n bisection steps in value space (a lower threshold lists a
-# few more groups; T, over the listed maxima, stays exact). H200, 8192 rows: the candidates
+# few more groups; T comes from the listed maxima). H200, 8192 rows: the candidates
 # kernel 0.47 -> 0.33 ms at 8 steps, output bit-identical (results/maxima_selection_ab_607e5de.log)
 LISTING_STEPS = 8
 # T: 0, the k-th largest listed group maximum (a 32-step bisection on its bits); n > 0, a lower
