@@ -8,10 +8,10 @@ rounding is monotone), or any bound below it (`KTH_STEPS`). k distinct groups ho
 T. The groups are a thread's registers in the matmul, interleaved (`top2_group_columns`). Of
 those reaching T, one whose second largest is below T holds exactly one candidate, its
 maximum, whose value and column the matmul left: a key without reading anything else. A group
-whose second largest reaches T too
-(on LLM logits at k = 64 and V = 151,936 about 0.4 a row: ~C(k, 2) / groups) is computed again
-from the row's hidden state and the group's weight rows, and its elements ≥ T (less a margin:
-those sums round apart from the matmul's by ulps) join the keys.
+whose second largest reaches T too (on LLM logits at k = 64 and V = 151,936 about 0.4 a row:
+~C(k, 2) / groups) is computed again from the row's hidden state and the group's weight rows,
+and its elements ≥ T (less a margin: those sums round apart from the matmul's by ulps) join the
+keys.
 
 Three launches per chunk of rows, no host work between them:
 - one program per row: the logsumexp from the tile statistics; the groups reaching the tile
