@@ -135,9 +135,9 @@ def teacher_topk(hidden: torch.Tensor, weight: torch.Tensor, k: int, temperature
 def teacher_schedule(hidden: torch.Tensor, weight: torch.Tensor, k: int) -> str:
     """For 16-bit TMA-aligned inputs: "maxima" for k <= MAXIMA_DEFAULT_K (no logits stored,
     ~50 MiB beyond the outputs at 8192 rows against ~1.25 GiB for "epilogue", at the same speed
-    within the runs' spread: H200 k = 64 1.04-1.10x the matmul in blocks, 1.21-1.31x in turn,
-    against 1.01-1.10x / 1.19-1.27x over three runs; slower at k = 256, 1.27-1.35x against
-    1.07-1.15x), "epilogue" (the
+    within the runs' spread before its epilogue lost its shuffles: H200 k = 64 1.04-1.10x the
+    matmul in blocks, 1.21-1.31x in turn, against 1.01-1.10x / 1.19-1.27x over three runs; 1.08x
+    / 1.15-1.22x after; slower at k = 256, 1.27-1.35x against 1.07-1.16x), "epilogue" (the
     Triton matmul that also stores the float32 logits and summarizes each row, then ~k groups
     read per row) for k <= EPILOGUE_MAX_K, else "cublas" (at k = 1024 with the candidates
     gathered and sorted by the extension 1.15-1.23x the matmul against 1.25-1.34x for cuBLAS +
@@ -180,7 +180,7 @@ def teacher_topk_epilogue(hidden: torch.Tensor, weight: torch.Tensor, k: int, te
     from .ops.topk_from_groups import topk_from_group_maxima
 
     num_rows = hidden.shape[0]
-    width, column_start = (vocab_size, 0) if shard is None else (shard.existing, shard.vocab_start)
+    width = vocab_size if shard is None else shard.existing
     if chunk_rows is None:
         chunk_rows = _chunk_rows(None, num_rows, width)
         if chunk_rows < num_rows:  # whole L2 groups of row tiles: 2207-row chunks cost 3-10 % more than 2048 (H200)
@@ -196,7 +196,7 @@ def teacher_topk_epilogue(hidden: torch.Tensor, weight: torch.Tensor, k: int, te
             chunk, summaries, k, temperature, width, order="cuda" if select == "cuda" else "torch")
     logits = chunk = None  # a redo's logits can take their place
     return _finish_with_redo(overflow, hidden, weight, k, temperature, width, bias, chunk_rows, select,
-                             (values, indices, lse), column_start, shard)
+                             (values, indices, lse), shard)
 
 
 def listed_chunk_rows(num_rows: int, width: int, k: int, group_columns: int = 32) -> int:
@@ -237,7 +237,7 @@ def teacher_topk_listed(hidden: torch.Tensor, weight: torch.Tensor, k: int, temp
     from .ops.topk_of_listed import topk_of_listed
 
     num_rows = hidden.shape[0]
-    width, column_start = (vocab_size, 0) if shard is None else (shard.existing, shard.vocab_start)
+    width = vocab_size if shard is None else shard.existing
     group_columns = default_config().group_columns
     chunk_rows = chunk_rows or listed_chunk_rows(num_rows, width, k, group_columns)
     values, indices, lse = _outputs(num_rows, k, hidden.device)
@@ -256,7 +256,7 @@ def teacher_topk_listed(hidden: torch.Tensor, weight: torch.Tensor, k: int, temp
         values[start:stop] = chunk_values.div_(temperature)
         overflow[start:stop] = chunk_overflow | plan.overflow
     return _finish_with_redo(overflow, hidden, weight, k, temperature, width, bias, chunk_rows, select,
-                             (values, indices, lse), column_start, shard)
+                             (values, indices, lse), shard)
 
 
 def maxima_chunk_rows(num_rows: int, width: int, k: int, group_columns: int = 32) -> int:
@@ -288,7 +288,7 @@ def teacher_topk_maxima(hidden: torch.Tensor, weight: torch.Tensor, k: int, temp
     if not 1 <= k <= MAXIMA_MAX_K:
         raise ValueError(f"k: the maxima schedule takes 1 <= k <= {MAXIMA_MAX_K}, got {k}")
     num_rows = hidden.shape[0]
-    width, column_start = (vocab_size, 0) if shard is None else (shard.existing, shard.vocab_start)
+    width = vocab_size if shard is None else shard.existing
     chunk_rows = chunk_rows or maxima_chunk_rows(num_rows, width, k, default_config().group_columns)
     values, indices, lse = _outputs(num_rows, k, hidden.device)
     overflow = torch.empty(num_rows, dtype=torch.bool, device=hidden.device)
@@ -302,8 +302,7 @@ def teacher_topk_maxima(hidden: torch.Tensor, weight: torch.Tensor, k: int, temp
         summaries = None  # freed before the next chunk's are made
     values.div_(temperature)
     return _finish_with_redo(overflow, hidden, weight, k, temperature, width, bias,
-                             max(1, MAXIMA_BYTES // (4 * weight.shape[0])), select, (values, indices, lse), column_start,
-                             shard)
+                             max(1, MAXIMA_BYTES // (4 * weight.shape[0])), select, (values, indices, lse), shard)
 
 
 def sliced_tile(num_rows: int, k: int, multiprocessors: Optional[int] = None,
@@ -377,7 +376,7 @@ def teacher_topk_sliced(hidden: torch.Tensor, weight: torch.Tensor, k: int, temp
     if not 1 <= k <= SLICED_MAX_K:
         raise ValueError(f"k: the sliced schedule takes 1 <= k <= {SLICED_MAX_K}, got {k}")
     num_rows = hidden.shape[0]
-    width, column_start = (vocab_size, 0) if shard is None else (shard.existing, shard.vocab_start)
+    width = vocab_size if shard is None else shard.existing
     multiprocessors = (torch.cuda.get_device_properties(hidden.device).multi_processor_count
                        if hidden.device.type == "cuda" else None)
     chunk_rows, slice_columns = tile or sliced_tile(num_rows, k, multiprocessors, width)
@@ -399,8 +398,7 @@ def teacher_topk_sliced(hidden: torch.Tensor, weight: torch.Tensor, k: int, temp
         state = slice_logits = summaries = None
     buffer = logits = None  # a redo's logits can take their place
     return _finish_with_redo(overflow, hidden, weight, k, temperature, width, bias,
-                             max(1, SLICED_BYTES // (4 * weight.shape[0])), select, (values, indices, lse), column_start,
-                             shard)
+                             max(1, SLICED_BYTES // (4 * weight.shape[0])), select, (values, indices, lse), shard)
 
 
 def _rank_chunk_keys(state, k: int, temperature: float, select: str, outputs, rows: slice) -> None:
@@ -423,22 +421,20 @@ def _rank_chunk_keys(state, k: int, temperature: float, select: str, outputs, ro
 
 def _finish_with_redo(overflow: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor, k: int, temperature: float,
                       width: int, bias: Optional[torch.Tensor], chunk_rows: int, select: str, outputs,
-                      column_start: int, shard) -> TopK:
+                      shard) -> TopK:
     """`_finish` of ``outputs`` = (tempered values, local ids, lse) with the rows ``overflow``
-    marks redone (`_redo_rows`). Unsharded, the log-probs and global ids are made first and the
-    overflow test is the call's last launch and one host sync: a sync followed by launches left
-    the device idle ~0.3 ms a call on an H200 (`nonzero` syncs twice, then the finishing ops
-    wait for the host; `benchmarks/profile_teacher.py`, NOTES e25)."""
+    marks redone (`_redo_rows`). Unsharded (local ids are the global ones), the log-probs are
+    made first and the overflow test is the call's last launch and one host sync: a sync
+    followed by launches left the device idle ~0.3 ms a call on an H200 (`nonzero` syncs twice,
+    then the finishing ops wait for the host; `benchmarks/profile_teacher.py`, NOTES e25)."""
     values, indices, lse = outputs
     if shard is not None:
         _redo_rows(overflow, hidden, weight, k, temperature, width, bias, chunk_rows, select, outputs)
-        return _finish(values, indices.add_(column_start), lse, k, temperature, shard)
+        return _finish(values, indices.add_(shard.vocab_start), lse, k, temperature, shard)
     values.sub_(lse.unsqueeze(-1))
-    indices.add_(column_start)
     if bool(overflow.any()):
         rows = _redo_rows(overflow, hidden, weight, k, temperature, width, bias, chunk_rows, select, outputs)
         values[rows] = values[rows] - lse[rows].unsqueeze(-1)
-        indices[rows] = indices[rows] + column_start
     return TopK(values, indices, lse, temperature)
 
 

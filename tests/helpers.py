@@ -89,4 +89,3 @@ def check_schedule_with_ties_and_fewer_columns_than_k(schedule):
         expected = reference.teacher_topk(hidden, weight, k, 0.5, width)
         assert torch.equal(few.indices[:, :width].cpu(), expected.indices[:, :width].to(torch.int32).cpu())
         assert torch.isneginf(few.logprobs[:, width:]).all() and (few.indices[:, width:] == 0).all()
-
