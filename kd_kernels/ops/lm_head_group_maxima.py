@@ -11,6 +11,11 @@ the same float32 accumulator, per row:
   groups each hold an element ≥ T), and every element ≥ T lies in a group whose maximum is
   ≥ T, so the top-k is found among ~k groups (ops/topk_from_groups.py), not the whole row.
 
+Asked for no logits and ``group_top2`` (the maxima schedule), it stores none and keeps, per
+group, the maximum's lane and the second largest too, over groups that interleave so that one
+thread of the matrix units holds a whole group (`RowSummaries`, ops/topk_from_group_top2.py):
+1.038× cuBLAS on an H200 against 1.063× for runs of columns (NOTES e28).
+
 H200, 8192 × 4096 × 151,936 bf16 (benchmarks/triton_matmul_probe.py): 128 × 256 × 64 tiles,
 8 warps, 3 stages, the flattened loop: 15.68 ms with the float32 store and these statistics,
 against cuBLAS 14.68 (bf16 out) / 15.40 (float32 out); the statistics alone cost ~0.3 %.
