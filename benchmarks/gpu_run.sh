@@ -12,7 +12,7 @@
 #   RUN_TEACHER=0  benchmarks/bench_teacher_topk.py $TEACHER_ARGS
 #   RUN_TP2=0      two GPUs: the TP = 2 Megatron example and bench_vocab_parallel.py
 #   RUN_E2E=0      benchmarks/bench_e2e_throughput.py $E2E_ARGS (the driver's layouts vs one process)
-#   RUN_PARTS=0    benchmarks/teacher_epilogue_parts.py $PARTS_ARGS (e.g. --listed, --selection-only)
+#   RUN_PARTS=0    benchmarks/teacher_epilogue_parts.py $PARTS_ARGS (e.g. --maxima, --selection-only)
 # *_ARGS are evaluated by the shell (quote names with spaces inside them); *_TIMEOUT in seconds.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}

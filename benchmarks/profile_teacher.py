@@ -4,7 +4,7 @@ not) at 8192 × 4096 × 151,936, k = 64 (or those given), for the backend and sc
 then one call's device timeline: the time before its first kernel and the gaps between kernels.
 
 usage: python benchmarks/profile_teacher.py [--backend triton|cuda] [--lean] [--k 8,64]
-       [--schedule sliced] [--hidden-only]
+       [--schedule maxima] [--hidden-only]
 """
 import argparse
 import os
@@ -24,7 +24,7 @@ def main():
     parser.add_argument("--backend", default="triton")
     parser.add_argument("--lean", action="store_true")
     parser.add_argument("--k", default="64", help="comma-separated")
-    parser.add_argument("--schedule", default="", help="sets KD_KERNELS_TEACHER_SCHEDULE (e.g. sliced, listed)")
+    parser.add_argument("--schedule", default="", help="sets KD_KERNELS_TEACHER_SCHEDULE (e.g. maxima, epilogue)")
     parser.add_argument("--hidden-only", action="store_true", help="skip the from-logits call")
     args = parser.parse_args()
     if args.schedule:

@@ -1,14 +1,11 @@
 """Where the epilogue schedule's time goes (issue #4): the matmul with row summaries per chunk,
-and the top-k from group maxima per chunk at several launch widths, against cuBLAS. With
-``--listed``: the listed schedule's parts instead (the matmul storing no logits, the listing,
-the pair plan, the recomputed groups, the top-k among them) and the whole schedule. With
-``--sliced``: the ≤ 64 MiB sliced schedule: the matmul over the slices alone (with and without
-the float32 store), the whole schedule at several tiles and launches.
+and the top-k from group maxima per chunk at several launch widths, against cuBLAS. (The
+parts of the listed and sliced schedules, since removed, were timed here: benchmarks/NOTES.md.)
 
 ``--top2``: the matmul storing no logits but each group's top two; ``--maxima``: the maxima
 schedule's parts (that matmul, the selection).
 
-usage: python benchmarks/teacher_epilogue_parts.py [--selection-only | --listed | --sliced | --store | --top2 | --maxima]
+usage: python benchmarks/teacher_epilogue_parts.py [--selection-only | --store | --top2 | --maxima]
 """
 from __future__ import annotations
 
@@ -43,82 +40,6 @@ def selection(logits, summaries, k, width, warps, stages=4, rank_max_k=None, ran
 
     return lambda: with_attributes(groups_module, settings, lambda: groups_module.topk_from_group_maxima(
         logits, summaries, k, TEMPERATURE, width, order))
-
-
-def listed_parts(hidden, weight, rows):
-    """The listed schedule's parts per chunk of rows, scaled to all rows, and the whole of it."""
-    from kd_kernels.ops.listed_group_logits import listed_group_logits, plan_pairs
-    from kd_kernels.ops.topk_from_groups import list_groups
-    from kd_kernels.ops.topk_of_listed import topk_of_listed
-    from kd_kernels.teacher_chunked import LISTED_PAIRS_PER_K, listed_chunk_rows, teacher_topk_listed
-
-    n, v = hidden.shape[0], weight.shape[0]
-    for k in (8, 64, 256):
-        default_chunk = listed_chunk_rows(n, v, k)
-        for chunk in sorted({default_chunk, 2048, 1024}):  # 1024 rows: ~48 MiB of buffers at k = 64
-            part, scale = hidden[:chunk], n / chunk
-            matmul = time_ms(lambda: lm_head_logits_with_summaries(part, weight, None, v, TEMPERATURE, None))[0]
-            rows.append((f"k={k}, {chunk} rows: matmul, no logits stored (× {scale:.2f})", matmul * scale))
-            if k == 8:  # without the store's staging 4 stages fit (sm_90 compile: 200 KB of shared memory)
-                four = GroupMaximaConfig(num_stages=4)
-                rows.append((f"{chunk} rows: matmul, no logits stored, 4 stages (× {scale:.2f})", scale * time_ms(
-                    lambda: lm_head_logits_with_summaries(part, weight, None, v, TEMPERATURE, None, four))[0]))
-            summaries = lm_head_logits_with_summaries(part, weight, None, v, TEMPERATURE, None)
-            rows.append((f"k={k}, {chunk} rows: list groups", scale * time_ms(
-                lambda: list_groups(summaries, k, TEMPERATURE))[0]))
-            _, thresholds, group_ids, listed, group_counts, ranks = list_groups(summaries, k, TEMPERATURE)
-            budget = LISTED_PAIRS_PER_K * k * chunk
-            rows.append((f"k={k}, {chunk} rows: pair plan (listed per row: mean {listed.float().mean():.0f}, "
-                         f"max {listed.max().item()}; groups listed: {int((group_counts > 0).sum())})", scale * time_ms(
-                             lambda: plan_pairs(group_ids, listed, group_counts, ranks, budget))[0]))
-            plan = plan_pairs(group_ids, listed, group_counts, ranks, budget)
-            rows.append((f"k={k}, {chunk} rows: recomputed groups", scale * time_ms(
-                lambda: listed_group_logits(part, weight, None, v, plan, summaries.group_columns))[0]))
-            group_logits = listed_group_logits(part, weight, None, v, plan, summaries.group_columns)
-
-            def select():
-                return topk_of_listed(group_logits, plan.offsets, group_ids, listed, thresholds, k, v)
-            redo = int((plan.overflow | select()[2]).sum())
-            rows.append((f"k={k}, {chunk} rows: top-k among them (rows to redo: {redo})", scale * time_ms(select)[0]))
-            rows.append((f"k={k}, {chunk} rows: the whole listed schedule", time_ms(
-                lambda: teacher_topk_listed(hidden, weight, k, TEMPERATURE, v, chunk_rows=chunk, select="cuda"))[0]))
-            print(rows[-1], flush=True)
-
-
-def sliced_parts(hidden, weight, rows):
-    """The ≤ 64 MiB sliced schedule: the epilogue matmul over every (row chunk, vocab slice)
-    alone, with and without the float32 store; the whole schedule per tile and slice-kernel launch."""
-    from kd_kernels.ops import slice_candidates
-    from kd_kernels.ops.lm_head_group_maxima import EpilogueMatmul
-    from kd_kernels.teacher_chunked import sliced_tile, teacher_topk_sliced
-
-    n, v = hidden.shape[0], weight.shape[0]
-    for k in (8, 64, 256):
-        default_tile = sliced_tile(n, k, torch.cuda.get_device_properties(0).multi_processor_count, v)
-        # other tiles within SLICED_BYTES: fewer waves of the matmul's tiles over the whole call
-        # (8192 rows: 297 against 347 for k = 256's old 2560 × 3072, 298 for k = 8's; NOTES e22-e23)
-        others = [(1536, 5632), (2560, 3072)] if k > 64 else [(8192, 1536), (2816, 3072)]
-        for tile in dict.fromkeys([default_tile, *others]):
-            chunk_rows, columns = tile
-            logits = torch.empty(chunk_rows, padded_width(columns), device="cuda")
-
-            def matmul_only(store):
-                for start in range(0, n, chunk_rows):
-                    slices = EpilogueMatmul(hidden[start:start + chunk_rows], weight, None, columns, TEMPERATURE,
-                                            logits if store else None)
-                    for column in range(0, v, columns):
-                        slices(column, min(columns, v - column))
-            for store in (True, False):
-                rows.append((f"k={k}, tile {tile}: the epilogue matmul over the slices alone, "
-                             f"{'storing' if store else 'no'} float32 logits", time_ms(lambda: matmul_only(store))[0]))
-            # more warps at k = 256 ran slower (1 warp 28.0 ms, 2: 32.1, 4: 31.5, 8: 39.3; NOTES e22)
-            for block, warps in ((128, 1), (256, 1)):
-                settings = dict(BLOCK_COLUMNS=block, WARPS=warps)
-                whole = time_ms(lambda: with_attributes(slice_candidates, settings, lambda: teacher_topk_sliced(
-                    hidden, weight, k, TEMPERATURE, v, tile=tile, select="cuda")))[0]
-                rows.append((f"k={k}, tile {tile}: sliced, whole, slice kernel {block} columns a step, {warps} warps",
-                             whole))
-                print(rows[-1], flush=True)
 
 
 def store_parts(hidden, weight, rows):
@@ -194,8 +115,6 @@ def maxima_parts(hidden, weight, rows):
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--selection-only", action="store_true", help="skip the matmul parts")
-    parser.add_argument("--listed", action="store_true", help="the listed schedule's parts only")
-    parser.add_argument("--sliced", action="store_true", help="the sliced schedule's parts only")
     parser.add_argument("--store", action="store_true", help="the float32 store's cost only (with float16, none)")
     parser.add_argument("--top2", action="store_true", help="the matmul with each group's top two, no logits")
     parser.add_argument("--maxima", action="store_true", help="the maxima schedule's parts only")
@@ -208,9 +127,8 @@ def main():
     full = time_ms(lambda: hidden @ weight.T)[0]
     rows.append(("cuBLAS bf16, 8192 rows", full))
     rows.append(("cuBLAS fp32 out, 8192 rows", time_ms(lambda: torch.mm(hidden, weight.T, out_dtype=torch.float32))[0]))
-    if args.listed or args.sliced or args.store or args.top2 or args.maxima:
-        parts = (listed_parts if args.listed else sliced_parts if args.sliced else store_parts if args.store
-                 else top2_parts if args.top2 else maxima_parts)
+    if args.store or args.top2 or args.maxima:
+        parts = store_parts if args.store else top2_parts if args.top2 else maxima_parts
         parts(hidden, weight, rows)
         print_table(rows, full, n, h, v, entropy)
         return

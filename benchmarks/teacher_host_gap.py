@@ -4,12 +4,18 @@ Times (device events, median of 10) the bare matmul and ``kd.teacher_topk`` from
 (timing starts before the host has launched anything: its Python work before the first kernel
 counts) and behind a 3 ms device sleep (the host launches while the device is busy, as in a
 training step, where the teacher's forward runs before its lm_head), the sleep subtracted.
+``--host-profile N``: then the host's own work per call, calls made behind a long device sleep
+(the host never waits for the device but at the call's final sync), by cProfile: the N
+functions with the most time of their own, and the whole call's host time.
 
-usage: python benchmarks/teacher_host_gap.py [--schedule epilogue,sliced] [--k 8,64]
+usage: python benchmarks/teacher_host_gap.py [--schedule epilogue,maxima] [--k 8,64] [--host-profile 30]
 """
 import argparse
+import cProfile
 import os
+import pstats
 import sys
+import time
 
 import torch
 
@@ -19,6 +25,32 @@ import kd_kernels as kd  # noqa: E402
 from harness import llm_like_hidden, time_ms, with_env  # noqa: E402
 
 SLEEP_CYCLES = 5_000_000
+PROFILE_SLEEP_CYCLES = 100_000_000  # ~50 ms: longer than any call's host work
+PROFILE_CALLS = 20
+
+
+def host_profile(name, call, top):
+    """cProfile of PROFILE_CALLS calls, each behind a long device sleep; prints the host time of
+    a call up to its final sync (the sync's wait excluded) and the ``top`` functions by own time."""
+    call()
+    torch.cuda.synchronize()
+    profiler = cProfile.Profile()
+    host_ms = []
+    for _ in range(PROFILE_CALLS):
+        torch.cuda._sleep(PROFILE_SLEEP_CYCLES)
+        start = time.perf_counter()
+        profiler.enable()
+        call()
+        profiler.disable()
+        host_ms.append(1e3 * (time.perf_counter() - start))
+        torch.cuda.synchronize()
+    stats = pstats.Stats(profiler)
+    # the final sync waits for the sleep: its wait is the own time of the call that reads the device
+    waits = [(func, row[2]) for func, row in stats.stats.items() if row[2] / PROFILE_CALLS > 5e-3]
+    waited = sum(seconds for _, seconds in waits) / PROFILE_CALLS * 1e3
+    print(f"\n{name}: host {sorted(host_ms)[len(host_ms) // 2] - waited:.3f} ms a call without the "
+          f"final sync's wait ({waited:.2f} ms in {[pstats.func_std_string(func) for func, _ in waits]})")
+    stats.sort_stats("tottime").print_stats(top)
 
 
 def main():
@@ -26,6 +58,8 @@ def main():
     parser.add_argument("--schedule", default="", help="comma-separated KD_KERNELS_TEACHER_SCHEDULE values "
                                                        "(default: the default schedule only)")
     parser.add_argument("--k", default="8,64", help="comma-separated")
+    parser.add_argument("--host-profile", type=int, default=0, help="print this many functions of each call's "
+                                                                     "host profile (0: no profile)")
     args = parser.parse_args()
     n, h, v = 8192, 4096, 151_936
     weight = (torch.randn(v, h, device="cuda") * 0.02).to(torch.bfloat16)
@@ -44,6 +78,8 @@ def main():
         alone = time_ms(call)[0]
         behind = time_ms(lambda: (torch.cuda._sleep(SLEEP_CYCLES), call()))[0] - sleep
         print(f"| {name} | {alone:.2f} | {behind:.2f} |", flush=True)
+    for name, call in list(calls.items())[1:] if args.host_profile else []:
+        host_profile(name, call, args.host_profile)
 
 
 if __name__ == "__main__":

@@ -91,11 +91,7 @@ def teacher_topk(hidden: torch.Tensor, weight: torch.Tensor, k: int = 64, *, tem
             benchmarks/RESULTS.md); the backend's own selection then only redoes rows of massive
             ties.
             ``KD_KERNELS_TEACHER_SCHEDULE=cublas`` forces cuBLAS logits + the full-row selection;
-            ``=epilogue`` / ``=maxima`` (k <= 256) one of the two above; ``=listed`` the same
-            matmul storing no logits, the ~k column groups per row that can hold the top-k
-            computed again (≤ 512 MiB of buffers; timed no faster: 0.99-1.11x in blocks at
-            k <= 64, 2.1x at k = 1024); ``=sliced`` (k <= 256) the epilogue matmul over vocab
-            slices of row chunks (1.2-1.6x at ≤ 64 MiB).
+            ``=epilogue`` / ``=maxima`` (k <= 256) one of the two above.
         chunk_rows: rows per chunk on the GPU backends (``chunk_rows · V · 4`` bytes for the
             schedules that store logits); None: ~1.25 GiB, or within ~56 MiB for the maxima one.
         lean: ≤ ~64 MiB beyond the inputs and outputs whatever N and V: bf16 / fp16 inputs with

@@ -13,8 +13,7 @@ from kd_kernels import reference
 from kd_kernels.ops.lm_head_group_maxima import default_config, lm_head_logits_with_summaries, padded_width
 from kd_kernels.ops import topk_from_groups as groups_module
 from kd_kernels.ops.topk_from_groups import topk_from_group_maxima
-from kd_kernels.teacher_chunked import (MAXIMA_MAX_K, SLICED_MAX_K, teacher_schedule, teacher_topk_epilogue,
-                                        teacher_topk_listed, teacher_topk_maxima, teacher_topk_sliced)
+from kd_kernels.teacher_chunked import MAXIMA_MAX_K, teacher_schedule, teacher_topk_epilogue, teacher_topk_maxima
 
 pytestmark = pytest.mark.interpret
 DEVICE = "cuda" if HAS_CUDA else "cpu"
@@ -116,15 +115,14 @@ def test_a_large_k_ranked_in_the_kernel_or_sorted_outside(monkeypatch, rank_max_
     assert torch.allclose(lse.double().cpu(), torch.logsumexp(exact / 2.0, -1).cpu(), atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("schedule", [teacher_topk_epilogue, teacher_topk_listed])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("k, temperature, chunk_rows", [(1, 1.0, None), (6, 0.7, 16), (40, 2.0, 20)])
-def test_the_epilogue_schedules_match_the_reference(schedule, dtype, k, temperature, chunk_rows):
+def test_the_epilogue_schedule_matches_the_reference(dtype, k, temperature, chunk_rows):
     generator = torch.Generator().manual_seed(k + 300)
     hidden = torch.randn(37, 16, generator=generator).to(DEVICE, dtype)
     weight = torch.randn(203, 16, generator=generator).to(DEVICE, dtype)
     bias = torch.randn(203, generator=generator).to(DEVICE, dtype)
-    top = schedule(hidden, weight, k, temperature, 200, bias, chunk_rows)
+    top = teacher_topk_epilogue(hidden, weight, k, temperature, 200, bias, chunk_rows)
     logits = reference.lm_head_logits(hidden, weight, bias)
     _check(top, reference.teacher_topk(hidden, weight, k, temperature, 200, bias), 1e-5, logits, temperature, 200)
     assert top.temperature == temperature and (top.indices < 200).all()
@@ -158,13 +156,13 @@ def test_the_schedule_choice_and_its_switch(monkeypatch):
     monkeypatch.setenv("KD_KERNELS_TEACHER_SCHEDULE", "cublas")
     assert teacher_schedule(*half, 64) == "cublas"
     # the epilogue-matmul schedules, forced: taken past EPILOGUE_MAX_K, refused where it does not apply
-    for schedule, unfit in (("epilogue", single), ("maxima", odd), ("listed", odd), ("sliced", single)):
+    for schedule, unfit in (("epilogue", single), ("maxima", odd)):
         monkeypatch.setenv("KD_KERNELS_TEACHER_SCHEDULE", schedule)
         assert teacher_schedule(*half, 2048) == schedule
         with pytest.raises(ValueError, match=f"KD_KERNELS_TEACHER_SCHEDULE={schedule}: needs bf16 / fp16"):
             teacher_schedule(*unfit, 64)
     monkeypatch.setenv("KD_KERNELS_TEACHER_SCHEDULE", "fast")
-    with pytest.raises(ValueError, match="expected 'epilogue', 'maxima', 'listed', 'sliced' or 'cublas', got 'fast'"):
+    with pytest.raises(ValueError, match="expected 'epilogue', 'maxima' or 'cublas', got 'fast'"):
         teacher_schedule(*half, 64)
 
 
@@ -187,17 +185,10 @@ def test_the_public_function_takes_the_default_schedule_and_agrees_with_cublas(k
     assert torch.allclose(default.logprobs, cublas.logprobs, atol=1e-5, rtol=0)
 
 
-def _sliced_in_2048_columns(hidden, weight, k, temperature, vocab_size, bias, chunk_rows):
-    return teacher_topk_sliced(hidden, weight, k, temperature, vocab_size, bias, tile=(chunk_rows, 2048))
-
-
 @pytest.mark.gpu
-@pytest.mark.parametrize("schedule", [teacher_topk_epilogue, teacher_topk_maxima, teacher_topk_listed,
-                                      _sliced_in_2048_columns])
+@pytest.mark.parametrize("schedule", [teacher_topk_epilogue, teacher_topk_maxima])
 @pytest.mark.parametrize("k", [8, 64, 256, 1024])
 def test_gpu_real_shape_epilogue_schedules_with_massive_ties(schedule, k):
-    if schedule is _sliced_in_2048_columns and k > SLICED_MAX_K:
-        pytest.skip(f"the sliced schedule takes k <= {SLICED_MAX_K}")
     if schedule is teacher_topk_maxima and k > MAXIMA_MAX_K:
         pytest.skip(f"the maxima schedule takes k <= {MAXIMA_MAX_K}")
     generator = torch.Generator(device="cuda").manual_seed(k + 7)

@@ -207,7 +207,7 @@ def lm_head_logits_with_summaries(hidden: torch.Tensor, weight: torch.Tensor, bi
     the interpreter's tests), bias ``[≥ width]`` or None -> the float32 logits
     ``hidden @ weight[:width].T + bias`` written into ``logits [R, ≥ width]`` (rows 16-byte
     aligned: `padded_width`), and the rows' `RowSummaries`. ``logits=None``: the summaries
-    only, no logits stored (the listed schedule recomputes the few groups it needs).
+    only, no logits stored (the maxima schedule recomputes the few groups it needs).
     ``group_top2``: each group's maximum column and second largest too (`RowSummaries`)."""
     return EpilogueMatmul(hidden, weight, bias, width, temperature, logits, config, group_top2)(0, width)
 
@@ -215,8 +215,8 @@ def lm_head_logits_with_summaries(hidden: torch.Tensor, weight: torch.Tensor, bi
 class EpilogueMatmul:
     """The epilogue matmul of one block of rows against column slices of the weight (each at
     most ``max_width`` columns) into one logits buffer, its descriptors, summaries and grid made
-    once: a slice's host work is then one launch (the sliced schedule's ~100 slices a call were
-    bound by the host otherwise). Arguments as `lm_head_logits_with_summaries`'s, ``weight`` and
+    once: a slice's host work is then one launch (a schedule of ~100 vocab slices a call, since
+    removed, was bound by the host otherwise). Arguments as `lm_head_logits_with_summaries`'s, ``weight`` and
     ``bias`` whole (the slices are offsets into them)."""
 
     def __init__(self, hidden: torch.Tensor, weight: torch.Tensor, bias, max_width: int, temperature: float,

@@ -18,8 +18,8 @@ Three launches per chunk of rows, no host work between them:
   threshold (ops/topk_from_groups.py; ~k of them); T by bisection over their maxima; the
   single-candidate keys; the ids of the groups to compute again (at most `most_groups_again`);
 - one program per (row, slot of a group to compute again), most exiting at once: that group's
-  logits, a 16-row tensor-core dot whose weight loads are pipelined (the listed schedule's pair
-  plan grouping pairs by group cost ~15 small launches a chunk: NOTES e25);
+  logits, a 16-row tensor-core dot whose weight loads are pipelined (a plan grouping the pairs
+  by group cost ~15 small launches a chunk: NOTES e25);
 - one program per row: the recomputed elements ≥ T appended to the keys, the keys ranked.
 """
 from __future__ import annotations
@@ -97,8 +97,8 @@ def _group_top2_candidates_kernel(tile_max2_ptr, tile_sum2_ptr, group_max_ptr, g
         threshold = group_threshold(tile_max2, group_max_ptr + group_row, groups, tiles, k, log2e_over_t, TILES,
                                     THRESHOLD_BLOCKS, MERGE, GROUPS_PER_TILE)
     row_ids = group_ids_ptr + row * capacity
-    listed = list_reaching_groups(group_max_ptr + group_row, groups, threshold, log2e_over_t, row_ids, row_ids,
-                                  row_ids, capacity, GROUP_BLOCK, False)
+    listed = list_reaching_groups(group_max_ptr + group_row, groups, threshold, log2e_over_t, row_ids, capacity,
+                                  GROUP_BLOCK)
     tl.debug_barrier()  # every thread's group ids are in memory
     slot = tl.arange(0, SLOTS)
     in_list = slot < tl.minimum(listed, capacity)

@@ -189,12 +189,10 @@ def group_threshold(tile_max2, group_row, groups, tiles, k, log2e_over_t, TILES:
 
 
 @triton.jit
-def list_reaching_groups(group_row, groups, threshold, log2e_over_t, row_group_ids_ptr, group_counts_ptr,
-                         row_ranks_ptr, capacity, GROUP_BLOCK: tl.constexpr, COUNT_GROUPS: tl.constexpr):
+def list_reaching_groups(group_row, groups, threshold, log2e_over_t, row_group_ids_ptr, capacity,
+                         GROUP_BLOCK: tl.constexpr):
     """The ids of the groups whose maximum reaches ``threshold``, in column order, into the
-    row's first slots (those past ``capacity`` dropped); returns how many reach it. With
-    COUNT_GROUPS each (row, group) pair's place among the group's pairs too (an atomic a pair:
-    the listed schedule's pairs are then grouped by group without a sort)."""
+    row's first slots (those past ``capacity`` dropped); returns how many reach it."""
     listed = tl.zeros([], tl.int32)
     block = tl.arange(0, GROUP_BLOCK)
     for start in range(0, groups, GROUP_BLOCK):
@@ -203,23 +201,20 @@ def list_reaching_groups(group_row, groups, threshold, log2e_over_t, row_group_i
         candidate = (group < groups) & (ordered_bits(block_max2) >= threshold)
         slot = listed + tl.cumsum(candidate.to(tl.int32), axis=0) - 1
         tl.store(row_group_ids_ptr + slot, group, mask=candidate & (slot < capacity))
-        if COUNT_GROUPS:
-            rank = tl.atomic_add(group_counts_ptr + group, 1, mask=candidate & (slot < capacity), sem="relaxed")
-            tl.store(row_ranks_ptr + slot, rank, mask=candidate & (slot < capacity))
         listed += tl.sum(candidate.to(tl.int32), axis=0)
     return listed
 
 
 @triton.jit
 def _topk_from_groups_kernel(logits_ptr, stride_row, tile_max2_ptr, tile_sum2_ptr, group_max_ptr, group_ids_ptr,
-                             thresholds_ptr, group_counts_ptr, ranks_ptr, keys_ptr, counts_ptr, values_ptr,
+                             thresholds_ptr, keys_ptr, counts_ptr, values_ptr,
                              columns_ptr, lse_ptr, overflow_ptr, tiles, width, k, capacity, log2e_over_t,
                              TILES: tl.constexpr,
                              THRESHOLD_BLOCKS: tl.constexpr, MERGE: tl.constexpr,
                              GROUPS_PER_TILE: tl.constexpr, GROUP_COLUMNS: tl.constexpr, GROUP_BLOCK: tl.constexpr,
                              GROUPS_PER_STEP: tl.constexpr, RANK_ROWS: tl.constexpr, RANK_COLUMNS: tl.constexpr,
                              RANK_IN_KERNEL: tl.constexpr, GATHER_IN_KERNEL: tl.constexpr,
-                             STAGES: tl.constexpr = 4, COUNT_GROUPS: tl.constexpr = False):
+                             STAGES: tl.constexpr = 4):
     # STAGES < 4 stops early (benchmarks/teacher_epilogue_parts.py times the stages): 1 the lse,
     # 2 the threshold, 3 the listed groups, 4 everything
     row = tl.program_id(0).to(tl.int64)
@@ -234,7 +229,7 @@ def _topk_from_groups_kernel(logits_ptr, stride_row, tile_max2_ptr, tile_sum2_pt
         tl.store(counts_ptr + row, threshold)
         return
     listed = list_reaching_groups(group_row, groups, threshold, log2e_over_t, group_ids_ptr + row * capacity,
-                                  group_counts_ptr, ranks_ptr + row * capacity, capacity, GROUP_BLOCK, COUNT_GROUPS)
+                                  capacity, GROUP_BLOCK)
     tl.debug_barrier()  # every thread's group ids are in memory
 
     if STAGES < 4:
@@ -302,7 +297,7 @@ def topk_from_group_maxima(logits: torch.Tensor, summaries, k: int, temperature:
     if rows:
         _topk_from_groups_kernel[(rows,)](
             logits, logits.stride(0), summaries.tile_max2, summaries.tile_sum2, summaries.group_max, group_ids,
-            thresholds, group_ids, group_ids, keys, counts, values, columns, lse, overflow, tiles, width, k, capacity,
+            thresholds, keys, counts, values, columns, lse, overflow, tiles, width, k, capacity,
             log2e_over_t, RANK_IN_KERNEL=rank_in_kernel, GATHER_IN_KERNEL=not gather_in_cuda, STAGES=stages,
             **selection_launch(summaries, k))
     if gather_in_cuda and stages == 4:
@@ -315,36 +310,3 @@ def topk_from_group_maxima(logits: torch.Tensor, summaries, k: int, temperature:
         values, columns = top_of_counted_keys(keys, counts, k, order)
     return values.div_(temperature), columns, lse, overflow.bool()
 
-
-def list_groups(summaries, k: int, temperature: float, merge: int | None = None):
-    """Each row's logsumexp, threshold and the groups that can hold its top-k, from the
-    `RowSummaries` alone (no logits read): (lse ``[R]`` float32 at τ; thresholds ``[R]`` int32,
-    the ordered bits of T · log2e / τ, the smallest int32 where fewer than k blocks exist;
-    group_ids ``[R, capacity_for(k)]`` int32, the first ``listed`` in column order; listed
-    ``[R]`` int32, the count of groups whose maximum reaches T (may exceed the capacity: such a
-    row overflows); group_counts ``[G]`` int32, how many rows list each group (within their
-    capacity); ranks ``[R, capacity_for(k)]`` int32, each listed pair's place among its group's
-    pairs, in the order the rows' atomics came). At least k listed groups hold an element ≥ T
-    each, where k blocks exist. ``merge``: adjacent groups per threshold block (None:
-    `threshold_merge`; 1, the k-th largest group maximum, lists the fewest groups)."""
-    rows, tiles = summaries.tile_max2.shape
-    groups = summaries.group_max.shape[1]
-    device = summaries.group_max.device
-    if merge is not None and (merge < 1 or (groups // tiles) % merge):
-        raise ValueError(f"merge: expected a divisor of the {groups // tiles} groups per tile, got {merge}")
-    capacity = capacity_for(k)
-    lse = torch.empty(rows, dtype=torch.float32, device=device)
-    thresholds = torch.empty(rows, dtype=torch.int32, device=device)
-    listed = torch.empty(rows, dtype=torch.int32, device=device)
-    overflow = torch.empty(rows, dtype=torch.int8, device=device)  # the kernel's; listed > capacity says it
-    group_ids = torch.empty(rows, capacity, dtype=torch.int32, device=device)
-    group_counts = torch.zeros(groups, dtype=torch.int32, device=device)
-    ranks = torch.empty(rows, capacity, dtype=torch.int32, device=device)
-    if rows:
-        unused = summaries.group_max  # the gather's operands: this call stops before the gather
-        _topk_from_groups_kernel[(rows,)](
-            unused, 0, summaries.tile_max2, summaries.tile_sum2, summaries.group_max, group_ids, thresholds,
-            group_counts, ranks, unused, listed, unused, unused, lse, overflow, tiles, 0, k, capacity,
-            LOG2E / temperature, RANK_IN_KERNEL=False, GATHER_IN_KERNEL=False, STAGES=4, COUNT_GROUPS=True,
-            **selection_launch(summaries, k, merge))
-    return lse, thresholds, group_ids, listed, group_counts, ranks
