@@ -5,8 +5,8 @@ Times (device events, median of 10) the bare matmul and ``kd.teacher_topk`` from
 counts) and behind a 3 ms device sleep (the host launches while the device is busy, as in a
 training step, where the teacher's forward runs before its lm_head), the sleep subtracted.
 ``--host-profile N``: then the host's own work per call, calls made behind a long device sleep
-(the host never waits for the device but at the call's final sync), by cProfile: the N
-functions with the most time of their own, and the whole call's host time.
+(the host never waits for the device but at the call's final sync): the time to the first
+matmul launch and to the final sync, then cProfile's N functions with the most time of their own.
 
 usage: python benchmarks/teacher_host_gap.py [--schedule epilogue,maxima] [--k 8,64] [--host-profile 30]
 """
@@ -29,28 +29,62 @@ PROFILE_SLEEP_CYCLES = 100_000_000  # ~50 ms: longer than any call's host work
 PROFILE_CALLS = 20
 
 
+def host_milestones(call, profile: bool = False):
+    """Median host ms from a call's start, made behind a long device sleep, to (the first
+    epilogue-matmul launch, the entry of the final sync's function ``_finish_with_redo``);
+    with ``profile``, the cProfile stats of the calls up to their first launch, else None."""
+    from kd_kernels import teacher_chunked
+    from kd_kernels.ops import lm_head_group_maxima
+
+    marks, before_launch = {}, cProfile.Profile()
+    finish, launch = teacher_chunked._finish_with_redo, lm_head_group_maxima.EpilogueMatmul.__call__
+
+    def finish_marked(*args, **kwargs):
+        marks.setdefault("sync", time.perf_counter())
+        return finish(*args, **kwargs)
+
+    def launch_marked(self, *args, **kwargs):
+        if "launch" not in marks:
+            before_launch.disable()
+            marks["launch"] = time.perf_counter()
+        return launch(self, *args, **kwargs)
+    teacher_chunked._finish_with_redo, lm_head_group_maxima.EpilogueMatmul.__call__ = finish_marked, launch_marked
+    first, last = [], []
+    try:
+        for _ in range(PROFILE_CALLS):
+            torch.cuda._sleep(PROFILE_SLEEP_CYCLES)
+            marks.clear()
+            start = time.perf_counter()
+            if profile:
+                before_launch.enable()
+            call()
+            first.append(1e3 * (marks.get("launch", start) - start))
+            last.append(1e3 * (marks.get("sync", start) - start))
+            torch.cuda.synchronize()
+    finally:
+        teacher_chunked._finish_with_redo, lm_head_group_maxima.EpilogueMatmul.__call__ = finish, launch
+    return (sorted(first)[len(first) // 2], sorted(last)[len(last) // 2],
+            pstats.Stats(before_launch) if profile else None)
+
+
 def host_profile(name, call, top):
-    """cProfile of PROFILE_CALLS calls, each behind a long device sleep; prints the host time of
-    a call up to its final sync (the sync's wait excluded) and the ``top`` functions by own time."""
+    """The host's milestones of a call (`host_milestones`, no profiler), then a cProfile of
+    PROFILE_CALLS calls, each behind a long device sleep: the ``top`` functions by own time (the
+    final sync's wait is ``_finish_with_redo``'s own time)."""
     call()
     torch.cuda.synchronize()
+    to_launch, to_sync, _ = host_milestones(call)
+    print(f"\n{name}: host {to_launch:.3f} ms from the call to the first matmul launch, {to_sync:.3f} ms to the "
+          f"final sync (no profiler); up to the first launch, by cumulative time:")
+    host_milestones(call, profile=True)[2].sort_stats("cumulative").print_stats(top)
     profiler = cProfile.Profile()
-    host_ms = []
     for _ in range(PROFILE_CALLS):
         torch.cuda._sleep(PROFILE_SLEEP_CYCLES)
-        start = time.perf_counter()
         profiler.enable()
         call()
         profiler.disable()
-        host_ms.append(1e3 * (time.perf_counter() - start))
         torch.cuda.synchronize()
-    stats = pstats.Stats(profiler)
-    # the final sync waits for the sleep: its wait is the own time of the call that reads the device
-    waits = [(func, row[2]) for func, row in stats.stats.items() if row[2] / PROFILE_CALLS > 5e-3]
-    waited = sum(seconds for _, seconds in waits) / PROFILE_CALLS * 1e3
-    print(f"\n{name}: host {sorted(host_ms)[len(host_ms) // 2] - waited:.3f} ms a call without the "
-          f"final sync's wait ({waited:.2f} ms in {[pstats.func_std_string(func) for func, _ in waits]})")
-    stats.sort_stats("tottime").print_stats(top)
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(top)
 
 
 def main():

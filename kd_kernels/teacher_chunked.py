@@ -75,11 +75,13 @@ def _chunk_candidates(logits: torch.Tensor, bias: Optional[torch.Tensor], k: int
     return values, columns + column_start, lse_tempered
 
 
-def _outputs(num_rows: int, k: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Empty tempered values ``[N, k]`` float32, ids ``[N, k]`` int32 (ids < 2^31) and lse ``[N]``."""
-    return (torch.empty(num_rows, k, dtype=torch.float32, device=device),
-            torch.empty(num_rows, k, dtype=torch.int32, device=device),
-            torch.empty(num_rows, dtype=torch.float32, device=device))
+def _outputs(num_rows: int, k: int, device, with_overflow: bool = False) -> tuple[torch.Tensor, ...]:
+    """Empty tempered values ``[N, k]`` float32, ids ``[N, k]`` int32 (ids < 2^31), lse ``[N]``
+    and, ``with_overflow``, the rows-to-redo mask ``[N]`` bool."""
+    outputs = (torch.empty(num_rows, k, dtype=torch.float32, device=device),
+               torch.empty(num_rows, k, dtype=torch.int32, device=device),
+               torch.empty(num_rows, dtype=torch.float32, device=device))
+    return outputs + (torch.empty(num_rows, dtype=torch.bool, device=device),) if with_overflow else outputs
 
 
 def _finish(values, indices, lse_tempered, k, temperature, shard) -> TopK:
@@ -166,15 +168,17 @@ def teacher_topk_epilogue(hidden: torch.Tensor, weight: torch.Tensor, k: int, te
         if chunk_rows < num_rows:  # whole L2 groups of row tiles: 2207-row chunks cost 3-10 % more than 2048 (H200)
             chunk_rows = max(EPILOGUE_ROW_MULTIPLE, chunk_rows // EPILOGUE_ROW_MULTIPLE * EPILOGUE_ROW_MULTIPLE)
     logits = torch.empty(min(chunk_rows, num_rows), padded_width(width), dtype=torch.float32, device=hidden.device)
-    values, indices, lse = _outputs(num_rows, k, hidden.device)
-    overflow = torch.empty(num_rows, dtype=torch.bool, device=hidden.device)
+    outputs = None  # made once the first matmul is launched: the device starts sooner
     for start in range(0, num_rows, chunk_rows):
         stop = min(start + chunk_rows, num_rows)
         chunk = logits[:stop - start]
         summaries = lm_head_logits_with_summaries(hidden[start:stop], weight, bias, width, temperature, chunk)
+        outputs = outputs or _outputs(num_rows, k, hidden.device, with_overflow=True)
+        values, indices, lse, overflow = outputs
         values[start:stop], indices[start:stop], lse[start:stop], overflow[start:stop] = topk_from_group_maxima(
             chunk, summaries, k, temperature, width, order="cuda" if select == "cuda" else "torch")
     logits = chunk = None  # a redo's logits can take their place
+    values, indices, lse, overflow = outputs or _outputs(num_rows, k, hidden.device, with_overflow=True)
     return _finish_with_redo(overflow, hidden, weight, k, temperature, width, bias, chunk_rows, select,
                              (values, indices, lse), shard)
 
@@ -217,16 +221,18 @@ def teacher_topk_maxima(hidden: torch.Tensor, weight: torch.Tensor, k: int, temp
     num_rows = hidden.shape[0]
     width = vocab_size if shard is None else shard.existing
     chunk_rows = chunk_rows or maxima_chunk_rows(num_rows, width, k, default_config().group_columns)
-    values, indices, lse = _outputs(num_rows, k, hidden.device)
-    overflow = torch.empty(num_rows, dtype=torch.bool, device=hidden.device)
+    outputs = None  # made once the first matmul is launched: the device starts sooner
     for start in range(0, num_rows, chunk_rows):
         rows = slice(start, min(start + chunk_rows, num_rows))
         summaries = lm_head_logits_with_summaries(hidden[rows], weight, bias, width, temperature, None,
                                                   group_top2=True)
+        outputs = outputs or _outputs(num_rows, k, hidden.device, with_overflow=True)
+        values, indices, lse, overflow = outputs
         topk_from_group_top2(hidden[rows], weight, bias, summaries, k, temperature, width,
                              (values[rows], indices[rows], lse[rows], overflow[rows]),
                              order="cuda" if select == "cuda" else "torch")
         summaries = None  # freed before the next chunk's are made
+    values, indices, lse, overflow = outputs or _outputs(num_rows, k, hidden.device, with_overflow=True)
     values.div_(temperature)
     return _finish_with_redo(overflow, hidden, weight, k, temperature, width, bias,
                              max(1, MAXIMA_BYTES // (4 * weight.shape[0])), select, (values, indices, lse), shard)

@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .buffers import empty_parts, multiprocessor_count
 from .tma import row_tile_descriptor, tma_rows
 
 
@@ -245,19 +246,18 @@ class EpilogueMatmul:
             store_columns = config.block_n // 2 if config.subtile else config.block_n
             self.logits_desc = row_tile_descriptor(logits[:, :max_width], "logits", [config.block_m, store_columns],
                                                    user)
-        self.multiprocessors = (torch.cuda.get_device_properties(hidden.device).multi_processor_count
+        self.multiprocessors = (multiprocessor_count(hidden.device.index if hidden.device.index is not None
+                                                     else torch.cuda.current_device())
                                 if hidden.device.type == "cuda" else 3)  # the interpreter: several tiles a program
 
     def _summaries(self, width: int) -> RowSummaries:
         column_tiles = -(-width // self.config.block_n)
         groups = column_tiles * (self.config.block_n // self.config.group_columns)
-        rows, device = self.hidden.shape[0], self.hidden.device
-        top2 = ((torch.empty(rows, groups, dtype=torch.int8, device=device),
-                 torch.empty(rows, groups, dtype=torch.float32, device=device)) if self.group_top2 else (None, None))
-        return RowSummaries(torch.empty(rows, column_tiles, dtype=torch.float32, device=device),
-                            torch.empty(rows, column_tiles, dtype=torch.float32, device=device),
-                            torch.empty(rows, groups, dtype=torch.float32, device=device), self.config.group_columns,
-                            *top2)
+        rows = self.hidden.shape[0]
+        tile_parts = [((rows, column_tiles), torch.float32)] * 2 + [((rows, groups), torch.float32)]
+        top2_parts = [((rows, groups), torch.int8), ((rows, groups), torch.float32)] if self.group_top2 else []
+        tile_max2, tile_sum2, group_max, *top2 = empty_parts(self.hidden.device, *tile_parts, *top2_parts)
+        return RowSummaries(tile_max2, tile_sum2, group_max, self.config.group_columns, *(top2 or (None, None)))
 
     def __call__(self, column_start: int, width: int) -> RowSummaries:
         """Columns ``column_start … column_start + width`` (width ≤ max_width) -> their logits
