@@ -49,6 +49,9 @@ EPILOGUE_ROW_MULTIPLE = 1024  # the epilogue matmul's L2 group of row tiles (8 �
 MAXIMA_BYTES = 56 << 20
 MAXIMA_MAX_K = 256
 MAXIMA_DEFAULT_K = 64  # the default schedule up to here (H200: the epilogue schedule is faster at k = 256)
+# the appended schedule: a chunk's sample logits or keys (the same bytes), tile statistics, the sort's outputs
+APPENDED_BYTES = 56 << 20
+APPENDED_MAX_K = 1024  # the keys' slots (~1.5 · r · stride a row) stay within the extension sort's 4096
 
 
 def _cuda_candidates(logits: torch.Tensor, k: int, temperature: float, width: int, column_start: int):
@@ -114,6 +117,8 @@ def teacher_topk(hidden: torch.Tensor, weight: torch.Tensor, k: int, temperature
         return teacher_topk_epilogue(hidden, weight, k, temperature, vocab_size, bias, chunk_rows, shard, select)
     if schedule == "maxima":
         return teacher_topk_maxima(hidden, weight, k, temperature, vocab_size, bias, chunk_rows, shard, select)
+    if schedule == "appended":
+        return teacher_topk_appended(hidden, weight, k, temperature, vocab_size, bias, chunk_rows, shard, select)
     return teacher_topk_cublas(hidden, weight, k, temperature, vocab_size, bias, chunk_rows, shard, select)
 
 
@@ -133,10 +138,11 @@ def teacher_schedule(hidden: torch.Tensor, weight: torch.Tensor, k: int) -> str:
     from .ops.lm_head_group_maxima import epilogue_applies
 
     forced = os.environ.get("KD_KERNELS_TEACHER_SCHEDULE", "")
-    if forced not in ("", "epilogue", "maxima", "cublas"):
-        raise ValueError(f"KD_KERNELS_TEACHER_SCHEDULE: expected 'epilogue', 'maxima' or 'cublas', got {forced!r}")
+    if forced not in ("", "epilogue", "maxima", "appended", "cublas"):
+        raise ValueError("KD_KERNELS_TEACHER_SCHEDULE: expected 'epilogue', 'maxima', 'appended' or 'cublas', "
+                         f"got {forced!r}")
     applies = epilogue_applies(hidden, weight)
-    if forced in ("epilogue", "maxima") and not applies:
+    if forced in ("epilogue", "maxima", "appended") and not applies:
         raise ValueError(f"KD_KERNELS_TEACHER_SCHEDULE={forced}: needs bf16 / fp16 hidden and weight with rows at "
                          f"16-byte boundaries; got {hidden.dtype} / {weight.dtype}, hidden size {hidden.shape[1]}")
     if forced:
@@ -236,6 +242,72 @@ def teacher_topk_maxima(hidden: torch.Tensor, weight: torch.Tensor, k: int, temp
     values.div_(temperature)
     return _finish_with_redo(overflow, hidden, weight, k, temperature, width, bias,
                              max(1, MAXIMA_BYTES // (4 * weight.shape[0])), select, (values, indices, lse), shard)
+
+
+def appended_chunk_rows(num_rows: int, width: int, k: int, capacity: int, sample_width: int,
+                        block_n: int = 256) -> int:
+    """Rows per chunk of the appended schedule: its buffers within APPENDED_BYTES, in quarters of
+    the matmul's L2 group of row tiles. A row holds its sample logits, then (in the same bytes)
+    its keys (``max(4 · sample_width, 8 · capacity)``), its tile statistics (8 · V / block_n),
+    its floor and count, and the sort's values and columns (8 · k)."""
+    per_row = max(4 * sample_width, 8 * capacity) + 8 * -(-width // block_n) + 8 + 8 * k
+    return _rows_in_quarter_groups(APPENDED_BYTES // per_row, num_rows)
+
+
+def teacher_topk_appended(hidden: torch.Tensor, weight: torch.Tensor, k: int, temperature: float, vocab_size: int,
+                          bias: Optional[torch.Tensor] = None, chunk_rows: Optional[int] = None, shard=None,
+                          select: str = "triton", stride: Optional[int] = None) -> TopK:
+    """hidden ``[N, H]``, weight ``[V, H]`` 16-bit -> `TopK` float32 without storing logits and
+    within APPENDED_BYTES whatever N and V (k <= APPENDED_MAX_K): per chunk of rows, cuBLAS
+    logits of every ``stride``-th column (None: SAMPLE_STRIDE, fewer where the vocabulary is
+    small) give each row a floor (ops/topk_from_appended.py); the epilogue matmul appends each
+    element at or above it to the row's keys and keeps the tile statistics (the logsumexp); one
+    sort per row ranks the keys. Rows with fewer than k keys or more than the slots are redone by
+    cuBLAS logits and the full-row selection ``select``."""
+    from .ops.buffers import empty_parts
+    from .ops.lm_head_group_maxima import Appends, EpilogueMatmul, default_config
+    from .ops.topk_from_appended import (SAMPLE_STRIDE, key_capacity, rank_appended, sample_floors, sample_rank,
+                                         tile_logsumexp)
+
+    if not 1 <= k <= APPENDED_MAX_K:
+        raise ValueError(f"k: the appended schedule takes 1 <= k <= {APPENDED_MAX_K}, got {k}")
+    num_rows = hidden.shape[0]
+    width = vocab_size if shard is None else shard.existing
+    # a sample of at least ~8 k columns keeps r well inside it
+    stride = stride or max(1, min(SAMPLE_STRIDE, width // (8 * k)))
+    sample_width = -(-width // stride)
+    rank = sample_rank(k, stride, sample_width)
+    capacity = key_capacity(k, stride, rank)
+    chunk_rows = chunk_rows or appended_chunk_rows(num_rows, width, k, capacity, sample_width,
+                                                   default_config().block_n)
+    sample_weight = weight[:width:stride]
+    sample_bias = None if bias is None else bias[:width:stride].float()
+    order = "cuda" if select == "cuda" else "torch"
+    outputs = None
+    for start in range(0, num_rows, chunk_rows):
+        rows = slice(start, min(start + chunk_rows, num_rows))
+        part = hidden[rows]
+        chunk = part.shape[0]
+        shared, floors, counts = empty_parts(hidden.device, ((max(4 * sample_width, 8 * capacity) * chunk,),
+                                                             torch.uint8), ((chunk,), torch.float32),
+                                             ((chunk,), torch.int32))
+        sample = lm_head_logits_fp32(part, sample_weight, shared[:4 * sample_width * chunk].view(torch.float32)
+                                     .view(chunk, sample_width))
+        if sample_bias is not None:
+            sample += sample_bias
+        sample_floors(sample, rank, floors)
+        counts.zero_()
+        appends = Appends(floors, shared[:8 * capacity * chunk].view(torch.int64).view(chunk, capacity), counts)
+        summaries = EpilogueMatmul(part, weight, bias, width, temperature, None, appends=appends)(0, width)
+        outputs = outputs or _outputs(num_rows, k, hidden.device, with_overflow=True)
+        values, indices, lse, overflow = outputs
+        lse[rows] = tile_logsumexp(summaries.tile_max2, summaries.tile_sum2)
+        chunk_values, indices[rows], overflow[rows] = rank_appended(appends.keys, counts, k, order)
+        values[rows] = chunk_values.div_(temperature)
+        shared = sample = appends = summaries = None  # freed before the next chunk's are made
+    values, indices, lse, overflow = outputs or _outputs(num_rows, k, hidden.device, with_overflow=True)
+    return _finish_with_redo(overflow, hidden, weight, k, temperature, width, bias,
+                             max(1, APPENDED_BYTES // (4 * weight.shape[0])), select, (values, indices, lse), shard)
 
 
 def _finish_with_redo(overflow: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor, k: int, temperature: float,

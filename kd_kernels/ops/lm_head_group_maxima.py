@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from .buffers import empty_parts, multiprocessor_count
+from .sort_keys import value_column_key
 from .tma import row_tile_descriptor, tma_rows
 
 
@@ -75,6 +76,21 @@ class RowSummaries:
     group_columns: int
     group_arg: torch.Tensor | None = None
     group_second: torch.Tensor | None = None
+
+
+@dataclasses.dataclass
+class Appends:
+    """Where an appending matmul puts each row's elements at or above the row's floor:
+    ``floors [R]`` float32 (logits before τ, bias included), ``keys [R, capacity]`` int64
+    (`value_column_keys`, in no order; slots past a row's count are junk), ``counts [R]`` int32
+    (zero before the matmul; after it, the elements at or above the floor, which may pass the
+    capacity: such a row's keys are incomplete)."""
+    floors: torch.Tensor
+    keys: torch.Tensor
+    counts: torch.Tensor
+
+    def operands(self) -> tuple:
+        return self.floors, self.keys, self.counts, self.keys.shape[1]
 
 
 @triton.jit
@@ -125,14 +141,35 @@ def top2_group_column_table(groups: int, group_columns: int) -> torch.Tensor:
 
 
 @triton.jit
+def _append_above_floor(grouped, column_tile, width, row_offsets, floor_ptr, keys_ptr, counts_ptr, key_capacity,
+                        BLOCK_N: tl.constexpr, GROUP_COLUMNS: tl.constexpr):
+    """Each element of ``grouped`` (`_thread_groups` of a tile's logits, [BLOCK_M, groups,
+    GROUP_COLUMNS]) at or above its row's floor appended to the row's keys: one atomic a (row,
+    group) with any (a thread's), the slots in lane order by an in-register prefix sum, slots past
+    ``key_capacity`` dropped (the row's count passes it: the caller redoes the row)."""
+    groups: tl.constexpr = BLOCK_N // GROUP_COLUMNS
+    group = tl.arange(0, groups)[None, :, None]
+    lane = tl.arange(0, GROUP_COLUMNS)[None, None, :]
+    column = column_tile * BLOCK_N + top2_group_columns(group, lane, GROUP_COLUMNS)
+    floor = tl.load(floor_ptr + row_offsets, mask=row_offsets >= 0, other=float("inf"))
+    taken = ((grouped >= floor[:, None, None]) & (column < width)).to(tl.int32)
+    count = tl.sum(taken, axis=2)
+    row_count_ptr = counts_ptr + row_offsets[:, None] + tl.zeros([1, groups], tl.int64)
+    first = tl.atomic_add(row_count_ptr, count, mask=count > 0, sem="relaxed")
+    slot = first[:, :, None] + tl.cumsum(taken, axis=2) - taken
+    tl.store(keys_ptr + row_offsets[:, None, None] * key_capacity + slot, value_column_key(grouped, column),
+             mask=(taken > 0) & (slot < key_capacity))
+
+
+@triton.jit
 def _lm_head_group_maxima_kernel(hidden_desc, weight_desc, logits_desc, bias_ptr, tile_max2_ptr, tile_sum2_ptr,
                                  group_max_ptr, group_arg_ptr, group_second_ptr, num_rows, width, column_offset,
-                                 hidden_size, log2e_over_t,
+                                 hidden_size, log2e_over_t, floor_ptr, keys_ptr, counts_ptr, key_capacity,
                                  HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                                  BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
                                  GROUP_COLUMNS: tl.constexpr, SUBTILE: tl.constexpr, FLATTEN: tl.constexpr,
                                  DOT_PRECISION: tl.constexpr, STORE_LOGITS: tl.constexpr = True,
-                                 GROUP_TOP2: tl.constexpr = False):
+                                 GROUP_TOP2: tl.constexpr = False, APPEND: tl.constexpr = False):
     row_tiles = tl.cdiv(num_rows, BLOCK_M)
     column_tiles = tl.cdiv(width, BLOCK_N)
     groups_per_tile: tl.constexpr = BLOCK_N // GROUP_COLUMNS
@@ -179,6 +216,11 @@ def _lm_head_group_maxima_kernel(hidden_desc, weight_desc, logits_desc, bias_ptr
             # rounding is monotone: the maximum of z · log2e / τ (from groups in registers, no pass over z;
             # from groups that are runs of columns this took a layout conversion through shared memory)
             tile_max2 = tl.max(group_max, axis=1) * log2e_over_t
+        elif APPEND:
+            grouped = _thread_groups(z, BLOCK_M, BLOCK_N, GROUP_COLUMNS)
+            _append_above_floor(grouped, column_tile, width, tl.where(rows_ok, row_offsets, -1), floor_ptr, keys_ptr,
+                                counts_ptr, key_capacity, BLOCK_N, GROUP_COLUMNS)
+            tile_max2 = tl.max(tl.max(grouped, axis=2), axis=1) * log2e_over_t
         else:
             group_max = tl.max(tl.reshape(z, (BLOCK_M, groups_per_tile, GROUP_COLUMNS)), axis=2)
             tile_max2 = tl.max(z * log2e_over_t, axis=1)
@@ -186,7 +228,8 @@ def _lm_head_group_maxima_kernel(hidden_desc, weight_desc, logits_desc, bias_ptr
         tile_sum2 = tl.sum(tl.exp2(tl.fma(z, log2e_over_t, -safe_max2[:, None])), axis=1)
         tl.store(tile_max2_ptr + row_offsets * column_tiles + column_tile, tile_max2, mask=rows_ok)
         tl.store(tile_sum2_ptr + row_offsets * column_tiles + column_tile, tile_sum2, mask=rows_ok)
-        tl.store(group_max_ptr + group_offsets, group_max, mask=rows_ok[:, None])
+        if not APPEND:
+            tl.store(group_max_ptr + group_offsets, group_max, mask=rows_ok[:, None])
 
 
 def padded_width(width: int) -> int:
@@ -221,8 +264,11 @@ class EpilogueMatmul:
     ``bias`` whole (the slices are offsets into them)."""
 
     def __init__(self, hidden: torch.Tensor, weight: torch.Tensor, bias, max_width: int, temperature: float,
-                 logits: torch.Tensor | None, config: GroupMaximaConfig | None = None, group_top2: bool = False):
+                 logits: torch.Tensor | None, config: GroupMaximaConfig | None = None, group_top2: bool = False,
+                 appends: "Appends | None" = None):
         config = config or default_config()
+        if appends is not None and (group_top2 or logits is not None):
+            raise ValueError("appends: the matmul appends above floors with neither logits stored nor group_top2")
         if logits is not None and logits.dtype != torch.float32:
             raise ValueError(f"logits: expected a float32 buffer (rows of padded_width(width)), got {logits.dtype}")
         if config.block_n % config.group_columns:
@@ -234,6 +280,7 @@ class EpilogueMatmul:
         self.log2e_over_t = 1.4426950408889634 / temperature
         self.store_logits = logits is not None
         self.group_top2 = group_top2
+        self.appends = appends
         self.summaries = self._summaries(max_width)
         if hidden.shape[0] == 0:
             return
@@ -254,7 +301,9 @@ class EpilogueMatmul:
         column_tiles = -(-width // self.config.block_n)
         groups = column_tiles * (self.config.block_n // self.config.group_columns)
         rows = self.hidden.shape[0]
-        tile_parts = [((rows, column_tiles), torch.float32)] * 2 + [((rows, groups), torch.float32)]
+        # appending matmuls keep no group maxima (a stand-in of one column)
+        tile_parts = [((rows, column_tiles), torch.float32)] * 2 + [((rows, 1 if self.appends else groups),
+                                                                     torch.float32)]
         top2_parts = [((rows, groups), torch.int8), ((rows, groups), torch.float32)] if self.group_top2 else []
         tile_max2, tile_sum2, group_max, *top2 = empty_parts(self.hidden.device, *tile_parts, *top2_parts)
         return RowSummaries(tile_max2, tile_sum2, group_max, self.config.group_columns, *(top2 or (None, None)))
@@ -276,10 +325,12 @@ class EpilogueMatmul:
             summaries.group_max, summaries.group_arg if self.group_top2 else summaries.group_max,
             summaries.group_second if self.group_top2 else summaries.group_max,
             num_rows, width, column_start, hidden_size, self.log2e_over_t,
+            *(self.appends.operands() if self.appends else (summaries.tile_max2, summaries.tile_max2,
+                                                            summaries.tile_max2, 0)),
             HAS_BIAS=self.bias is not None, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
             GROUP_M=config.group_m, NUM_PROGRAMS=programs, GROUP_COLUMNS=config.group_columns,
             SUBTILE=config.subtile, FLATTEN=config.flatten, STORE_LOGITS=self.store_logits,
-            GROUP_TOP2=self.group_top2,
+            GROUP_TOP2=self.group_top2, APPEND=self.appends is not None,
             # float32 inputs get float32 products (tf32 would move logits by ~1e-3)
             DOT_PRECISION="ieee" if self.hidden.dtype == torch.float32 else "tf32",
             num_warps=config.num_warps, num_stages=config.num_stages)

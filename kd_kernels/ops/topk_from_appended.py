@@ -1,0 +1,99 @@
+"""Each row's top-k from the elements the appending matmul kept (ops/lm_head_group_maxima.py
+with `Appends`): no logits stored, no group summaries, memory independent of V.
+
+Before a chunk's matmul, a sample of its columns (every ``stride``-th, by cuBLAS: ~1/19 of the
+flops) gives each row a floor: a lower bound of the sample's r-th largest logit, with r a few
+standard deviations above the k/stride top-k elements a sample holds on average. The matmul
+then appends every element at or above its row's floor (~r · stride a row, ~1.8k at k = 1024)
+to the row's keys, and one sort per row ranks them. Exact whatever the floor: when at least k
+elements reach it, the row's k-th largest does too, so every top-k element (and every tie of
+the k-th) is among the keys; rows with fewer than k (a floor above the k-th largest: a sample
+holding r of the top-k) or more than the capacity (massive ties) are flagged for the caller's
+exact redo.
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from .sort_keys import top_of_counted_keys
+
+# every SAMPLE_STRIDE-th column sampled for the floors: 1/19 of the flops, ~8k columns at V = 151,936
+SAMPLE_STRIDE = 19
+SAMPLE_SIGMAS = 5.0  # r over the sample's mean count of top-k elements, in its standard deviations
+FLOOR_STEPS = 12  # value-space bisection steps of the floor (a lower bound: more steps, fewer keys)
+MAX_KEYS = 4096  # the extension's sort per row (csrc/sort_keys.cu) takes at most this many slots
+RANK_PIECE_BYTES = 8 << 20  # a torch sort's temporaries (~3 copies of the keys) per piece of rows
+FLOOR_WARPS = 1 if os.environ.get("TRITON_INTERPRET") == "1" else 4
+
+
+def sample_rank(k: int, stride: int, sample_width: int) -> int:
+    """r: the floor is the sample's r-th largest. A sample of every stride-th column holds
+    ~k / stride of a row's top k (Binomial(k, 1 / stride) where ids and ranks are unrelated);
+    r sits SAMPLE_SIGMAS standard deviations above that, so the floor is below the k-th largest
+    in all but ~1e-7 of rows. At most the sample's width (then the floor is its smallest)."""
+    mean = k / stride
+    return min(sample_width, math.ceil(mean + SAMPLE_SIGMAS * math.sqrt(mean * (1 - 1 / stride))) + 2)
+
+
+def key_capacity(k: int, stride: int, rank: int) -> int:
+    """Key slots a row: a power of two (the sort's) above ~1.5 × the ~rank · stride elements a
+    floor keeps on average, at least 2k, at most MAX_KEYS."""
+    wanted = max(2 * k, math.ceil(1.5 * rank * stride))
+    return min(MAX_KEYS, triton.next_power_of_2(wanted))
+
+
+@triton.jit
+def _sample_floor_kernel(sample_ptr, floors_ptr, sample_width, rank, SAMPLE: tl.constexpr, STEPS: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offsets = tl.arange(0, SAMPLE)
+    valid = offsets < sample_width
+    values = tl.load(sample_ptr + row * sample_width + offsets, mask=valid, other=float("-inf"))
+    low = tl.min(tl.where(valid, values, float("inf")), axis=0)
+    high = tl.max(values, axis=0)
+    # each step keeps at least `rank` values at or above `low`: a lower bound of the rank-th largest
+    for _ in range(STEPS):
+        middle = low + (high - low) * 0.5
+        enough = tl.sum((values >= middle).to(tl.int32), axis=0) >= rank
+        low = tl.where(enough, middle, low)
+        high = tl.where(enough, high, middle)
+    tl.store(floors_ptr + row, low)
+
+
+def sample_floors(sample: torch.Tensor, rank: int, floors: torch.Tensor) -> torch.Tensor:
+    """sample ``[R, S]`` float32 logits (contiguous) -> ``floors [R]`` float32 filled: per row
+    a lower bound of its rank-th largest (its smallest where S <= rank)."""
+    rows, width = sample.shape
+    if rows:
+        _sample_floor_kernel[(rows,)](sample, floors, width, rank, SAMPLE=triton.next_power_of_2(width),
+                                      STEPS=FLOOR_STEPS, num_warps=FLOOR_WARPS)
+    return floors
+
+
+def tile_logsumexp(tile_max2: torch.Tensor, tile_sum2: torch.Tensor) -> torch.Tensor:
+    """The rows' logsumexp at τ (natural units, ``[R]`` float32) from their tiles' (max, sum of
+    exp) in log2 units ``[R, tiles]``."""
+    return torch.logsumexp((tile_max2 + torch.log2(tile_sum2)) * math.log(2.0), dim=1)
+
+
+def rank_appended(keys: torch.Tensor, counts: torch.Tensor, k: int, order: str):
+    """keys ``[R, capacity]`` int64, counts ``[R]`` int32 (may pass the capacity) -> (the k
+    largest values ``[R, k]`` float32 in order, -inf past a row's count; columns ``[R, k]``
+    int32; overflow ``[R]`` bool: fewer than k keys or more than the capacity, rows to redo)."""
+    capacity = keys.shape[1]
+    overflow = (counts < k) | (counts > capacity)
+    kept = counts.clamp(max=capacity)
+    if order == "cuda":
+        values, columns = top_of_counted_keys(keys, kept, k, order)
+        return values, columns, overflow
+    piece = max(1, RANK_PIECE_BYTES // (3 * keys[0].nbytes))  # a torch sort holds ~3 copies of its keys
+    values = torch.empty(keys.shape[0], k, dtype=torch.float32, device=keys.device)
+    columns = torch.empty(keys.shape[0], k, dtype=torch.int32, device=keys.device)
+    for start in range(0, keys.shape[0], piece):
+        part = slice(start, start + piece)
+        values[part], columns[part] = top_of_counted_keys(keys[part], kept[part], k, order)
+    return values, columns, overflow

@@ -1,0 +1,100 @@
+"""The teacher's appended schedule against the float64 reference: floors from a sampled column
+subset (ops/topk_from_appended.py), the epilogue matmul appending each element at or above its
+row's floor (ops/lm_head_group_maxima.py with `Appends`), one sort per row; rows whose floor
+kept fewer than k elements or more than the slots redone exactly. Interpreter tiles: 16 rows ×
+32 columns, groups of 8 (the real shape runs on a GPU below)."""
+import pytest
+import torch
+
+from helpers import (HAS_CUDA, check_schedule_with_ties_and_fewer_columns_than_k, check_teacher_topk,
+                     small_teacher_problem)
+from kd_kernels import reference
+from kd_kernels.ops import topk_from_appended
+from kd_kernels.ops.lm_head_group_maxima import Appends, EpilogueMatmul, lm_head_logits_with_summaries
+from kd_kernels.ops.sort_keys import decode_keys
+from kd_kernels.ops.topk_from_appended import sample_floors
+from kd_kernels.teacher_chunked import teacher_topk_appended
+
+pytestmark = pytest.mark.interpret
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+
+
+def test_the_matmul_appends_exactly_the_elements_at_or_above_each_floor():
+    hidden, weight, bias = small_teacher_problem(3, dtype=torch.float16)
+    width, capacity = 200, 64
+    exact = reference.lm_head_logits(hidden, weight, bias)[:, :width].cpu()
+    # floors between the 10th and 11th largest of each row (row 5: none exists; row 6: all do)
+    ordered = exact.sort(dim=1, descending=True).values
+    floors = ((ordered[:, 9] + ordered[:, 10]) / 2).float()
+    floors[5], floors[6] = float("inf"), float("-inf")
+    counts = torch.zeros(37, dtype=torch.int32, device=DEVICE)
+    keys = torch.zeros(37, capacity, dtype=torch.int64, device=DEVICE)
+    appends = Appends(floors.to(DEVICE), keys, counts)
+    summaries = EpilogueMatmul(hidden, weight, bias, width, 0.7, None, appends=appends)(0, width)
+    stored = lm_head_logits_with_summaries(hidden, weight, bias, width, 0.7,
+                                           torch.empty(37, width, dtype=torch.float32, device=DEVICE))
+    for name in ("tile_max2", "tile_sum2"):  # the statistics do not change
+        assert torch.equal(getattr(stored, name), getattr(summaries, name)), name
+    expected_counts = (exact >= floors[:, None].double()).sum(1)
+    expected_counts[6] = width  # a -inf floor keeps every existing column, none past the width
+    assert counts.cpu().tolist() == expected_counts.tolist()
+    for row in range(37):
+        if row == 6:  # more than the capacity: the count says so, the slots hold some of them
+            assert counts[row] > capacity
+            continue
+        values, columns = decode_keys(keys[row, :counts[row]].cpu())
+        assert sorted(columns.tolist()) == (exact[row] >= floors[row].double()).nonzero().flatten().tolist()
+        assert torch.allclose(values.double(), exact[row, columns], atol=1e-4, rtol=0)
+
+
+def test_sample_floors_are_lower_bounds_within_the_bisection():
+    generator = torch.Generator().manual_seed(4)
+    sample = torch.randn(6, 300, generator=generator).to(DEVICE)
+    floors = sample_floors(sample, 17, torch.empty(6, device=DEVICE)).cpu()
+    rank_th = sample.cpu().sort(dim=1, descending=True).values[:, 16]
+    spread = sample.cpu().max(1).values - sample.cpu().min(1).values
+    assert (floors <= rank_th).all()
+    assert (rank_th - floors <= spread / 2 ** topk_from_appended.FLOOR_STEPS).all()
+    # a rank past the sample's width: its smallest
+    assert torch.equal(sample_floors(sample, 300, torch.empty(6, device=DEVICE)).cpu(), sample.cpu().min(1).values)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("k, temperature, stride, chunk_rows", [(1, 1.0, 3, None), (7, 0.7, 5, 16),
+                                                                (40, 2.0, 2, 20)])
+def test_appended_schedule_matches_the_reference(dtype, k, temperature, stride, chunk_rows):
+    hidden, weight, bias = small_teacher_problem(k + 50, dtype=dtype)
+    top = teacher_topk_appended(hidden, weight, k, temperature, 200, bias, chunk_rows, stride=stride)
+    logits = reference.lm_head_logits(hidden, weight, bias)
+    expected = reference.teacher_topk(hidden, weight, k, temperature, 200, bias)
+    check_teacher_topk(top, expected, 1e-5, logits, temperature, 200)
+    assert top.temperature == temperature and (top.indices < 200).all()
+
+
+def test_floors_above_the_kth_largest_are_redone_exactly(monkeypatch):
+    # r = 1: the floor is the sample's maximum, above the k-th largest in most rows: those keep
+    # fewer than k elements and only the redo gives their top-k
+    calls = []
+    original = topk_from_appended.rank_appended
+
+    def counted(keys, counts, k, order):
+        values, columns, overflow = original(keys, counts, k, order)
+        calls.append(int(overflow.sum()))
+        return values, columns, overflow
+    monkeypatch.setattr(topk_from_appended, "sample_rank", lambda k, stride, width: 1)
+    monkeypatch.setattr(topk_from_appended, "rank_appended", counted)
+    hidden, weight, bias = small_teacher_problem(9, dtype=torch.float16)
+    top = teacher_topk_appended(hidden, weight, 6, 1.0, 200, bias, stride=4)
+    assert sum(calls) > 20  # most of the 37 rows were redone
+    logits = reference.lm_head_logits(hidden, weight, bias)
+    check_teacher_topk(top, reference.teacher_topk(hidden, weight, 6, 1.0, 200, bias), 1e-5, logits, 1.0, 200)
+
+
+def test_appended_schedule_ties_and_fewer_columns_than_k():
+    check_schedule_with_ties_and_fewer_columns_than_k(teacher_topk_appended)
+
+
+def test_appended_schedule_rejects_a_k_past_its_limit():
+    hidden, weight, _ = small_teacher_problem(1, dtype=torch.float16)
+    with pytest.raises(ValueError, match="the appended schedule takes 1 <= k <= 1024, got 1025"):
+        teacher_topk_appended(hidden, weight, 1025, 1.0, 200)
