@@ -45,8 +45,8 @@ def eager_teacher(hidden, weight, k):
 
 _compiled_teacher = torch.compile(eager_teacher)
 # (backend, schedule forced by KD_KERNELS_TEACHER_SCHEDULE, label suffix, teacher_topk options)
-FORCED_SCHEDULES = [("cuda", "epilogue", "", {}), ("cuda", "maxima", "", {}), ("cuda", "cuBLAS", "", {}),
-                    ("triton", "cuBLAS", "", {})]
+FORCED_SCHEDULES = [("cuda", "epilogue", "", {}), ("cuda", "maxima", "", {}), ("cuda", "appended", "", {}),
+                    ("triton", "appended", "", {}), ("cuda", "cuBLAS", "", {}), ("triton", "cuBLAS", "", {})]
 
 
 # timed again each after 200 ms idle with --after-idle (the floor first)

@@ -12,7 +12,7 @@ from kd_kernels import reference
 from kd_kernels.ops import topk_from_appended
 from kd_kernels.ops.lm_head_group_maxima import Appends, EpilogueMatmul, lm_head_logits_with_summaries
 from kd_kernels.ops.sort_keys import decode_keys
-from kd_kernels.ops.topk_from_appended import sample_floors
+from kd_kernels.ops.topk_from_appended import order_appended_keys, sample_floors
 from kd_kernels.teacher_chunked import teacher_topk_appended
 
 pytestmark = pytest.mark.interpret
@@ -23,10 +23,11 @@ def test_the_matmul_appends_exactly_the_elements_at_or_above_each_floor():
     hidden, weight, bias = small_teacher_problem(3, dtype=torch.float16)
     width, capacity = 200, 64
     exact = reference.lm_head_logits(hidden, weight, bias)[:, :width].cpu()
-    # floors between the 10th and 11th largest of each row (row 5: none exists; row 6: all do)
+    # floors between the 10th and 11th largest of each row (row 5: none reaches it; row 6: the lowest
+    # finite floor, which every existing column reaches and no -inf past the width)
     ordered = exact.sort(dim=1, descending=True).values
     floors = ((ordered[:, 9] + ordered[:, 10]) / 2).float()
-    floors[5], floors[6] = float("inf"), float("-inf")
+    floors[5], floors[6] = float("inf"), torch.finfo(torch.float32).min
     counts = torch.zeros(37, dtype=torch.int32, device=DEVICE)
     keys = torch.zeros(37, capacity, dtype=torch.int64, device=DEVICE)
     appends = Appends(floors.to(DEVICE), keys, counts)
@@ -35,8 +36,9 @@ def test_the_matmul_appends_exactly_the_elements_at_or_above_each_floor():
                                            torch.empty(37, width, dtype=torch.float32, device=DEVICE))
     for name in ("tile_max2", "tile_sum2"):  # the statistics do not change
         assert torch.equal(getattr(stored, name), getattr(summaries, name)), name
+    order_appended_keys(keys, counts)
     expected_counts = (exact >= floors[:, None].double()).sum(1)
-    expected_counts[6] = width  # a -inf floor keeps every existing column, none past the width
+    assert expected_counts[6] == width
     assert counts.cpu().tolist() == expected_counts.tolist()
     for row in range(37):
         if row == 6:  # more than the capacity: the count says so, the slots hold some of them
@@ -98,3 +100,44 @@ def test_appended_schedule_rejects_a_k_past_its_limit():
     hidden, weight, _ = small_teacher_problem(1, dtype=torch.float16)
     with pytest.raises(ValueError, match="the appended schedule takes 1 <= k <= 1024, got 1025"):
         teacher_topk_appended(hidden, weight, 1025, 1.0, 200)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("k", [8, 64, 256, 1024])
+def test_gpu_real_shape_appended_schedule_with_massive_ties(k):
+    generator = torch.Generator(device="cuda").manual_seed(k + 11)
+    hidden = (0.2 * torch.randn(2100, 4096, device="cuda", generator=generator)).bfloat16()
+    hidden[[0, 1000, 2099]] = 0  # logits = the bias: 0 but for a 1 at the last existing column
+    weight = (torch.randn(151_936, 4096, device="cuda", generator=generator) * 0.02).bfloat16()
+    bias = torch.zeros(151_936, device="cuda", dtype=torch.bfloat16)
+    bias[151_899] = 1
+    top = teacher_topk_appended(hidden, weight, k, 2.0, 151_900, bias, chunk_rows=1024)  # 3 chunks, the last 52 rows
+    # every column reaches the floor there, more than the slots: only the redo finds column 151,899
+    assert top.indices[[0, 1000, 2099]].tolist() == [[151_899] + list(range(k - 1))] * 3
+    exact_logits = reference.lm_head_logits(hidden, weight, bias)
+    check_teacher_topk(top, reference.teacher_topk(hidden, weight, k, 2.0, 151_900, bias), 1e-4, exact_logits, 2.0,
+                       151_900)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("k", [256, 1024])
+def test_gpu_appended_schedule_stays_within_64_mib_at_8192_tokens(k):
+    """The issue's memory target at any k: beyond the inputs and the top-k it returns, at most
+    64 MiB at 8192 × 4096 × 151,936, on LLM-like logits (no row redone)."""
+    from kd_kernels.topk import TopK
+
+    generator = torch.Generator(device="cuda").manual_seed(k)
+    weight = (torch.randn(151_936, 4096, device="cuda", generator=generator) * 0.02).bfloat16()
+    hidden = (torch.randn(8192, 4096, device="cuda", generator=generator) * 0.8).bfloat16()
+    teacher_topk_appended(hidden[:256], weight, k, 2.0, 151_936, select="cuda")  # compiled before measuring
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    top = teacher_topk_appended(hidden, weight, k, 2.0, 151_936, select="cuda")
+    torch.cuda.synchronize()
+    outputs = top.logprobs.nbytes + top.indices.nbytes + top.lse.nbytes
+    assert torch.cuda.max_memory_allocated() - before - outputs <= 64 << 20
+    rows = torch.arange(0, 8192, 1021, device="cuda")
+    expected = reference.teacher_topk(hidden[rows], weight, k, 2.0, 151_936)
+    check_teacher_topk(TopK(top.logprobs[rows], top.indices[rows], top.lse[rows], 2.0), expected, 1e-4,
+                       reference.lm_head_logits(hidden[rows], weight), 2.0, 151_936)

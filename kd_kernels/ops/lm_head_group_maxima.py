@@ -28,9 +28,9 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import libdevice
 
 from .buffers import empty_parts, multiprocessor_count
-from .sort_keys import value_column_key
 from .tma import row_tile_descriptor, tma_rows
 
 
@@ -82,7 +82,8 @@ class RowSummaries:
 class Appends:
     """Where an appending matmul puts each row's elements at or above the row's floor:
     ``floors [R]`` float32 (logits before τ, bias included), ``keys [R, capacity]`` int64
-    (`value_column_keys`, in no order; slots past a row's count are junk), ``counts [R]`` int32
+    (raw: the float's bits above the column, in no order, `order_appended_keys` makes them
+    `value_column_keys`; slots past a row's count are junk), ``counts [R]`` int32
     (zero before the matmul; after it, the elements at or above the floor, which may pass the
     capacity: such a row's keys are incomplete)."""
     floors: torch.Tensor
@@ -140,25 +141,63 @@ def top2_group_column_table(groups: int, group_columns: int) -> torch.Tensor:
     return (group - quarter) * group_columns + 2 * quarter + 8 * (lane // 2) + lane % 2
 
 
+# the interpreter has no libdevice: a bit-twiddling popcount there (tests), the hardware's on GPUs
+POPC_IN_HARDWARE = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
+
+
 @triton.jit
-def _append_above_floor(grouped, column_tile, width, row_offsets, floor_ptr, keys_ptr, counts_ptr, key_capacity,
+def _popcount(bits, HARDWARE: tl.constexpr):
+    """Set bits of int32 ``bits`` (int32)."""
+    if HARDWARE:
+        return libdevice.popc(bits)
+    x = bits.to(tl.uint32, bitcast=True)
+    x = x - ((x >> 1) & 0x55555555)
+    x = (x & 0x33333333) + ((x >> 2) & 0x33333333)
+    x = (x + (x >> 4)) & 0x0F0F0F0F
+    return ((x * 0x01010101) >> 24).to(tl.int32)
+
+
+@triton.jit
+def _append_above_floor(grouped, first_group, column_tile, row_offsets, floor_ptr, keys_ptr, counts_ptr, key_capacity,
                         BLOCK_N: tl.constexpr, GROUP_COLUMNS: tl.constexpr):
     """Each element of ``grouped`` (`_thread_groups` of a tile's logits, [BLOCK_M, groups,
-    GROUP_COLUMNS]) at or above its row's floor appended to the row's keys: one atomic a (row,
-    group) with any (a thread's), the slots in lane order by an in-register prefix sum, slots past
-    ``key_capacity`` dropped (the row's count passes it: the caller redoes the row)."""
-    groups: tl.constexpr = BLOCK_N // GROUP_COLUMNS
-    group = tl.arange(0, groups)[None, :, None]
+    GROUP_COLUMNS], -inf past the width; groups ``first_group, …`` of the tile) at or above its
+    row's floor (finite) appended to the row's slots as one raw key (the float's bits above the
+    column; ops/topk_from_appended.py `order_appended_keys` makes them sort keys): one atomic
+    a (row, group) with any (a thread's), each element's slot by a popcount of the group's lanes
+    before it, slots past ``key_capacity`` dropped (the row's count passes it: the caller redoes
+    the row). About a dozen instructions an element: no sort order and no key computed here."""
+    groups: tl.constexpr = grouped.shape[1]
+    group = first_group + tl.arange(0, groups)[None, :, None]
     lane = tl.arange(0, GROUP_COLUMNS)[None, None, :]
-    column = column_tile * BLOCK_N + top2_group_columns(group, lane, GROUP_COLUMNS)
     floor = tl.load(floor_ptr + row_offsets, mask=row_offsets >= 0, other=float("inf"))
-    taken = ((grouped >= floor[:, None, None]) & (column < width)).to(tl.int32)
-    count = tl.sum(taken, axis=2)
+    taken = grouped >= floor[:, None, None]
+    bits = tl.sum(tl.where(taken, 1 << lane, 0), axis=2)  # lane l's bit, in registers
+    count = _popcount(bits, POPC_IN_HARDWARE)
     row_count_ptr = counts_ptr + row_offsets[:, None] + tl.zeros([1, groups], tl.int64)
     first = tl.atomic_add(row_count_ptr, count, mask=count > 0, sem="relaxed")
-    slot = first[:, :, None] + tl.cumsum(taken, axis=2) - taken
-    tl.store(keys_ptr + row_offsets[:, None, None] * key_capacity + slot, value_column_key(grouped, column),
-             mask=(taken > 0) & (slot < key_capacity))
+    slot = first[:, :, None] + _popcount(bits[:, :, None] & ((1 << lane) - 1), POPC_IN_HARDWARE)
+    column = column_tile * BLOCK_N + top2_group_columns(group, lane, GROUP_COLUMNS)
+    raw_key = (grouped.to(tl.int32, bitcast=True).to(tl.int64) << 32) | column.to(tl.int64)
+    place = (row_offsets.to(tl.int32) * key_capacity)[:, None, None] + slot
+    tl.store(keys_ptr + place, raw_key, mask=taken & (slot < key_capacity))
+
+
+@triton.jit
+def _append_rows_in_halves(grouped, first_group, column_tile, row_offsets, floor_ptr, keys_ptr, counts_ptr,
+                           key_capacity, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_COLUMNS: tl.constexpr):
+    """`_append_above_floor` of rows 16·w + t, then of rows 16·w + 8 + t (t < 8): a thread of the
+    matrix units holds one row of each."""
+    groups: tl.constexpr = grouped.shape[1]
+    parts = tl.permute(tl.reshape(grouped, (BLOCK_M // 16, 2, 8, groups, GROUP_COLUMNS)), (0, 2, 3, 4, 1))
+    upper, lower = tl.split(parts)
+    upper_rows, lower_rows = tl.split(tl.permute(tl.reshape(row_offsets, (BLOCK_M // 16, 2, 8)), (0, 2, 1)))
+    _append_above_floor(tl.reshape(upper, (BLOCK_M // 2, groups, GROUP_COLUMNS)), first_group, column_tile,
+                        tl.reshape(upper_rows, (BLOCK_M // 2,)), floor_ptr, keys_ptr, counts_ptr, key_capacity, BLOCK_N,
+                        GROUP_COLUMNS)
+    _append_above_floor(tl.reshape(lower, (BLOCK_M // 2, groups, GROUP_COLUMNS)), first_group, column_tile,
+                        tl.reshape(lower_rows, (BLOCK_M // 2,)), floor_ptr, keys_ptr, counts_ptr, key_capacity, BLOCK_N,
+                        GROUP_COLUMNS)
 
 
 @triton.jit
@@ -218,8 +257,6 @@ def _lm_head_group_maxima_kernel(hidden_desc, weight_desc, logits_desc, bias_ptr
             tile_max2 = tl.max(group_max, axis=1) * log2e_over_t
         elif APPEND:
             grouped = _thread_groups(z, BLOCK_M, BLOCK_N, GROUP_COLUMNS)
-            _append_above_floor(grouped, column_tile, width, tl.where(rows_ok, row_offsets, -1), floor_ptr, keys_ptr,
-                                counts_ptr, key_capacity, BLOCK_N, GROUP_COLUMNS)
             tile_max2 = tl.max(tl.max(grouped, axis=2), axis=1) * log2e_over_t
         else:
             group_max = tl.max(tl.reshape(z, (BLOCK_M, groups_per_tile, GROUP_COLUMNS)), axis=2)
@@ -228,7 +265,20 @@ def _lm_head_group_maxima_kernel(hidden_desc, weight_desc, logits_desc, bias_ptr
         tile_sum2 = tl.sum(tl.exp2(tl.fma(z, log2e_over_t, -safe_max2[:, None])), axis=1)
         tl.store(tile_max2_ptr + row_offsets * column_tiles + column_tile, tile_max2, mask=rows_ok)
         tl.store(tile_sum2_ptr + row_offsets * column_tiles + column_tile, tile_sum2, mask=rows_ok)
-        if not APPEND:
+        if APPEND:  # after the statistics: z's registers are free again (the sm_90 compile spilled before them)
+            appending_rows = tl.where(rows_ok, row_offsets, -1)
+            if BLOCK_N == 8 * GROUP_COLUMNS and BLOCK_M % 16 == 0:
+                # a quarter at a time (a half of the groups of one of the two rows a thread holds in
+                # each 16 rows): the whole tile's appends spilled (sm_90 compile)
+                low, high = tl.split(tl.permute(tl.reshape(grouped, (BLOCK_M, 2, 4, GROUP_COLUMNS)), (0, 2, 3, 1)))
+                _append_rows_in_halves(low, 0, column_tile, appending_rows, floor_ptr, keys_ptr, counts_ptr,
+                                       key_capacity, BLOCK_M, BLOCK_N, GROUP_COLUMNS)
+                _append_rows_in_halves(high, 4, column_tile, appending_rows, floor_ptr, keys_ptr, counts_ptr,
+                                       key_capacity, BLOCK_M, BLOCK_N, GROUP_COLUMNS)
+            else:
+                _append_above_floor(grouped, 0, column_tile, appending_rows, floor_ptr, keys_ptr, counts_ptr,
+                                    key_capacity, BLOCK_N, GROUP_COLUMNS)
+        else:
             tl.store(group_max_ptr + group_offsets, group_max, mask=rows_ok[:, None])
 
 
