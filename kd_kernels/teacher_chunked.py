@@ -245,12 +245,12 @@ def teacher_topk_maxima(hidden: torch.Tensor, weight: torch.Tensor, k: int, temp
 
 
 def appended_chunk_rows(num_rows: int, width: int, k: int, capacity: int, sample_width: int,
-                        block_n: int = 256) -> int:
+                        element_size: int = 2, block_n: int = 256) -> int:
     """Rows per chunk of the appended schedule: its buffers within APPENDED_BYTES, in quarters of
     the matmul's L2 group of row tiles. A row holds its sample logits, then (in the same bytes)
-    its keys (``max(4 · sample_width, 8 · capacity)``), its tile statistics (8 · V / block_n),
+    its keys (``max(element_size · sample_width, 8 · capacity)``), its tile statistics (8 · V / block_n),
     its floor and count, and the sort's values and columns (8 · k)."""
-    per_row = max(4 * sample_width, 8 * capacity) + 8 * -(-width // block_n) + 8 + 8 * k
+    per_row = max(element_size * sample_width, 8 * capacity) + 8 * -(-width // block_n) + 8 + 8 * k
     return _rows_in_quarter_groups(APPENDED_BYTES // per_row, num_rows)
 
 
@@ -260,7 +260,8 @@ def teacher_topk_appended(hidden: torch.Tensor, weight: torch.Tensor, k: int, te
     """hidden ``[N, H]``, weight ``[V, H]`` 16-bit -> `TopK` float32 without storing logits and
     within APPENDED_BYTES whatever N and V (k <= APPENDED_MAX_K): per chunk of rows, cuBLAS
     logits of every ``stride``-th column (None: SAMPLE_STRIDE, fewer where the vocabulary is
-    small) give each row a floor (ops/topk_from_appended.py); the epilogue matmul appends each
+    small; the epilogue matmul over a strided view of the weight, stored in the inputs' dtype:
+    cuBLAS took an sm_75 kernel at 1/6 of its rate for that view) give each row a floor (ops/topk_from_appended.py); the epilogue matmul appends each
     element at or above it to the row's keys and keeps the tile statistics (the logsumexp); one
     sort per row ranks the keys. Rows with fewer than k keys or more than the slots are redone by
     cuBLAS logits and the full-row selection ``select``."""
@@ -278,30 +279,31 @@ def teacher_topk_appended(hidden: torch.Tensor, weight: torch.Tensor, k: int, te
     sample_width = -(-width // stride)
     rank = sample_rank(k, stride, sample_width)
     capacity = key_capacity(k, stride, rank)
-    chunk_rows = chunk_rows or appended_chunk_rows(num_rows, width, k, capacity, sample_width,
-                                                   default_config().block_n)
+    chunk_rows = chunk_rows or appended_chunk_rows(num_rows, width, k, capacity, -(-sample_width // 8) * 8,
+                                                   hidden.element_size(), default_config().block_n)
+    # the sample's logits in the inputs' dtype (they only bound the floors), rows 16-byte aligned
+    sample_columns = -(-sample_width // 8) * 8
+    sample_bytes = hidden.element_size() * sample_columns
     sample_weight = weight[:width:stride]
-    sample_bias = None if bias is None else bias[:width:stride].float()
+    sample_bias = None if bias is None else bias[:width:stride].contiguous()
     order = "cuda" if select == "cuda" else "torch"
     outputs = None
     for start in range(0, num_rows, chunk_rows):
         rows = slice(start, min(start + chunk_rows, num_rows))
         part = hidden[rows]
         chunk = part.shape[0]
-        shared, floors, counts = empty_parts(hidden.device, ((max(4 * sample_width, 8 * capacity) * chunk,),
+        shared, floors, counts = empty_parts(hidden.device, ((max(sample_bytes, 8 * capacity) * chunk,),
                                                              torch.uint8), ((chunk,), torch.float32),
                                              ((chunk,), torch.int32))
-        sample = lm_head_logits_fp32(part, sample_weight, shared[:4 * sample_width * chunk].view(torch.float32)
-                                     .view(chunk, sample_width))
-        if sample_bias is not None:
-            sample += sample_bias
-        sample_floors(sample, rank, floors)
+        sample = shared[:sample_bytes * chunk].view(hidden.dtype).view(chunk, sample_columns)
+        EpilogueMatmul(part, sample_weight, sample_bias, sample_width, temperature, sample)(0, sample_width)
+        sample_floors(sample[:, :sample_width], rank, floors)
         counts.zero_()
         appends = Appends(floors, shared[:8 * capacity * chunk].view(torch.int64).view(chunk, capacity), counts)
         summaries = EpilogueMatmul(part, weight, bias, width, temperature, None, appends=appends)(0, width)
         outputs = outputs or _outputs(num_rows, k, hidden.device, with_overflow=True)
         values, indices, lse, overflow = outputs
-        lse[rows] = tile_logsumexp(summaries.tile_max2, summaries.tile_sum2)
+        tile_logsumexp(summaries.tile_max2, summaries.tile_sum2, lse[rows])
         chunk_values, indices[rows], overflow[rows] = rank_appended(appends.keys, counts, k, order)
         values[rows] = chunk_values.div_(temperature)
         shared = sample = appends = summaries = None  # freed before the next chunk's are made

@@ -319,8 +319,9 @@ class EpilogueMatmul:
         config = config or default_config()
         if appends is not None and (group_top2 or logits is not None):
             raise ValueError("appends: the matmul appends above floors with neither logits stored nor group_top2")
-        if logits is not None and logits.dtype != torch.float32:
-            raise ValueError(f"logits: expected a float32 buffer (rows of padded_width(width)), got {logits.dtype}")
+        if logits is not None and logits.dtype not in (torch.float32, hidden.dtype):
+            raise ValueError(f"logits: expected a float32 buffer (rows of padded_width(width)) or one of the "
+                             f"inputs' dtype {hidden.dtype} (rounded logits), got {logits.dtype}")
         if config.block_n % config.group_columns:
             raise ValueError(f"config: group_columns {config.group_columns} must divide block_n {config.block_n}")
         if group_top2 and (config.block_n % (4 * config.group_columns) or config.group_columns % 2):

@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from .sort_keys import top_of_counted_keys, value_column_key
+from .topk_from_groups import row_logsumexp
 
 # every SAMPLE_STRIDE-th column sampled for the floors: 1/19 of the flops, ~8k columns at V = 151,936
 SAMPLE_STRIDE = 19
@@ -49,11 +50,12 @@ def key_capacity(k: int, stride: int, rank: int) -> int:
 
 
 @triton.jit
-def _sample_floor_kernel(sample_ptr, floors_ptr, sample_width, rank, SAMPLE: tl.constexpr, STEPS: tl.constexpr):
+def _sample_floor_kernel(sample_ptr, stride_row, floors_ptr, sample_width, rank, SAMPLE: tl.constexpr,
+                         STEPS: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offsets = tl.arange(0, SAMPLE)
     valid = offsets < sample_width
-    values = tl.load(sample_ptr + row * sample_width + offsets, mask=valid, other=float("-inf"))
+    values = tl.load(sample_ptr + row * stride_row + offsets, mask=valid, other=float("-inf")).to(tl.float32)
     low = tl.min(tl.where(valid, values, float("inf")), axis=0)
     high = tl.max(values, axis=0)
     # each step keeps at least `rank` values at or above `low`: a lower bound of the rank-th largest
@@ -87,19 +89,31 @@ def order_appended_keys(keys: torch.Tensor, counts: torch.Tensor) -> torch.Tenso
         _order_keys_kernel[(keys.shape[0],)](keys, counts, keys.shape[1], BLOCK=ORDER_BLOCK, num_warps=FLOOR_WARPS)
     return keys
 def sample_floors(sample: torch.Tensor, rank: int, floors: torch.Tensor) -> torch.Tensor:
-    """sample ``[R, S]`` float32 logits (contiguous) -> ``floors [R]`` float32 filled: per row
-    a lower bound of its rank-th largest (its smallest where S <= rank)."""
+    """sample ``[R, S]`` logits (any float dtype, unit stride along a row) -> ``floors [R]``
+    float32 filled: per row a lower bound of its rank-th largest (its smallest where S <= rank),
+    never -inf."""
     rows, width = sample.shape
     if rows:
-        _sample_floor_kernel[(rows,)](sample, floors, width, rank, SAMPLE=triton.next_power_of_2(width),
-                                      STEPS=FLOOR_STEPS, num_warps=FLOOR_WARPS)
+        _sample_floor_kernel[(rows,)](sample, sample.stride(0), floors, width, rank,
+                                      SAMPLE=triton.next_power_of_2(width), STEPS=FLOOR_STEPS,
+                                      num_warps=FLOOR_WARPS)
     return floors
 
 
-def tile_logsumexp(tile_max2: torch.Tensor, tile_sum2: torch.Tensor) -> torch.Tensor:
-    """The rows' logsumexp at τ (natural units, ``[R]`` float32) from their tiles' (max, sum of
-    exp) in log2 units ``[R, tiles]``."""
-    return torch.logsumexp((tile_max2 + torch.log2(tile_sum2)) * math.log(2.0), dim=1)
+@triton.jit
+def _tile_logsumexp_kernel(tile_max2_ptr, tile_sum2_ptr, lse_ptr, tiles, TILES: tl.constexpr):
+    row_logsumexp(tile_max2_ptr, tile_sum2_ptr, lse_ptr, tl.program_id(0).to(tl.int64), tiles, TILES)
+
+
+def tile_logsumexp(tile_max2: torch.Tensor, tile_sum2: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """``lse [R]`` float32 filled with the rows' logsumexp at τ (natural units) from their
+    tiles' (max, sum of exp) in log2 units ``[R, tiles]`` (contiguous); one program a row, no
+    temporaries (a torch logsumexp held ~4 copies of the statistics)."""
+    rows, tiles = tile_max2.shape
+    if rows:
+        _tile_logsumexp_kernel[(rows,)](tile_max2, tile_sum2, lse, tiles, TILES=triton.next_power_of_2(tiles),
+                                        num_warps=FLOOR_WARPS)
+    return lse
 
 
 def rank_appended(keys: torch.Tensor, counts: torch.Tensor, k: int, order: str):
