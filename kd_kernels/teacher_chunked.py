@@ -306,10 +306,12 @@ def teacher_topk_appended(hidden: torch.Tensor, weight: torch.Tensor, k: int, te
         tile_logsumexp(summaries.tile_max2, summaries.tile_sum2, lse[rows])
         chunk_values, indices[rows], overflow[rows] = rank_appended(appends.keys, counts, k, order)
         values[rows] = chunk_values.div_(temperature)
-        shared = sample = appends = summaries = None  # freed before the next chunk's are made
+        # freed before the next chunk's are made
+        shared = sample = appends = summaries = chunk_values = None
     values, indices, lse, overflow = outputs or _outputs(num_rows, k, hidden.device, with_overflow=True)
+    # redone rows (rare) in chunks of half the budget: the last chunk's sort outputs may still be alive
     return _finish_with_redo(overflow, hidden, weight, k, temperature, width, bias,
-                             max(1, APPENDED_BYTES // (4 * weight.shape[0])), select, (values, indices, lse), shard)
+                             max(1, APPENDED_BYTES // (8 * weight.shape[0])), select, (values, indices, lse), shard)
 
 
 def _finish_with_redo(overflow: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor, k: int, temperature: float,

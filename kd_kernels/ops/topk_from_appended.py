@@ -26,6 +26,7 @@ from .topk_from_groups import row_logsumexp
 # every SAMPLE_STRIDE-th column sampled for the floors: 1/19 of the flops, ~8k columns at V = 151,936
 SAMPLE_STRIDE = 19
 SAMPLE_SIGMAS = 5.0  # r over the sample's mean count of top-k elements, in its standard deviations
+KEY_SIGMAS = 6.0  # the key slots over the elements a floor keeps on average, in standard deviations
 FLOOR_STEPS = 12  # value-space bisection steps of the floor (a lower bound: more steps, fewer keys)
 MAX_KEYS = 4096  # the extension's sort per row (csrc/sort_keys.cu) takes at most this many slots
 RANK_PIECE_BYTES = 8 << 20  # a torch sort's temporaries (~3 copies of the keys) per piece of rows
@@ -43,9 +44,11 @@ def sample_rank(k: int, stride: int, sample_width: int) -> int:
 
 
 def key_capacity(k: int, stride: int, rank: int) -> int:
-    """Key slots a row: a power of two (the sort's) above ~1.5 × the ~rank · stride elements a
-    floor keeps on average, at least 2k, at most MAX_KEYS."""
-    wanted = max(2 * k, math.ceil(1.5 * rank * stride))
+    """Key slots a row: a power of two (the sort's) above the ~rank · stride elements a floor
+    keeps on average plus KEY_SIGMAS of their spread (the floor's rank in the whole row is about
+    a sum of rank gaps of ~stride columns each: standard deviation ~stride · sqrt(rank)), at least
+    2k, at most MAX_KEYS. Rows past it are redone."""
+    wanted = max(2 * k, math.ceil(rank * stride + KEY_SIGMAS * stride * math.sqrt(rank)))
     return min(MAX_KEYS, triton.next_power_of_2(wanted))
 
 
