@@ -296,18 +296,22 @@ def teacher_topk_appended(hidden: torch.Tensor, weight: torch.Tensor, k: int, te
                                                              torch.uint8), ((chunk,), torch.float32),
                                              ((chunk,), torch.int32))
         sample = shared[:sample_bytes * chunk].view(hidden.dtype).view(chunk, sample_columns)
-        EpilogueMatmul(part, sample_weight, sample_bias, sample_width, temperature, sample)(0, sample_width)
+        appends = Appends(floors, shared[:8 * capacity * chunk].view(torch.int64).view(chunk, capacity), counts)
+        # both matmuls set up before the first launches: made between them, the device waited ~0.5 ms
+        sampler = EpilogueMatmul(part, sample_weight, sample_bias, sample_width, temperature, sample)
+        appender = EpilogueMatmul(part, weight, bias, width, temperature, None, appends=appends)
+        sampler(0, sample_width)
         sample_floors(sample[:, :sample_width], rank, floors)
         counts.zero_()
-        appends = Appends(floors, shared[:8 * capacity * chunk].view(torch.int64).view(chunk, capacity), counts)
-        summaries = EpilogueMatmul(part, weight, bias, width, temperature, None, appends=appends)(0, width)
+        summaries = appender(0, width)
         outputs = outputs or _outputs(num_rows, k, hidden.device, with_overflow=True)
         values, indices, lse, overflow = outputs
         tile_logsumexp(summaries.tile_max2, summaries.tile_sum2, lse[rows])
         chunk_values, indices[rows], overflow[rows] = rank_appended(appends.keys, counts, k, order)
         values[rows] = chunk_values.div_(temperature)
         # freed before the next chunk's are made
-        shared = sample = appends = summaries = chunk_values = None
+        # (floors and counts are views of the same buffer)
+        shared = sample = floors = counts = appends = sampler = appender = summaries = chunk_values = None
     values, indices, lse, overflow = outputs or _outputs(num_rows, k, hidden.device, with_overflow=True)
     # redone rows (rare) in chunks of half the budget: the last chunk's sort outputs may still be alive
     return _finish_with_redo(overflow, hidden, weight, k, temperature, width, bias,
