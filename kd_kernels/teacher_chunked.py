@@ -382,15 +382,17 @@ def _merge_running(running, candidates):
 
 def teacher_topk_lean(hidden: torch.Tensor, weight: torch.Tensor, k: int, temperature: float, vocab_size: int,
                       bias: Optional[torch.Tensor] = None, shard=None, select: str = "triton") -> TopK:
-    """``lean=True``: `teacher_topk_maxima` where the epilogue matmul takes the inputs and k <=
-    MAXIMA_MAX_K (on an H200 at 8192 × 4096 × 151,936 in blocks: k = 64 1.04-1.09× the bare
-    matmul, k = 256 1.27-1.35×, against 1.31-1.32× and 1.61-1.62× for the sliced schedule that
-    was lean=True's before), else `teacher_topk_tiled`; both within ~64 MiB beyond inputs and
-    outputs."""
+    """``lean=True``, all within ~64 MiB beyond inputs and outputs: where the epilogue matmul
+    takes the inputs, `teacher_topk_maxima` up to MAXIMA_DEFAULT_K (on an H200 at 8192 × 4096 ×
+    151,936 in blocks: k = 64 1.09-1.10× the bare matmul) and `teacher_topk_appended` up to
+    APPENDED_MAX_K (k = 256 1.22-1.27×, where the maxima schedule took 1.30-1.35×; k = 1024
+    1.34×, where the tiled one took 3.0×); else `teacher_topk_tiled`."""
     from .ops.lm_head_group_maxima import epilogue_applies
 
-    if k <= MAXIMA_MAX_K and epilogue_applies(hidden, weight):
+    if epilogue_applies(hidden, weight) and k <= MAXIMA_DEFAULT_K:
         return teacher_topk_maxima(hidden, weight, k, temperature, vocab_size, bias, None, shard, select)
+    if epilogue_applies(hidden, weight) and k <= APPENDED_MAX_K:
+        return teacher_topk_appended(hidden, weight, k, temperature, vocab_size, bias, None, shard, select)
     return teacher_topk_tiled(hidden, weight, k, temperature, vocab_size, bias, shard, select)
 
 
