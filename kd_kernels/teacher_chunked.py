@@ -18,10 +18,13 @@ bytes, ~1.25 GiB by default). The maxima schedule (`teacher_topk_maxima`; 16-bit
 256; the default at k ≤ 64 and ``lean=True``'s) stores no logits: the epilogue matmul leaves
 each 32-column group's maximum, its column and the group's second largest, which give most of
 the top-k directly; the few groups holding two or more top-k elements are computed again.
-Its buffers stay within MAXIMA_BYTES whatever N and V. ``lean=True`` (`teacher_topk_lean`)
-stays within ~64 MiB: the maxima schedule where it applies, else the tiled one
-(`teacher_topk_tiled`: tiles of rows × vocab columns, 48 MiB of float32 logits, each slice's
-top-k merged into the row chunk's running one). `teacher_topk_fused` writes no logits at all:
+Its buffers stay within MAXIMA_BYTES whatever N and V. The appended schedule
+(`teacher_topk_appended`; 16-bit inputs, k ≤ 1024) stores no logits either: floors from a
+strided sample of the columns, then the epilogue matmul appends each element reaching its row's
+floor to the row's keys, one sort per row (ops/topk_from_appended.py); within APPENDED_BYTES.
+``lean=True`` (`teacher_topk_lean`) stays within ~64 MiB: the maxima schedule up to k = 64, the
+appended one up to k = 1024, else the tiled one (`teacher_topk_tiled`: tiles of rows × vocab
+columns, 48 MiB of float32 logits, each slice's top-k merged into the row chunk's running one). `teacher_topk_fused` writes no logits at all:
 the top-k is selected in the epilogue of a Triton matmul (ops/lm_head_topk.py), per vocab
 split, and the splits are merged here. (Two more schedules without stored logits were timed and
 removed: all ~k listed groups computed again, 2.1× at k = 1024, and vocab slices of row chunks
@@ -132,8 +135,9 @@ def teacher_schedule(hidden: torch.Tensor, weight: torch.Tensor, k: int) -> str:
     read per row) for k <= EPILOGUE_MAX_K, else "cublas" (at k = 1024 with the candidates
     gathered and sorted by the extension 1.15-1.23x the matmul against 1.25-1.34x for cuBLAS +
     the full-row selection in the same runs; benchmarks/RESULTS.md).
-    ``KD_KERNELS_TEACHER_SCHEDULE=cublas`` / ``=epilogue`` / ``=maxima`` forces one (A/B in the
-    benchmark); the epilogue-matmul schedules where that matmul does not apply (dtype,
+    ``KD_KERNELS_TEACHER_SCHEDULE=cublas`` / ``=epilogue`` / ``=maxima`` / ``=appended`` forces
+    one (A/B in the benchmark; "appended" is ``lean=True``'s past k = 64: at k = 1024 1.30-1.33x
+    within 64 MiB); the epilogue-matmul schedules where that matmul does not apply (dtype,
     alignment) are an error."""
     from .ops.lm_head_group_maxima import epilogue_applies
 

@@ -156,13 +156,13 @@ def test_the_schedule_choice_and_its_switch(monkeypatch):
     monkeypatch.setenv("KD_KERNELS_TEACHER_SCHEDULE", "cublas")
     assert teacher_schedule(*half, 64) == "cublas"
     # the epilogue-matmul schedules, forced: taken past EPILOGUE_MAX_K, refused where it does not apply
-    for schedule, unfit in (("epilogue", single), ("maxima", odd)):
+    for schedule, unfit in (("epilogue", single), ("maxima", odd), ("appended", odd)):
         monkeypatch.setenv("KD_KERNELS_TEACHER_SCHEDULE", schedule)
         assert teacher_schedule(*half, 2048) == schedule
         with pytest.raises(ValueError, match=f"KD_KERNELS_TEACHER_SCHEDULE={schedule}: needs bf16 / fp16"):
             teacher_schedule(*unfit, 64)
     monkeypatch.setenv("KD_KERNELS_TEACHER_SCHEDULE", "fast")
-    with pytest.raises(ValueError, match="expected 'epilogue', 'maxima' or 'cublas', got 'fast'"):
+    with pytest.raises(ValueError, match="expected 'epilogue', 'maxima', 'appended' or 'cublas', got 'fast'"):
         teacher_schedule(*half, 64)
 
 
