@@ -97,7 +97,8 @@ def teacher_topk(hidden: torch.Tensor, weight: torch.Tensor, k: int = 64, *, tem
         chunk_rows: rows per chunk on the GPU backends (``chunk_rows · V · 4`` bytes for the
             schedules that store logits); None: ~1.25 GiB, or within ~56 MiB for the maxima one.
         lean: ≤ ~64 MiB beyond the inputs and outputs whatever N and V: bf16 / fp16 inputs take
-            the maxima schedule at k <= 64 (the default's) and the appended one up to k = 1024
+            the maxima schedule at k <= 64 (the default's; k <= 256 on the triton backend, whose
+            torch sort of the appended keys is slower) and the appended one up to k = 1024
             (floors from a strided sample of the columns, the epilogue matmul appending each
             element that reaches its row's floor, one sort per row; on an H200 in blocks k = 256
             1.22-1.27× the bare matmul, k = 1024 1.31-1.32× at 55-56 MiB), others tiles of rows ×

@@ -22,8 +22,8 @@ Its buffers stay within MAXIMA_BYTES whatever N and V. The appended schedule
 (`teacher_topk_appended`; 16-bit inputs, k ≤ 1024) stores no logits either: floors from a
 strided sample of the columns, then the epilogue matmul appends each element reaching its row's
 floor to the row's keys, one sort per row (ops/topk_from_appended.py); within APPENDED_BYTES.
-``lean=True`` (`teacher_topk_lean`) stays within ~64 MiB: the maxima schedule up to k = 64, the
-appended one up to k = 1024, else the tiled one (`teacher_topk_tiled`: tiles of rows × vocab
+``lean=True`` (`teacher_topk_lean`) stays within ~64 MiB: the maxima schedule up to k = 64 (256
+without the extension), the appended one up to k = 1024, else the tiled one (`teacher_topk_tiled`: tiles of rows × vocab
 columns, 48 MiB of float32 logits, each slice's top-k merged into the row chunk's running one). `teacher_topk_fused` writes no logits at all:
 the top-k is selected in the epilogue of a Triton matmul (ops/lm_head_topk.py), per vocab
 split, and the splits are merged here. (Two more schedules without stored logits were timed and
@@ -387,13 +387,16 @@ def _merge_running(running, candidates):
 def teacher_topk_lean(hidden: torch.Tensor, weight: torch.Tensor, k: int, temperature: float, vocab_size: int,
                       bias: Optional[torch.Tensor] = None, shard=None, select: str = "triton") -> TopK:
     """``lean=True``, all within ~64 MiB beyond inputs and outputs: where the epilogue matmul
-    takes the inputs, `teacher_topk_maxima` up to MAXIMA_DEFAULT_K (on an H200 at 8192 × 4096 ×
-    151,936 in blocks: k = 64 1.09-1.10× the bare matmul) and `teacher_topk_appended` up to
-    APPENDED_MAX_K (k = 256 1.22-1.27×, where the maxima schedule took 1.30-1.35×; k = 1024
-    1.34×, where the tiled one took 3.0×); else `teacher_topk_tiled`."""
+    takes the inputs, `teacher_topk_maxima` up to MAXIMA_DEFAULT_K (``select="cuda"``) or
+    MAXIMA_MAX_K (``"triton"``, whose ranking of the appended keys is a torch sort) and
+    `teacher_topk_appended` up to APPENDED_MAX_K; else `teacher_topk_tiled`. On an H200 at 8192 ×
+    4096 × 151,936: k = 64 1.07-1.11× the bare matmul in blocks (maxima); k = 256 1.22-1.27×
+    appended against 1.30-1.35× maxima on cuda, 1.43× against 1.24× on triton; k = 1024 1.31×
+    appended against the tiled schedule's 3.0× on cuda, 1.85× against 6.3× on triton."""
     from .ops.lm_head_group_maxima import epilogue_applies
 
-    if epilogue_applies(hidden, weight) and k <= MAXIMA_DEFAULT_K:
+    maxima_up_to = MAXIMA_DEFAULT_K if select == "cuda" else MAXIMA_MAX_K
+    if epilogue_applies(hidden, weight) and k <= maxima_up_to:
         return teacher_topk_maxima(hidden, weight, k, temperature, vocab_size, bias, None, shard, select)
     if epilogue_applies(hidden, weight) and k <= APPENDED_MAX_K:
         return teacher_topk_appended(hidden, weight, k, temperature, vocab_size, bias, None, shard, select)

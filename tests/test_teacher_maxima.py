@@ -143,12 +143,12 @@ def test_the_ranking_past_the_rank_limit_is_a_sort(monkeypatch):
     check_teacher_topk(top, reference.teacher_topk(hidden, weight, 12, 0.7, 200, bias), 1e-5, logits, 0.7, 200)
 
 
-@pytest.mark.parametrize("dtype, k, expected", [(torch.float16, 5, "maxima"), (torch.float16, 64, "maxima"),
-                                                (torch.float16, 65, "appended"), (torch.float16, 257, "appended"),
-                                                (torch.float32, 5, "tiled")])
+@pytest.mark.parametrize("dtype, k, expected", [(torch.float16, 5, "maxima"), (torch.float16, 256, "maxima"),
+                                                (torch.float16, 257, "appended"), (torch.float32, 5, "tiled")])
 def test_lean_takes_the_maxima_then_the_appended_schedule_for_16_bit_inputs(monkeypatch, dtype, k, expected):
-    """``lean=True``: 16-bit inputs the epilogue matmul takes go to the maxima schedule up to
-    k = 64, to the appended one past it, the rest to the tiled one; all match the reference."""
+    """``lean=True`` without the extension: 16-bit inputs the epilogue matmul takes go to the
+    maxima schedule up to k = 256, to the appended one past it, the rest to the tiled one; all
+    match the reference."""
     import kd_kernels as kd
     from kd_kernels import teacher_chunked
 
@@ -163,6 +163,20 @@ def test_lean_takes_the_maxima_then_the_appended_schedule_for_16_bit_inputs(monk
     assert taken == [expected]
     expected_top = reference.teacher_topk(hidden, weight, k, 2.0, 300, bias)
     check_teacher_topk(top, expected_top, 1e-4, reference.lm_head_logits(hidden, weight, bias), 2.0, 300)
+
+
+@pytest.mark.parametrize("k, expected", [(64, "maxima"), (65, "appended"), (1024, "appended"), (1025, "tiled")])
+def test_lean_with_the_extension_takes_the_appended_schedule_past_k_64(monkeypatch, k, expected):
+    """With the extension's sort (select="cuda") the appended schedule is faster from k = 65 on
+    (H200, k = 256: 1.22-1.27× against the maxima schedule's 1.30-1.35×): the choice alone."""
+    from kd_kernels import teacher_chunked
+
+    taken = []
+    for name in ("teacher_topk_maxima", "teacher_topk_appended", "teacher_topk_tiled"):
+        monkeypatch.setattr(teacher_chunked, name, lambda *args, _name=name, **kwargs: taken.append(_name))
+    hidden, weight, _ = small_teacher_problem(1, rows=4, columns=2000, dtype=torch.float16)
+    teacher_chunked.teacher_topk_lean(hidden, weight, k, 2.0, 2000, select="cuda")
+    assert taken == [f"teacher_topk_{expected}"]
 
 
 @pytest.mark.gpu
