@@ -2,11 +2,12 @@
 subset (ops/topk_from_appended.py), the epilogue matmul appending each element at or above its
 row's floor (ops/lm_head_group_maxima.py with `Appends`), one sort per row; rows whose floor
 kept fewer than k elements or more than the slots redone exactly. Interpreter tiles: 16 rows ×
-32 columns, groups of 8 (the real shape runs on a GPU below)."""
+32 columns, groups of 8 (the real shape runs on a GPU in tests/test_teacher_epilogue.py, the 64 MiB
+bound through ``lean=True`` in tests/test_teacher_maxima.py)."""
 import pytest
 import torch
 
-from helpers import (HAS_CUDA, check_schedule_with_ties_and_fewer_columns_than_k, check_teacher_topk,
+from helpers import (HAS_CUDA, check_teacher_topk,
                      small_teacher_problem)
 from kd_kernels import reference
 from kd_kernels.ops import topk_from_appended
@@ -90,54 +91,3 @@ def test_floors_above_the_kth_largest_are_redone_exactly(monkeypatch):
     assert sum(calls) > 20  # most of the 37 rows were redone
     logits = reference.lm_head_logits(hidden, weight, bias)
     check_teacher_topk(top, reference.teacher_topk(hidden, weight, 6, 1.0, 200, bias), 1e-5, logits, 1.0, 200)
-
-
-def test_appended_schedule_ties_and_fewer_columns_than_k():
-    check_schedule_with_ties_and_fewer_columns_than_k(teacher_topk_appended)
-
-
-def test_appended_schedule_rejects_a_k_past_its_limit():
-    hidden, weight, _ = small_teacher_problem(1, dtype=torch.float16)
-    with pytest.raises(ValueError, match="the appended schedule takes 1 <= k <= 1024, got 1025"):
-        teacher_topk_appended(hidden, weight, 1025, 1.0, 200)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("k", [8, 64, 256, 1024])
-def test_gpu_real_shape_appended_schedule_with_massive_ties(k):
-    generator = torch.Generator(device="cuda").manual_seed(k + 11)
-    hidden = (0.2 * torch.randn(2100, 4096, device="cuda", generator=generator)).bfloat16()
-    hidden[[0, 1000, 2099]] = 0  # logits = the bias: 0 but for a 1 at the last existing column
-    weight = (torch.randn(151_936, 4096, device="cuda", generator=generator) * 0.02).bfloat16()
-    bias = torch.zeros(151_936, device="cuda", dtype=torch.bfloat16)
-    bias[151_899] = 1
-    top = teacher_topk_appended(hidden, weight, k, 2.0, 151_900, bias, chunk_rows=1024)  # 3 chunks, the last 52 rows
-    # every column reaches the floor there, more than the slots: only the redo finds column 151,899
-    assert top.indices[[0, 1000, 2099]].tolist() == [[151_899] + list(range(k - 1))] * 3
-    exact_logits = reference.lm_head_logits(hidden, weight, bias)
-    check_teacher_topk(top, reference.teacher_topk(hidden, weight, k, 2.0, 151_900, bias), 1e-4, exact_logits, 2.0,
-                       151_900)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("k", [256, 1024])
-def test_gpu_appended_schedule_stays_within_64_mib_at_8192_tokens(k):
-    """The issue's memory target at any k: beyond the inputs and the top-k it returns, at most
-    64 MiB at 8192 × 4096 × 151,936, on LLM-like logits (no row redone)."""
-    from kd_kernels.topk import TopK
-
-    generator = torch.Generator(device="cuda").manual_seed(k)
-    weight = (torch.randn(151_936, 4096, device="cuda", generator=generator) * 0.02).bfloat16()
-    hidden = (torch.randn(8192, 4096, device="cuda", generator=generator) * 0.8).bfloat16()
-    teacher_topk_appended(hidden[:256], weight, k, 2.0, 151_936, select="cuda")  # compiled before measuring
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    before = torch.cuda.memory_allocated()
-    top = teacher_topk_appended(hidden, weight, k, 2.0, 151_936, select="cuda")
-    torch.cuda.synchronize()
-    outputs = top.logprobs.nbytes + top.indices.nbytes + top.lse.nbytes
-    assert torch.cuda.max_memory_allocated() - before - outputs <= 64 << 20
-    rows = torch.arange(0, 8192, 1021, device="cuda")
-    expected = reference.teacher_topk(hidden[rows], weight, k, 2.0, 151_936)
-    check_teacher_topk(TopK(top.logprobs[rows], top.indices[rows], top.lse[rows], 2.0), expected, 1e-4,
-                       reference.lm_head_logits(hidden[rows], weight), 2.0, 151_936)

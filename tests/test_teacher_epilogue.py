@@ -8,12 +8,14 @@ import pytest
 import torch
 
 import kd_kernels as kd
-from helpers import HAS_CUDA, check_teacher_topk as _check
+from helpers import (HAS_CUDA, check_schedule_with_ties_and_fewer_columns_than_k, check_teacher_topk as _check,
+                     small_teacher_problem)
 from kd_kernels import reference
 from kd_kernels.ops.lm_head_group_maxima import default_config, lm_head_logits_with_summaries, padded_width
 from kd_kernels.ops import topk_from_groups as groups_module
 from kd_kernels.ops.topk_from_groups import topk_from_group_maxima
-from kd_kernels.teacher_chunked import MAXIMA_MAX_K, teacher_schedule, teacher_topk_epilogue, teacher_topk_maxima
+from kd_kernels.teacher_chunked import (MAXIMA_MAX_K, teacher_schedule, teacher_topk_appended, teacher_topk_epilogue,
+                                        teacher_topk_maxima)
 
 pytestmark = pytest.mark.interpret
 DEVICE = "cuda" if HAS_CUDA else "cpu"
@@ -52,8 +54,10 @@ def test_the_logits_buffer_must_take_tma_stores():
     hidden, weight = torch.zeros(4, 16, dtype=torch.float16), torch.zeros(30, 16, dtype=torch.float16)
     with pytest.raises(ValueError, match="logits: the teacher's epilogue matmul moves rows by TMA"):
         lm_head_logits_with_summaries(hidden, weight, None, 30, 1.0, torch.empty(4, 30))  # 120-byte rows
-    with pytest.raises(ValueError, match="logits: expected a float32 buffer"):
-        lm_head_logits_with_summaries(hidden, weight, None, 30, 1.0, torch.empty(4, 32, dtype=torch.float16))
+    # float32, or the inputs' own dtype (the appended schedule's sample): nothing else
+    with pytest.raises(ValueError, match="logits: expected a float32 buffer .* or one of the inputs' dtype "
+                                         "torch.float16 .*, got torch.bfloat16"):
+        lm_head_logits_with_summaries(hidden, weight, None, 30, 1.0, torch.empty(4, 32, dtype=torch.bfloat16))
 
 
 def _topk(logits_rows, k, temperature, width=None):
@@ -166,6 +170,14 @@ def test_the_schedule_choice_and_its_switch(monkeypatch):
         teacher_schedule(*half, 64)
 
 
+@pytest.mark.parametrize("schedule, most_k", [(teacher_topk_maxima, 256), (teacher_topk_appended, 1024)])
+def test_the_schedules_without_stored_logits_on_ties_fewer_columns_and_their_k_limit(schedule, most_k):
+    check_schedule_with_ties_and_fewer_columns_than_k(schedule)
+    hidden, weight, _ = small_teacher_problem(4, dtype=torch.float16)
+    with pytest.raises(ValueError, match=f"schedule takes 1 <= k <= {most_k}, got {most_k + 1}"):
+        schedule(hidden, weight, most_k + 1, 1.0, 203)
+
+
 @pytest.mark.parametrize("k, function", [(8, "teacher_topk_maxima"), (70, "teacher_topk_epilogue")])
 def test_the_public_function_takes_the_default_schedule_and_agrees_with_cublas(k, function, monkeypatch):
     generator = torch.Generator().manual_seed(9)
@@ -186,7 +198,7 @@ def test_the_public_function_takes_the_default_schedule_and_agrees_with_cublas(k
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("schedule", [teacher_topk_epilogue, teacher_topk_maxima])
+@pytest.mark.parametrize("schedule", [teacher_topk_epilogue, teacher_topk_maxima, teacher_topk_appended])
 @pytest.mark.parametrize("k", [8, 64, 256, 1024])
 def test_gpu_real_shape_epilogue_schedules_with_massive_ties(schedule, k):
     if schedule is teacher_topk_maxima and k > MAXIMA_MAX_K:
@@ -198,7 +210,8 @@ def test_gpu_real_shape_epilogue_schedules_with_massive_ties(schedule, k):
     bias = torch.zeros(151_936, device="cuda", dtype=torch.bfloat16)
     bias[151_899] = 1
     top = schedule(hidden, weight, k, 2.0, 151_900, bias, chunk_rows=1024)  # 3 chunks, the last 52 rows
-    # more candidates than slots, filled in column order: only the redo finds column 151,899
+    # more candidates than slots (every column reaches the appended schedule's floor): only the redo
+    # finds column 151,899
     assert top.indices[[0, 1000, 2099]].tolist() == [[151_899] + list(range(k - 1))] * 3
     exact_logits = reference.lm_head_logits(hidden, weight, bias)
     _check(top, reference.teacher_topk(hidden, weight, k, 2.0, 151_900, bias), 1e-4, exact_logits, 2.0, 151_900)

@@ -7,7 +7,7 @@ tests/test_teacher_epilogue.py)."""
 import pytest
 import torch
 
-from helpers import (HAS_CUDA, check_schedule_with_ties_and_fewer_columns_than_k, check_teacher_topk,
+from helpers import (HAS_CUDA, check_teacher_topk,
                      small_teacher_problem)
 from kd_kernels import reference
 from kd_kernels.topk import TopK
@@ -121,16 +121,6 @@ def test_thresholds_below_the_exact_ones_give_the_same_top_k(k, listing_steps, k
     assert torch.equal(below.indices, exact.indices) and torch.equal(below.logprobs, exact.logprobs)
     check_teacher_topk(below, reference.teacher_topk(hidden, weight, k, 1.0, 1000, bias), 2e-5,
                        reference.lm_head_logits(hidden, weight, bias), 1.0, 1000)
-
-
-def test_maxima_schedule_ties_and_fewer_columns_than_k():
-    check_schedule_with_ties_and_fewer_columns_than_k(teacher_topk_maxima)
-
-
-def test_maxima_schedule_rejects_a_k_past_its_limit():
-    hidden, weight, _ = small_teacher_problem(4, dtype=torch.float16)
-    with pytest.raises(ValueError, match="k: the maxima schedule takes 1 <= k <= 256, got 257"):
-        teacher_topk_maxima(hidden, weight, 257, 1.0, 203)
 
 
 def test_the_ranking_past_the_rank_limit_is_a_sort(monkeypatch):
