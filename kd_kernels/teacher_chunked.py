@@ -248,13 +248,15 @@ def teacher_topk_maxima(hidden: torch.Tensor, weight: torch.Tensor, k: int, temp
                              max(1, MAXIMA_BYTES // (4 * weight.shape[0])), select, (values, indices, lse), shard)
 
 
-def appended_chunk_rows(num_rows: int, width: int, k: int, capacity: int, sample_width: int,
-                        element_size: int = 2, block_n: int = 256) -> int:
-    """Rows per chunk of the appended schedule: its buffers within APPENDED_BYTES, in quarters of
-    the matmul's L2 group of row tiles. A row holds its sample logits, then (in the same bytes)
-    its keys (``max(element_size · sample_width, 8 · capacity)``), its tile statistics (8 · V / block_n),
-    its floor and count, and the sort's values and columns (8 · k)."""
-    per_row = max(element_size * sample_width, 8 * capacity) + 8 * -(-width // block_n) + 8 + 8 * k
+def appended_chunk_rows(num_rows: int, width: int, k: int, plan, element_size: int = 2,
+                        block_n: int = 256) -> int:
+    """Rows per chunk of the appended schedule (`AppendedPlan` ``plan``): its buffers within
+    APPENDED_BYTES, in quarters of the matmul's L2 group of row tiles. A row holds its sample
+    logits, then in the same bytes its keys (``max(element_size · sample_columns, 8 ·
+    capacity)``), its tile statistics (8 · V / block_n), its floor and count, and the sort's
+    values and columns (8 · k)."""
+    per_row = (max(element_size * plan.sample_columns, 8 * plan.capacity) + 8 * -(-width // block_n) + 8
+               + 8 * k)
     return _rows_in_quarter_groups(APPENDED_BYTES // per_row, num_rows)
 
 
@@ -262,64 +264,65 @@ def teacher_topk_appended(hidden: torch.Tensor, weight: torch.Tensor, k: int, te
                           bias: Optional[torch.Tensor] = None, chunk_rows: Optional[int] = None, shard=None,
                           select: str = "triton", stride: Optional[int] = None) -> TopK:
     """hidden ``[N, H]``, weight ``[V, H]`` 16-bit -> `TopK` float32 without storing logits and
-    within APPENDED_BYTES whatever N and V (k <= APPENDED_MAX_K): per chunk of rows, cuBLAS
-    logits of every ``stride``-th column (None: SAMPLE_STRIDE, fewer where the vocabulary is
-    small; the epilogue matmul over a strided view of the weight, stored in the inputs' dtype:
-    cuBLAS took an sm_75 kernel at 1/6 of its rate for that view) give each row a floor (ops/topk_from_appended.py); the epilogue matmul appends each
-    element at or above it to the row's keys and keeps the tile statistics (the logsumexp); one
-    sort per row ranks the keys. Rows with fewer than k keys or more than the slots are redone by
-    cuBLAS logits and the full-row selection ``select``."""
-    from .ops.buffers import empty_parts
-    from .ops.lm_head_group_maxima import Appends, EpilogueMatmul, default_config
-    from .ops.topk_from_appended import (SAMPLE_STRIDE, key_capacity, rank_appended, sample_floors, sample_rank,
-                                         tile_logsumexp)
+    within APPENDED_BYTES whatever N and V (k <= APPENDED_MAX_K): per chunk of rows
+    (`_appended_chunk`), the logits of every ``stride``-th column (None: `appended_plan`'s) give
+    each row a floor, the epilogue matmul appends each element at or above it to the row's keys
+    and keeps the tile statistics (the logsumexp), one sort per row ranks the keys
+    (ops/topk_from_appended.py). Rows with fewer than k keys or more than the slots are redone
+    by cuBLAS logits and the full-row selection ``select``."""
+    from .ops.lm_head_group_maxima import default_config
+    from .ops.topk_from_appended import appended_plan
 
     if not 1 <= k <= APPENDED_MAX_K:
         raise ValueError(f"k: the appended schedule takes 1 <= k <= {APPENDED_MAX_K}, got {k}")
     num_rows = hidden.shape[0]
     width = vocab_size if shard is None else shard.existing
-    # a sample of at least ~8 k columns keeps r well inside it
-    stride = stride or max(1, min(SAMPLE_STRIDE, width // (8 * k)))
-    sample_width = -(-width // stride)
-    rank = sample_rank(k, stride, sample_width)
-    capacity = key_capacity(k, stride, rank)
-    chunk_rows = chunk_rows or appended_chunk_rows(num_rows, width, k, capacity, -(-sample_width // 8) * 8,
-                                                   hidden.element_size(), default_config().block_n)
-    # the sample's logits in the inputs' dtype (they only bound the floors), rows 16-byte aligned
-    sample_columns = -(-sample_width // 8) * 8
-    sample_bytes = hidden.element_size() * sample_columns
-    sample_weight = weight[:width:stride]
-    sample_bias = None if bias is None else bias[:width:stride].contiguous()
-    order = "cuda" if select == "cuda" else "torch"
+    plan = appended_plan(width, k, stride)
+    chunk_rows = chunk_rows or appended_chunk_rows(num_rows, width, k, plan, hidden.element_size(),
+                                                   default_config().block_n)
+    sample_bias = None if bias is None else bias[:width:plan.stride].contiguous()
     outputs = None
     for start in range(0, num_rows, chunk_rows):
         rows = slice(start, min(start + chunk_rows, num_rows))
-        part = hidden[rows]
-        chunk = part.shape[0]
-        shared, floors, counts = empty_parts(hidden.device, ((max(sample_bytes, 8 * capacity) * chunk,),
-                                                             torch.uint8), ((chunk,), torch.float32),
-                                             ((chunk,), torch.int32))
-        sample = shared[:sample_bytes * chunk].view(hidden.dtype).view(chunk, sample_columns)
-        appends = Appends(floors, shared[:8 * capacity * chunk].view(torch.int64).view(chunk, capacity), counts)
-        # both matmuls set up before the first launches: made between them, the device waited ~0.5 ms
-        sampler = EpilogueMatmul(part, sample_weight, sample_bias, sample_width, temperature, sample)
-        appender = EpilogueMatmul(part, weight, bias, width, temperature, None, appends=appends)
-        sampler(0, sample_width)
-        sample_floors(sample[:, :sample_width], rank, floors)
-        counts.zero_()
-        summaries = appender(0, width)
-        outputs = outputs or _outputs(num_rows, k, hidden.device, with_overflow=True)
-        values, indices, lse, overflow = outputs
-        tile_logsumexp(summaries.tile_max2, summaries.tile_sum2, lse[rows])
-        chunk_values, indices[rows], overflow[rows] = rank_appended(appends.keys, counts, k, order)
-        values[rows] = chunk_values.div_(temperature)
-        # freed before the next chunk's are made
-        # (floors and counts are views of the same buffer)
-        shared = sample = floors = counts = appends = sampler = appender = summaries = chunk_values = None
+        outputs = _appended_chunk(hidden[rows], weight, bias, sample_bias, width, k, temperature, plan, select,
+                                  outputs, rows, num_rows)
     values, indices, lse, overflow = outputs or _outputs(num_rows, k, hidden.device, with_overflow=True)
-    # redone rows (rare) in chunks of half the budget: the last chunk's sort outputs may still be alive
+    # redone rows (rare) in chunks of half the budget
     return _finish_with_redo(overflow, hidden, weight, k, temperature, width, bias,
                              max(1, APPENDED_BYTES // (8 * weight.shape[0])), select, (values, indices, lse), shard)
+
+
+def _appended_chunk(part: torch.Tensor, weight: torch.Tensor, bias, sample_bias, width: int, k: int,
+                    temperature: float, plan, select: str, outputs, rows: slice, num_rows: int):
+    """One chunk of `teacher_topk_appended`: its rows ``part [R, H]`` of the whole call's
+    ``outputs`` (tempered values, local ids, lse, overflow, for ``num_rows`` rows; None: made
+    here, after the first launch) filled at ``rows``; returns ``outputs``. Its buffers live only
+    within this call, so the next chunk's never coexist with them."""
+    from .ops.buffers import empty_parts
+    from .ops.lm_head_group_maxima import Appends, EpilogueMatmul
+    from .ops.topk_from_appended import rank_appended, sample_floors, tile_logsumexp
+
+    chunk, device = part.shape[0], part.device
+    sample_bytes = part.element_size() * plan.sample_columns
+    # the sample's logits, in the inputs' dtype (they only bound the floors), then the keys in the same bytes
+    shared, floors, counts = empty_parts(device, ((max(sample_bytes, 8 * plan.capacity) * chunk,), torch.uint8),
+                                         ((chunk,), torch.float32), ((chunk,), torch.int32))
+    sample = shared[:sample_bytes * chunk].view(part.dtype).view(chunk, plan.sample_columns)
+    keys = shared[:8 * plan.capacity * chunk].view(torch.int64).view(chunk, plan.capacity)
+    # both matmuls set up before the first launch: made between them, the device waited ~0.5 ms
+    sampler = EpilogueMatmul(part, weight[:width:plan.stride], sample_bias, plan.sample_width, temperature, sample)
+    appender = EpilogueMatmul(part, weight, bias, width, temperature, None, appends=Appends(floors, keys, counts))
+    sampler(0, plan.sample_width)
+    sample_floors(sample[:, :plan.sample_width], plan.rank, floors)
+    counts.zero_()
+    summaries = appender(0, width)
+    outputs = outputs or _outputs(num_rows, k, device, with_overflow=True)
+    values, indices, lse, overflow = outputs
+    tile_logsumexp(summaries.tile_max2, summaries.tile_sum2, lse[rows])
+    order = "cuda" if select == "cuda" else "torch"
+    chunk_values, indices[rows], overflow[rows] = rank_appended(keys, counts, k, order)
+    values[rows] = chunk_values.div_(temperature)
+    return outputs
 
 
 def _finish_with_redo(overflow: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor, k: int, temperature: float,

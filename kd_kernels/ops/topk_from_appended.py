@@ -13,6 +13,7 @@ exact redo.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 
@@ -50,6 +51,28 @@ def key_capacity(k: int, stride: int, rank: int) -> int:
     2k, at most MAX_KEYS. Rows past it are redone."""
     wanted = max(2 * k, math.ceil(rank * stride + KEY_SIGMAS * stride * math.sqrt(rank)))
     return min(MAX_KEYS, triton.next_power_of_2(wanted))
+
+
+@dataclasses.dataclass(frozen=True)
+class AppendedPlan:
+    """The sample and the keys of the appended schedule for one vocabulary width and k: every
+    ``stride``-th column sampled (``sample_width`` of them, rows padded to ``sample_columns``
+    for 16-byte alignment), the floor at the sample's ``rank``-th largest, ``capacity`` key
+    slots a row."""
+    stride: int
+    sample_width: int
+    sample_columns: int
+    rank: int
+    capacity: int
+
+
+def appended_plan(width: int, k: int, stride: int | None = None) -> AppendedPlan:
+    """`AppendedPlan` for ``width`` columns and k; ``stride`` None: SAMPLE_STRIDE, or less where
+    the vocabulary is small (a sample of at least ~8k columns keeps r well inside it)."""
+    stride = stride or max(1, min(SAMPLE_STRIDE, width // (8 * k)))
+    sample_width = -(-width // stride)
+    rank = sample_rank(k, stride, sample_width)
+    return AppendedPlan(stride, sample_width, -(-sample_width // 8) * 8, rank, key_capacity(k, stride, rank))
 
 
 @triton.jit
