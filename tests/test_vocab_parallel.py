@@ -54,15 +54,15 @@ def _check_teacher(rank, world, group, teacher_hidden, teacher_weight, backend):
 
 
 def _check_teacher_epilogue(rank, world, group, teacher_hidden, teacher_weight):
-    """16-bit inputs take the maxima schedule on each shard (and the epilogue one, forced); the
-    merge is the same."""
+    """16-bit inputs take the maxima schedule on each shard (and the epilogue and appended ones,
+    forced); the merge is the same."""
     from kd_kernels.teacher_chunked import teacher_schedule
 
     hidden, weight = teacher_hidden.half(), teacher_weight.half()
     local = _shard(weight, rank, world)
     assert teacher_schedule(hidden, local, K) == "maxima"
     expected = reference.teacher_topk(hidden, weight, K, 2.0, VOCAB)
-    for schedule in ("maxima", "epilogue"):
+    for schedule in ("maxima", "epilogue", "appended"):
         os.environ["KD_KERNELS_TEACHER_SCHEDULE"] = schedule
         try:
             got = kd.teacher_topk(hidden, local, k=K, temperature=2.0, vocab_size=VOCAB, group=group,
