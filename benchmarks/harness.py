@@ -101,6 +101,43 @@ def time_after_idle_ms(fn, setup=None, idle_s=0.2, repeats=10):
     return statistics.median(times)
 
 
+def kernel_times(call, repeats=5):
+    """{kernel name: median over ``repeats`` calls of its summed device time in ms} (torch.profiler:
+    steadier than whole-call ratios for A/B of kernels)."""
+    from collections import defaultdict
+
+    from torch.profiler import ProfilerActivity, profile
+
+    samples = defaultdict(list)
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as profiler:
+            call()
+            torch.cuda.synchronize()
+        totals = defaultdict(float)
+        for event in profiler.events():
+            if event.device_type == torch.autograd.DeviceType.CUDA:
+                totals[event.name] += event.device_time_total / 1000
+        for name, total in totals.items():
+            samples[name].append(total)
+    return {name: statistics.median(values) for name, values in samples.items()}
+
+
+def print_variant_kernels(calls, floor, parts):
+    """A markdown table of variants ``calls`` ({name: (fn, setup)}, the first the reference): per
+    variant the device ms of the kernels whose names contain each of ``parts`` ({column: name
+    part}, `kernel_times`), then the whole call timed in turn with ``floor`` and against the first."""
+    print(f"| variant | {' | '.join(parts)} | whole (in turn) | × first |")
+    print("|" + " --- |" * (len(parts) + 3))
+    summary, ratios = time_interleaved_ms({"floor": (floor, None), **calls})
+    first = summary[next(iter(calls))][0]
+    for name, (call, _) in calls.items():
+        times = kernel_times(call)
+        columns = [sum(ms for kernel, ms in times.items() if part in kernel) for part in parts.values()]
+        print(f"| {name} | {' | '.join(f'{ms:.3f}' for ms in columns)} | {summary[name][0]:.2f} "
+              f"({ratios[name]:.3f}× the matmul) | {summary[name][0] / first:.3f} |", flush=True)
+
+
 def print_device_gaps(fn, annotation="call"):
     """Runs ``fn`` once from a synchronized start under torch.profiler and prints where the device
     waited: the call's span (its host start to its last kernel's end), the kernels' busy time,
@@ -169,6 +206,16 @@ def llm_like_hidden(n, h, weight, target_entropy=3.0, dtype=torch.bfloat16, seed
             high = scale
     hidden = (base * scale).to(dtype)
     return hidden, mean_entropy(hidden, weight), scale
+
+
+def teacher_s1():
+    """(hidden, weight) of the teacher at 8192 × 4096 × 151,936 bf16, LLM-like (3 nats at τ = 1),
+    the header line printed."""
+    n, h, v = 8192, 4096, 151_936
+    weight = (torch.randn(v, h, device="cuda") * 0.02).to(torch.bfloat16)
+    hidden, entropy, _ = llm_like_hidden(n, h, weight)
+    print(f"{torch.cuda.get_device_name()}, N={n} H={h} V={v}, entropy {entropy:.2f} nats at τ=1")
+    return hidden, weight
 
 
 def environment():

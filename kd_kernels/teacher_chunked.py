@@ -23,8 +23,9 @@ Its buffers stay within MAXIMA_BYTES whatever N and V. The appended schedule
 strided sample of the columns, then the epilogue matmul appends each element reaching its row's
 floor to the row's keys, one sort per row (ops/topk_from_appended.py); within APPENDED_BYTES.
 ``lean=True`` (`teacher_topk_lean`) stays within ~64 MiB: the maxima schedule up to k = 64 (256
-without the extension), the appended one up to k = 1024, else the tiled one (`teacher_topk_tiled`: tiles of rows × vocab
-columns, 48 MiB of float32 logits, each slice's top-k merged into the row chunk's running one). `teacher_topk_fused` writes no logits at all:
+without the extension), the appended one up to k = 1024, else the tiled one
+(`teacher_topk_tiled`: tiles of rows × vocab columns, 48 MiB of float32 logits, each slice's
+top-k merged into the row chunk's running one). `teacher_topk_fused` writes no logits at all:
 the top-k is selected in the epilogue of a Triton matmul (ops/lm_head_topk.py), per vocab
 split, and the splits are merged here. (Two more schedules without stored logits were timed and
 removed: all ~k listed groups computed again, 2.1× at k = 1024, and vocab slices of row chunks
@@ -178,17 +179,14 @@ def teacher_topk_epilogue(hidden: torch.Tensor, weight: torch.Tensor, k: int, te
         if chunk_rows < num_rows:  # whole L2 groups of row tiles: 2207-row chunks cost 3-10 % more than 2048 (H200)
             chunk_rows = max(EPILOGUE_ROW_MULTIPLE, chunk_rows // EPILOGUE_ROW_MULTIPLE * EPILOGUE_ROW_MULTIPLE)
     logits = torch.empty(min(chunk_rows, num_rows), padded_width(width), dtype=torch.float32, device=hidden.device)
-    outputs = None  # made once the first matmul is launched: the device starts sooner
+    values, indices, lse, overflow = _outputs(num_rows, k, hidden.device, with_overflow=True)
     for start in range(0, num_rows, chunk_rows):
         stop = min(start + chunk_rows, num_rows)
         chunk = logits[:stop - start]
         summaries = lm_head_logits_with_summaries(hidden[start:stop], weight, bias, width, temperature, chunk)
-        outputs = outputs or _outputs(num_rows, k, hidden.device, with_overflow=True)
-        values, indices, lse, overflow = outputs
         values[start:stop], indices[start:stop], lse[start:stop], overflow[start:stop] = topk_from_group_maxima(
             chunk, summaries, k, temperature, width, order="cuda" if select == "cuda" else "torch")
     logits = chunk = None  # a redo's logits can take their place
-    values, indices, lse, overflow = outputs or _outputs(num_rows, k, hidden.device, with_overflow=True)
     return _finish_with_redo(overflow, hidden, weight, k, temperature, width, bias, chunk_rows, select,
                              (values, indices, lse), shard)
 
@@ -231,18 +229,15 @@ def teacher_topk_maxima(hidden: torch.Tensor, weight: torch.Tensor, k: int, temp
     num_rows = hidden.shape[0]
     width = vocab_size if shard is None else shard.existing
     chunk_rows = chunk_rows or maxima_chunk_rows(num_rows, width, k, default_config().group_columns)
-    outputs = None  # made once the first matmul is launched: the device starts sooner
+    values, indices, lse, overflow = _outputs(num_rows, k, hidden.device, with_overflow=True)
     for start in range(0, num_rows, chunk_rows):
         rows = slice(start, min(start + chunk_rows, num_rows))
         summaries = lm_head_logits_with_summaries(hidden[rows], weight, bias, width, temperature, None,
                                                   group_top2=True)
-        outputs = outputs or _outputs(num_rows, k, hidden.device, with_overflow=True)
-        values, indices, lse, overflow = outputs
         topk_from_group_top2(hidden[rows], weight, bias, summaries, k, temperature, width,
                              (values[rows], indices[rows], lse[rows], overflow[rows]),
                              order="cuda" if select == "cuda" else "torch")
         summaries = None  # freed before the next chunk's are made
-    values, indices, lse, overflow = outputs or _outputs(num_rows, k, hidden.device, with_overflow=True)
     values.div_(temperature)
     return _finish_with_redo(overflow, hidden, weight, k, temperature, width, bias,
                              max(1, MAXIMA_BYTES // (4 * weight.shape[0])), select, (values, indices, lse), shard)
@@ -281,23 +276,21 @@ def teacher_topk_appended(hidden: torch.Tensor, weight: torch.Tensor, k: int, te
     chunk_rows = chunk_rows or appended_chunk_rows(num_rows, width, k, plan, hidden.element_size(),
                                                    default_config().block_n)
     sample_bias = None if bias is None else bias[:width:plan.stride].contiguous()
-    outputs = None
+    values, indices, lse, overflow = _outputs(num_rows, k, hidden.device, with_overflow=True)
     for start in range(0, num_rows, chunk_rows):
         rows = slice(start, min(start + chunk_rows, num_rows))
-        outputs = _appended_chunk(hidden[rows], weight, bias, sample_bias, width, k, temperature, plan, select,
-                                  outputs, rows, num_rows)
-    values, indices, lse, overflow = outputs or _outputs(num_rows, k, hidden.device, with_overflow=True)
+        _appended_chunk(hidden[rows], weight, bias, sample_bias, width, k, temperature, plan, select,
+                        (values[rows], indices[rows], lse[rows], overflow[rows]))
     # redone rows (rare) in chunks of half the budget
     return _finish_with_redo(overflow, hidden, weight, k, temperature, width, bias,
                              max(1, APPENDED_BYTES // (8 * weight.shape[0])), select, (values, indices, lse), shard)
 
 
 def _appended_chunk(part: torch.Tensor, weight: torch.Tensor, bias, sample_bias, width: int, k: int,
-                    temperature: float, plan, select: str, outputs, rows: slice, num_rows: int):
-    """One chunk of `teacher_topk_appended`: its rows ``part [R, H]`` of the whole call's
-    ``outputs`` (tempered values, local ids, lse, overflow, for ``num_rows`` rows; None: made
-    here, after the first launch) filled at ``rows``; returns ``outputs``. Its buffers live only
-    within this call, so the next chunk's never coexist with them."""
+                    temperature: float, plan, select: str, outputs) -> None:
+    """One chunk of `teacher_topk_appended`: rows ``part [R, H]`` -> ``outputs`` (its rows of the
+    tempered values, local ids, lse and overflow) filled. Its buffers live only within this call,
+    so the next chunk's never coexist with them."""
     from .ops.buffers import empty_parts
     from .ops.lm_head_group_maxima import Appends, EpilogueMatmul
     from .ops.topk_from_appended import rank_appended, sample_floors, tile_logsumexp
@@ -309,20 +302,17 @@ def _appended_chunk(part: torch.Tensor, weight: torch.Tensor, bias, sample_bias,
                                          ((chunk,), torch.float32), ((chunk,), torch.int32))
     sample = shared[:sample_bytes * chunk].view(part.dtype).view(chunk, plan.sample_columns)
     keys = shared[:8 * plan.capacity * chunk].view(torch.int64).view(chunk, plan.capacity)
-    # both matmuls set up before the first launch: made between them, the device waited ~0.5 ms
+    # both matmuls set up before the first launch (made between them, a profile showed the device idle ~0.5 ms)
     sampler = EpilogueMatmul(part, weight[:width:plan.stride], sample_bias, plan.sample_width, temperature, sample)
     appender = EpilogueMatmul(part, weight, bias, width, temperature, None, appends=Appends(floors, keys, counts))
     sampler(0, plan.sample_width)
     sample_floors(sample[:, :plan.sample_width], plan.rank, floors)
     counts.zero_()
     summaries = appender(0, width)
-    outputs = outputs or _outputs(num_rows, k, device, with_overflow=True)
     values, indices, lse, overflow = outputs
-    tile_logsumexp(summaries.tile_max2, summaries.tile_sum2, lse[rows])
-    order = "cuda" if select == "cuda" else "torch"
-    chunk_values, indices[rows], overflow[rows] = rank_appended(keys, counts, k, order)
-    values[rows] = chunk_values.div_(temperature)
-    return outputs
+    tile_logsumexp(summaries.tile_max2, summaries.tile_sum2, lse)
+    chunk_values, indices[:], overflow[:] = rank_appended(keys, counts, k, "cuda" if select == "cuda" else "torch")
+    values.copy_(chunk_values.div_(temperature))
 
 
 def _finish_with_redo(overflow: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor, k: int, temperature: float,

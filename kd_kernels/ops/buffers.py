@@ -1,8 +1,7 @@
 """Several work tensors from one allocation: each `torch.empty` on a CUDA device costs the host
-~5-10 µs, and the first chunk's buffers are made before its first launch, while the device waits."""
+~5 µs (a chunk's summaries in one: the host's time per call 3.6 → 3.0 ms at k = 64, NOTES e30),
+and the parts can share bytes over time (the appended schedule's sample, then its keys)."""
 from __future__ import annotations
-
-import functools
 
 import torch
 
@@ -21,8 +20,3 @@ def empty_parts(device, *parts: tuple[tuple[int, ...], torch.dtype]) -> list[tor
     return [buffer[offset:offset + size].view(dtype).view(shape)
             for offset, size, (shape, dtype) in zip(offsets, sizes, parts)]
 
-
-@functools.lru_cache(maxsize=None)
-def multiprocessor_count(device_index: int) -> int:
-    """SMs of a CUDA device (cached: `torch.cuda.get_device_properties` is host work a call)."""
-    return torch.cuda.get_device_properties(device_index).multi_processor_count

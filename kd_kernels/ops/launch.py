@@ -1,5 +1,8 @@
 """Launch configurations of the Triton kernels, in one place (no autotuning by default)."""
+import functools
 import os
+
+import torch
 
 # Columns per step of the row-streaming kernels; small under the CPU interpreter.
 # H200, [2048, 151,936] fp32 (benchmarks/tune_row_kernels.py, NOTES.md): 2048 columns with
@@ -36,3 +39,14 @@ def num_warps_for(block: int) -> int:
 # fewer steps only admit more candidates; the interpreter pays per step, the GPU does not.
 THRESHOLD_BISECTIONS = 8 if os.environ.get("TRITON_INTERPRET") == "1" else 24
 
+
+
+def multiprocessor_count(device: torch.device) -> int:
+    """SMs of a CUDA device (persistent grids size themselves by it)."""
+    return _multiprocessor_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _multiprocessor_count(device_index: int) -> int:
+    # cached: `torch.cuda.get_device_properties` is host work a launch
+    return torch.cuda.get_device_properties(device_index).multi_processor_count

@@ -30,7 +30,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import libdevice
 
-from .buffers import empty_parts, multiprocessor_count
+from .buffers import empty_parts
+from .launch import multiprocessor_count
 from .tma import row_tile_descriptor, tma_rows
 
 
@@ -344,8 +345,7 @@ class EpilogueMatmul:
             store_columns = config.block_n // 2 if config.subtile else config.block_n
             self.logits_desc = row_tile_descriptor(logits[:, :max_width], "logits", [config.block_m, store_columns],
                                                    user)
-        self.multiprocessors = (multiprocessor_count(hidden.device.index if hidden.device.index is not None
-                                                     else torch.cuda.current_device())
+        self.multiprocessors = (multiprocessor_count(hidden.device)
                                 if hidden.device.type == "cuda" else 3)  # the interpreter: several tiles a program
 
     def _summaries(self, width: int) -> RowSummaries:

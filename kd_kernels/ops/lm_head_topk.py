@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import multiprocessor_count
 from .sort_keys import EMPTY_COLUMN, value_column_key, value_of_key
 from .tma import row_tile_descriptor
 
@@ -150,7 +151,7 @@ def _splits(num_rows: int, width: int, config: FusedTopKConfig, device) -> int:
         return max(1, config.splits)
     if device.type != "cuda":
         return 2  # the interpreter: still more than one split, to test the merge
-    programs = 2 * torch.cuda.get_device_properties(device).multi_processor_count
+    programs = 2 * multiprocessor_count(device)
     row_tiles = -(-num_rows // config.block_m)
     return max(1, min(-(-programs // row_tiles), -(-width // config.block_n)))
 

@@ -23,6 +23,7 @@ import triton.language as tl
 
 from .sort_keys import top_of_counted_keys, value_column_key
 from .topk_from_groups import row_logsumexp
+from .utils import kth_largest_lower_bound
 
 # every SAMPLE_STRIDE-th column sampled for the floors: 1/19 of the flops, ~8k columns at V = 151,936
 SAMPLE_STRIDE = 19
@@ -31,7 +32,7 @@ KEY_SIGMAS = 6.0  # the key slots over the elements a floor keeps on average, in
 FLOOR_STEPS = 12  # value-space bisection steps of the floor (a lower bound: more steps, fewer keys)
 MAX_KEYS = 4096  # the extension's sort per row (csrc/sort_keys.cu) takes at most this many slots
 RANK_PIECE_BYTES = 8 << 20  # a torch sort's temporaries (~3 copies of the keys) per piece of rows
-FLOOR_WARPS = 1 if os.environ.get("TRITON_INTERPRET") == "1" else 4
+ROW_WARPS = 1 if os.environ.get("TRITON_INTERPRET") == "1" else 4  # the floors, key order and lse: a program a row
 ORDER_BLOCK = 64 if os.environ.get("TRITON_INTERPRET") == "1" else 1024
 
 
@@ -82,14 +83,7 @@ def _sample_floor_kernel(sample_ptr, stride_row, floors_ptr, sample_width, rank,
     offsets = tl.arange(0, SAMPLE)
     valid = offsets < sample_width
     values = tl.load(sample_ptr + row * stride_row + offsets, mask=valid, other=float("-inf")).to(tl.float32)
-    low = tl.min(tl.where(valid, values, float("inf")), axis=0)
-    high = tl.max(values, axis=0)
-    # each step keeps at least `rank` values at or above `low`: a lower bound of the rank-th largest
-    for _ in range(STEPS):
-        middle = low + (high - low) * 0.5
-        enough = tl.sum((values >= middle).to(tl.int32), axis=0) >= rank
-        low = tl.where(enough, middle, low)
-        high = tl.where(enough, high, middle)
+    low = kth_largest_lower_bound(values, valid, rank, STEPS)  # rank <= sample_width: enough are valid
     # finite: elements past the width are -inf in the matmul and must never reach a floor
     tl.store(floors_ptr + row, tl.maximum(low, -3.4028234663852886e38))
 
@@ -112,8 +106,10 @@ def order_appended_keys(keys: torch.Tensor, counts: torch.Tensor) -> torch.Tenso
     capacity); returns ``keys``. The matmul leaves the ordering to this pass: ~6 instructions
     an element fewer in its epilogue, for the ~1 % of elements appended."""
     if keys.shape[0]:
-        _order_keys_kernel[(keys.shape[0],)](keys, counts, keys.shape[1], BLOCK=ORDER_BLOCK, num_warps=FLOOR_WARPS)
+        _order_keys_kernel[(keys.shape[0],)](keys, counts, keys.shape[1], BLOCK=ORDER_BLOCK, num_warps=ROW_WARPS)
     return keys
+
+
 def sample_floors(sample: torch.Tensor, rank: int, floors: torch.Tensor) -> torch.Tensor:
     """sample ``[R, S]`` logits (any float dtype, unit stride along a row) -> ``floors [R]``
     float32 filled: per row a lower bound of its rank-th largest (its smallest where S <= rank),
@@ -122,7 +118,7 @@ def sample_floors(sample: torch.Tensor, rank: int, floors: torch.Tensor) -> torc
     if rows:
         _sample_floor_kernel[(rows,)](sample, sample.stride(0), floors, width, rank,
                                       SAMPLE=triton.next_power_of_2(width), STEPS=FLOOR_STEPS,
-                                      num_warps=FLOOR_WARPS)
+                                      num_warps=ROW_WARPS)
     return floors
 
 
@@ -138,7 +134,7 @@ def tile_logsumexp(tile_max2: torch.Tensor, tile_sum2: torch.Tensor, lse: torch.
     rows, tiles = tile_max2.shape
     if rows:
         _tile_logsumexp_kernel[(rows,)](tile_max2, tile_sum2, lse, tiles, TILES=triton.next_power_of_2(tiles),
-                                        num_warps=FLOOR_WARPS)
+                                        num_warps=ROW_WARPS)
     return lse
 
 

@@ -16,6 +16,7 @@ import triton.language as tl
 
 from .launch import ROW_BLOCK_V, THRESHOLD_BISECTIONS, num_warps_for
 from .sort_keys import EMPTY_COLUMN, top_of_keys, value_column_keys
+from .utils import kth_largest_lower_bound
 
 
 @triton.jit
@@ -40,13 +41,7 @@ def _threshold_kernel(logits_ptr, lse_ptr, threshold_ptr, stride_row, width, k, 
     tl.store(lse_ptr + row, tl.where(row_max == float("-inf"), float("-inf"), lse))
     # largest T (to within bisection) with at least k lane maxima >= T; no sort needed
     lanes = lane_max > float("-inf")
-    low = tl.min(tl.where(lanes, lane_max, float("inf")), axis=0)
-    high = row_max
-    for _ in range(BISECTIONS):
-        middle = 0.5 * (low + high)
-        enough = tl.sum((lane_max >= middle).to(tl.int32), axis=0) >= k
-        low = tl.where(enough, middle, low)
-        high = tl.where(enough, high, middle)
+    low = kth_largest_lower_bound(lane_max, lanes, k, BISECTIONS)
     enough_lanes = tl.sum(lanes.to(tl.int32), axis=0) >= k
     tl.store(threshold_ptr + row, tl.where(enough_lanes, low, float("-inf")))
 
