@@ -7,8 +7,7 @@ tests/test_teacher_epilogue.py)."""
 import pytest
 import torch
 
-from helpers import (HAS_CUDA, check_teacher_topk,
-                     small_teacher_problem)
+from helpers import HAS_CUDA, check_teacher_topk, small_teacher_problem
 from kd_kernels import reference
 from kd_kernels.topk import TopK
 from kd_kernels.ops.lm_head_group_maxima import (lm_head_logits_with_summaries, padded_width,
