@@ -20,34 +20,50 @@ pytestmark = pytest.mark.interpret
 DEVICE = "cuda" if HAS_CUDA else "cpu"
 
 
-def test_the_matmul_appends_exactly_the_elements_at_or_above_each_floor():
-    hidden, weight, bias = small_teacher_problem(3, dtype=torch.float16)
-    width, capacity = 200, 64
+def check_appends_exactly(hidden, weight, bias, width, capacity):
+    """The appending matmul keeps exactly each row's elements at or above its floor, floors set
+    between each row's 10th and 11th largest (row 5: none reaches it; row 6: the lowest finite
+    floor, which every existing column reaches and no -inf past the width), and its statistics
+    equal the storing matmul's."""
+    rows = hidden.shape[0]
     exact = reference.lm_head_logits(hidden, weight, bias)[:, :width].cpu()
-    # floors between the 10th and 11th largest of each row (row 5: none reaches it; row 6: the lowest
-    # finite floor, which every existing column reaches and no -inf past the width)
     ordered = exact.sort(dim=1, descending=True).values
     floors = ((ordered[:, 9] + ordered[:, 10]) / 2).float()
     floors[5], floors[6] = float("inf"), torch.finfo(torch.float32).min
-    counts = torch.zeros(37, dtype=torch.int32, device=DEVICE)
-    keys = torch.zeros(37, capacity, dtype=torch.int64, device=DEVICE)
+    counts = torch.zeros(rows, dtype=torch.int32, device=DEVICE)
+    keys = torch.zeros(rows, capacity, dtype=torch.int64, device=DEVICE)
     appends = Appends(floors.to(DEVICE), keys, counts)
     summaries = EpilogueMatmul(hidden, weight, bias, width, 0.7, None, appends=appends)(0, width)
     stored = lm_head_logits_with_summaries(hidden, weight, bias, width, 0.7,
-                                           torch.empty(37, width, dtype=torch.float32, device=DEVICE))
+                                           torch.empty(rows, width + 8, dtype=torch.float32, device=DEVICE))
     for name in ("tile_max2", "tile_sum2"):  # the statistics do not change
         assert torch.equal(getattr(stored, name), getattr(summaries, name)), name
     order_appended_keys(keys, counts)
     expected_counts = (exact >= floors[:, None].double()).sum(1)
     assert expected_counts[6] == width
     assert counts.cpu().tolist() == expected_counts.tolist()
-    for row in range(37):
+    for row in range(rows):
         if row == 6:  # more than the capacity: the count says so, the slots hold some of them
             assert counts[row] > capacity
             continue
         values, columns = decode_keys(keys[row, :counts[row]].cpu())
         assert sorted(columns.tolist()) == (exact[row] >= floors[row].double()).nonzero().flatten().tolist()
         assert torch.allclose(values.double(), exact[row, columns], atol=1e-4, rtol=0)
+
+
+def test_the_matmul_appends_exactly_the_elements_at_or_above_each_floor():
+    hidden, weight, bias = small_teacher_problem(3, dtype=torch.float16)
+    check_appends_exactly(hidden, weight, bias, 200, 64)
+
+
+@pytest.mark.gpu
+def test_the_matmul_appends_exactly_at_the_real_tiles():
+    # 128 x 256 tiles, the appends in PTX (APPEND_FORM "asm"): rows past a tile, a partial last tile
+    generator = torch.Generator(device="cuda").manual_seed(8)
+    hidden = (0.3 * torch.randn(300, 4096, device="cuda", generator=generator)).bfloat16()
+    weight = (0.02 * torch.randn(20_096, 4096, device="cuda", generator=generator)).bfloat16()
+    bias = torch.randn(20_096, device="cuda", generator=generator).bfloat16()
+    check_appends_exactly(hidden, weight, bias, 20_000, 256)
 
 
 def test_sample_floors_are_lower_bounds_within_the_bisection():
