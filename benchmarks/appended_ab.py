@@ -1,10 +1,11 @@
 """The appended schedule's parts under variants (NOTES e31-e32), by device time per kernel
 (torch.profiler, the median of several calls) and the whole call timed in turn with the bare
-matmul: how the matmul appends (`APPEND_FORM`: e31's quarters or e32's branch per element in
-PTX), the CUDA sort (KD_KERNELS_SORT_REGISTERS: shared memory or registers), the floors'
+matmul: the CUDA sort (KD_KERNELS_SORT_REGISTERS: shared memory or registers), the floors'
 bisection steps (`FLOOR_STEPS`), the warps of the row kernels (`ROW_WARPS`: floors, key order,
 logsumexp), the sample's stride (`SAMPLE_STRIDE`: fewer sampled columns, more keys to sort) and
 margin (`SAMPLE_SIGMAS`).
+First, what the matmul alone costs under the same profiler: cuBLAS, the statistics-only
+epilogue matmul, and the appending one with floors no element reaches (its code, no appends).
 Every variant must give the same top-k (the keys' values come from the same matmul; only how
 many reach the floor changes), up to the ulps of a row redone by cuBLAS where a floor failed.
 
@@ -19,25 +20,39 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from harness import print_variant_kernels, teacher_s1, with_attributes, with_env  # noqa: E402
-from kd_kernels.ops import lm_head_group_maxima, topk_from_appended  # noqa: E402
+import torch  # noqa: E402
+from harness import kernel_times, print_variant_kernels, teacher_s1, with_attributes, with_env  # noqa: E402
+from kd_kernels.ops import topk_from_appended  # noqa: E402
+from kd_kernels.ops.lm_head_group_maxima import Appends, EpilogueMatmul  # noqa: E402
 from kd_kernels.teacher_chunked import teacher_topk_appended  # noqa: E402
 
-# (APPEND_FORM, KD_KERNELS_SORT_REGISTERS, topk_from_appended settings); the first is e31's schedule
-VARIANTS = {"e31: quarters, shared-memory sort": ("quarters", "0", {}),
-            "appends in PTX": ("asm", "0", {}),
-            "PTX + register sort (12 steps, 4 warps, stride 19, 5 sigmas)": ("asm", "1", {}),
-            "  + 8 floor steps": ("asm", "1", dict(FLOOR_STEPS=8)),
-            "  + 8 warps for the row kernels": ("asm", "1", dict(ROW_WARPS=8)),
-            "  + stride 25": ("asm", "1", dict(SAMPLE_STRIDE=25)),
-            "  + stride 31": ("asm", "1", dict(SAMPLE_STRIDE=31)),
-            "  + 4 sigmas": ("asm", "1", dict(SAMPLE_SIGMAS=4.0))}
+# (KD_KERNELS_SORT_REGISTERS, topk_from_appended settings); the first is e31's schedule
+VARIANTS = {"e31: shared-memory sort": ("0", {}),
+            "register sort (12 steps, 4 warps, stride 19, 5 sigmas)": ("1", {}),
+            "  + 4 sigmas": ("1", dict(SAMPLE_SIGMAS=4.0))}
 
 
-def configured(form, sort_registers, settings, call):
+def configured(sort_registers, settings, call):
     """call() under one variant's settings."""
-    return with_env("KD_KERNELS_SORT_REGISTERS", sort_registers, lambda: with_attributes(
-        lm_head_group_maxima, dict(APPEND_FORM=form), lambda: with_attributes(topk_from_appended, settings, call)))
+    return with_env("KD_KERNELS_SORT_REGISTERS", sort_registers,
+                    lambda: with_attributes(topk_from_appended, settings, call))
+
+
+def print_matmul_kernels(hidden, weight):
+    """Device ms of the matmul alone, three ways, under the profiler the variants run under."""
+    rows, v = hidden.shape[0], weight.shape[0]
+    unreached = Appends(torch.full((rows,), float("inf"), device="cuda"),
+                        torch.empty(rows, 8, dtype=torch.int64, device="cuda"),
+                        torch.zeros(rows, dtype=torch.int32, device="cuda"))
+    matmuls = {"cuBLAS bf16 logits": lambda: hidden @ weight.T,
+               "epilogue matmul, statistics only": EpilogueMatmul(hidden, weight, None, v, 2.0, None),
+               "appending matmul, no element reaching its floor": EpilogueMatmul(hidden, weight, None, v, 2.0, None,
+                                                                                 appends=unreached)}
+    print("| matmul alone | device ms (median of 5) |\n| --- | --- |")
+    for name, matmul in matmuls.items():
+        call = matmul if name.startswith("cuBLAS") else (lambda matmul=matmul: matmul(0, v))
+        call()
+        print(f"| {name} | {sum(kernel_times(call).values()):.3f} |", flush=True)
 
 
 def main():
@@ -46,6 +61,7 @@ def main():
     args = parser.parse_args()
     hidden, weight = teacher_s1()
     v = weight.shape[0]
+    print_matmul_kernels(hidden, weight)
     for k in [int(part) for part in args.k.split(",")]:
         calls = {name: (lambda variant=variant: configured(*variant, lambda: (
             teacher_topk_appended(hidden, weight, k, 2.0, v, select="cuda"))), None)
@@ -59,7 +75,7 @@ def main():
         print(f"\n## k = {k}: device ms per kernel (median of 5 calls), whole call in turn")
         print_variant_kernels(calls, lambda: hidden @ weight.T, {"both matmuls": "group_maxima",
                                                                  "floors": "sample_floor", "key order": "order_keys",
-                                                                 "sort": "sort_keys"})
+                                                                 "sort": "sort_keys", "all kernels": ""})
 
 
 if __name__ == "__main__":

@@ -201,58 +201,6 @@ def _append_rows_in_halves(grouped, first_group, column_tile, row_offsets, floor
                         GROUP_COLUMNS)
 
 
-# how an appending matmul appends (NOTES e32): "asm", a branch per element around its atomic and
-# store (on GPUs: the ~1 % of elements appended cost their instructions, the others 3); "atomic",
-# the same in Triton (predicated, every element pays the addresses: the interpreter's);
-# "quarters", an atomic per (row, group) and popcount slots over quarters of a tile (e31)
-APPEND_FORM = "atomic" if os.environ.get("TRITON_INTERPRET") == "1" else "asm"
-
-# value ≥ floor: the row's next slot by one atomic, the key stored there below the capacity; a
-# branch, so elements below the floor (~99 % of them) skip the atomic and the address arithmetic
-_APPEND_ELEMENT_PTX = tl.constexpr("""
-{
-.reg .pred taken;
-.reg .b32 slot;
-.reg .b64 address;
-mov.u32 $0, 0;
-setp.ge.f32 taken, $1, $2;
-@!taken bra SKIP;
-atom.global.add.u32 slot, [$3], 1;
-setp.lt.u32 taken, slot, $4;
-@!taken bra SKIP;
-mad.wide.u32 address, slot, 8, $5;
-st.global.v2.b32 [address], {$6, $1};
-SKIP:
-}
-""")
-
-
-@triton.jit
-def _append_each_above_floor(z, columns, row_offsets, floor_ptr, keys_ptr, counts_ptr, key_capacity,
-                             IN_ASM: tl.constexpr):
-    """Each element of ``z [BLOCK_M, BLOCK_N]`` (logits, -inf past the width; columns
-    ``columns [BLOCK_N]`` int32) at or above its row's floor (finite; rows ``row_offsets`` int64,
-    -1 for none) appended to the row's slots as one raw key (the float's bits above the column;
-    ops/topk_from_appended.py `order_appended_keys` makes them sort keys), the slot from one
-    atomic on the row's count; slots past ``key_capacity`` dropped (the count passes it: the
-    caller redoes the row)."""
-    floor = tl.load(floor_ptr + row_offsets, mask=row_offsets >= 0, other=float("inf"))[:, None]
-    column = columns[None, :]
-    if IN_ASM:
-        count_address = (counts_ptr + row_offsets).to(tl.int64, bitcast=True)[:, None]
-        keys_address = (keys_ptr + row_offsets * key_capacity).to(tl.int64, bitcast=True)[:, None]
-        capacity = tl.full([1, 1], key_capacity, tl.int32)
-        tl.inline_asm_elementwise(_APPEND_ELEMENT_PTX, "=r,f,f,l,r,l,r",
-                                  [z, floor, count_address, capacity, keys_address, column],
-                                  dtype=tl.int32, is_pure=False, pack=1)
-    else:
-        taken = z >= floor
-        row_count_ptr = counts_ptr + row_offsets[:, None] + tl.zeros_like(column).to(tl.int64)
-        slot = tl.atomic_add(row_count_ptr, 1, mask=taken, sem="relaxed")
-        raw_key = (z.to(tl.int32, bitcast=True).to(tl.int64) << 32) | column.to(tl.int64)
-        tl.store(keys_ptr + row_offsets[:, None] * key_capacity + slot, raw_key, mask=taken & (slot < key_capacity))
-
-
 @triton.jit
 def _lm_head_group_maxima_kernel(hidden_desc, weight_desc, logits_desc, bias_ptr, tile_max2_ptr, tile_sum2_ptr,
                                  group_max_ptr, group_arg_ptr, group_second_ptr, num_rows, width, column_offset,
@@ -261,8 +209,7 @@ def _lm_head_group_maxima_kernel(hidden_desc, weight_desc, logits_desc, bias_ptr
                                  BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
                                  GROUP_COLUMNS: tl.constexpr, SUBTILE: tl.constexpr, FLATTEN: tl.constexpr,
                                  DOT_PRECISION: tl.constexpr, STORE_LOGITS: tl.constexpr = True,
-                                 GROUP_TOP2: tl.constexpr = False, APPEND: tl.constexpr = False,
-                                 APPEND_FORM: tl.constexpr = "asm"):
+                                 GROUP_TOP2: tl.constexpr = False, APPEND: tl.constexpr = False):
     row_tiles = tl.cdiv(num_rows, BLOCK_M)
     column_tiles = tl.cdiv(width, BLOCK_N)
     groups_per_tile: tl.constexpr = BLOCK_N // GROUP_COLUMNS
@@ -309,11 +256,9 @@ def _lm_head_group_maxima_kernel(hidden_desc, weight_desc, logits_desc, bias_ptr
             # rounding is monotone: the maximum of z · log2e / τ (from groups in registers, no pass over z;
             # from groups that are runs of columns this took a layout conversion through shared memory)
             tile_max2 = tl.max(group_max, axis=1) * log2e_over_t
-        elif APPEND and APPEND_FORM == "quarters":
+        elif APPEND:
             grouped = _thread_groups(z, BLOCK_M, BLOCK_N, GROUP_COLUMNS)
             tile_max2 = tl.max(tl.max(grouped, axis=2), axis=1) * log2e_over_t
-        elif APPEND:
-            tile_max2 = tl.max(z, axis=1) * log2e_over_t  # rounding is monotone
         else:
             group_max = tl.max(tl.reshape(z, (BLOCK_M, groups_per_tile, GROUP_COLUMNS)), axis=2)
             tile_max2 = tl.max(z * log2e_over_t, axis=1)
@@ -323,10 +268,7 @@ def _lm_head_group_maxima_kernel(hidden_desc, weight_desc, logits_desc, bias_ptr
         tl.store(tile_sum2_ptr + row_offsets * column_tiles + column_tile, tile_sum2, mask=rows_ok)
         if APPEND:  # after the statistics: z's registers are free again (the sm_90 compile spilled before them)
             appending_rows = tl.where(rows_ok, row_offsets, -1)
-            if APPEND_FORM != "quarters":
-                _append_each_above_floor(z, columns, appending_rows, floor_ptr, keys_ptr, counts_ptr, key_capacity,
-                                         APPEND_FORM == "asm")
-            elif BLOCK_N == 8 * GROUP_COLUMNS and BLOCK_M % 16 == 0:
+            if BLOCK_N == 8 * GROUP_COLUMNS and BLOCK_M % 16 == 0:
                 # a quarter at a time (a half of the groups of one of the two rows a thread holds in
                 # each 16 rows): the whole tile's appends spilled (sm_90 compile)
                 low, high = tl.split(tl.permute(tl.reshape(grouped, (BLOCK_M, 2, 4, GROUP_COLUMNS)), (0, 2, 3, 1)))
@@ -439,7 +381,7 @@ class EpilogueMatmul:
             HAS_BIAS=self.bias is not None, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
             GROUP_M=config.group_m, NUM_PROGRAMS=programs, GROUP_COLUMNS=config.group_columns,
             SUBTILE=config.subtile, FLATTEN=config.flatten, STORE_LOGITS=self.store_logits,
-            GROUP_TOP2=self.group_top2, APPEND=self.appends is not None, APPEND_FORM=APPEND_FORM,
+            GROUP_TOP2=self.group_top2, APPEND=self.appends is not None,
             # float32 inputs get float32 products (tf32 would move logits by ~1e-3)
             DOT_PRECISION="ieee" if self.hidden.dtype == torch.float32 else "tf32",
             num_warps=config.num_warps, num_stages=config.num_stages)
