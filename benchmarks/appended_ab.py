@@ -1,7 +1,8 @@
 """The appended schedule's parts under variants (NOTES e31-e32), by device time per kernel
 (torch.profiler, the median of several calls) and the whole call timed in turn with the bare
-matmul: the CUDA sort (KD_KERNELS_SORT_REGISTERS: shared memory or registers), the floors'
-bisection steps (`FLOOR_STEPS`), the warps of the row kernels (`ROW_WARPS`: floors, key order,
+matmul: how the matmul appends (e31's stores in Triton a quarter of a tile at a time, e32's in
+PTX, by quarters or the whole tile), the CUDA sort (KD_KERNELS_SORT_REGISTERS: shared memory
+or registers), the floors' bisection steps (`FLOOR_STEPS`), the warps of the row kernels (`ROW_WARPS`: floors, key order,
 logsumexp), the sample's stride (`SAMPLE_STRIDE`: fewer sampled columns, more keys to sort) and
 margin (`SAMPLE_SIGMAS`).
 First, what the matmul alone costs under the same profiler: cuBLAS, the statistics-only
@@ -22,20 +23,24 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 from harness import kernel_times, print_variant_kernels, teacher_s1, with_attributes, with_env  # noqa: E402
-from kd_kernels.ops import topk_from_appended  # noqa: E402
+from kd_kernels.ops import lm_head_group_maxima, topk_from_appended  # noqa: E402
 from kd_kernels.ops.lm_head_group_maxima import Appends, EpilogueMatmul  # noqa: E402
 from kd_kernels.teacher_chunked import teacher_topk_appended  # noqa: E402
 
-# (KD_KERNELS_SORT_REGISTERS, topk_from_appended settings); the first is e31's schedule
-VARIANTS = {"e31: shared-memory sort": ("0", {}),
-            "register sort (12 steps, 4 warps, stride 19, 5 sigmas)": ("1", {}),
-            "  + 4 sigmas": ("1", dict(SAMPLE_SIGMAS=4.0))}
+E31_APPENDS = dict(APPEND_IN_QUARTERS=True, STORE_APPENDS_IN_PTX=False)
+PTX_QUARTERS = dict(APPEND_IN_QUARTERS=True, STORE_APPENDS_IN_PTX=True)
+PTX_TILE = dict(APPEND_IN_QUARTERS=False, STORE_APPENDS_IN_PTX=True)
+# (KD_KERNELS_SORT_REGISTERS, lm_head_group_maxima settings, topk_from_appended settings); the first is e31's
+VARIANTS = {"e31: Triton stores in quarters, shared-memory sort": ("0", E31_APPENDS, {}),
+            "register sort": ("1", E31_APPENDS, {}),
+            "register sort, PTX stores in quarters": ("1", PTX_QUARTERS, {}),
+            "register sort, PTX stores, whole tile": ("1", PTX_TILE, {})}
 
 
-def configured(sort_registers, settings, call):
+def configured(sort_registers, appends, settings, call):
     """call() under one variant's settings."""
-    return with_env("KD_KERNELS_SORT_REGISTERS", sort_registers,
-                    lambda: with_attributes(topk_from_appended, settings, call))
+    return with_env("KD_KERNELS_SORT_REGISTERS", sort_registers, lambda: with_attributes(
+        lm_head_group_maxima, appends, lambda: with_attributes(topk_from_appended, settings, call)))
 
 
 def print_matmul_kernels(hidden, weight):
@@ -44,13 +49,15 @@ def print_matmul_kernels(hidden, weight):
     unreached = Appends(torch.full((rows,), float("inf"), device="cuda"),
                         torch.empty(rows, 8, dtype=torch.int64, device="cuda"),
                         torch.zeros(rows, dtype=torch.int32, device="cuda"))
+    appending = EpilogueMatmul(hidden, weight, None, v, 2.0, None, appends=unreached)
     matmuls = {"cuBLAS bf16 logits": lambda: hidden @ weight.T,
-               "epilogue matmul, statistics only": EpilogueMatmul(hidden, weight, None, v, 2.0, None),
-               "appending matmul, no element reaching its floor": EpilogueMatmul(hidden, weight, None, v, 2.0, None,
-                                                                                 appends=unreached)}
+               "epilogue matmul, statistics only": lambda: EpilogueMatmul(hidden, weight, None, v, 2.0, None)(0, v)}
+    for name, settings in (("e31", E31_APPENDS), ("PTX stores in quarters", PTX_QUARTERS),
+                           ("PTX stores, whole tile", PTX_TILE)):
+        matmuls[f"appending matmul ({name}), no element reaching its floor"] = (
+            lambda settings=settings: with_attributes(lm_head_group_maxima, settings, lambda: appending(0, v)))
     print("| matmul alone | device ms (median of 5) |\n| --- | --- |")
-    for name, matmul in matmuls.items():
-        call = matmul if name.startswith("cuBLAS") else (lambda matmul=matmul: matmul(0, v))
+    for name, call in matmuls.items():
         call()
         print(f"| {name} | {sum(kernel_times(call).values()):.3f} |", flush=True)
 

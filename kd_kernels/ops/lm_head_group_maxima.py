@@ -158,16 +158,47 @@ def _popcount(bits, HARDWARE: tl.constexpr):
     return ((x * 0x01010101) >> 24).to(tl.int32)
 
 
+# the appends a quarter of a tile at a time (e31: the whole tile's spilled before the stores in PTX)
+APPEND_IN_QUARTERS = False
+
+# the interpreter has no inline PTX: the appends' stores in Triton there (tests), in PTX on GPUs
+STORE_APPENDS_IN_PTX = os.environ.get("TRITON_INTERPRET") != "1"
+
+# one element's append, its group's slots taken: where value >= floor, the slot first + the
+# group's lanes below it (bits & below), the 8-byte key (column, value bits) stored below the
+# capacity. A branch: elements below the floor (~99 %) cost 4 instructions, not the slot's and
+# the address's arithmetic a masked store makes every element pay (sm_90: NOTES e32)
+_STORE_APPENDED_PTX = tl.constexpr("""
+{
+.reg .pred taken;
+.reg .b32 slot;
+.reg .b64 address;
+mov.u32 $0, 0;
+setp.ge.f32 taken, $1, $2;
+@!taken bra SKIP;
+and.b32 slot, $3, $4;
+popc.b32 slot, slot;
+add.u32 slot, slot, $5;
+setp.lt.u32 taken, slot, $6;
+@!taken bra SKIP;
+mad.wide.u32 address, slot, 8, $7;
+st.global.b32 [address], $8;
+st.global.b32 [address+4], $1;
+SKIP:
+}
+""")
+
+
 @triton.jit
 def _append_above_floor(grouped, first_group, column_tile, row_offsets, floor_ptr, keys_ptr, counts_ptr, key_capacity,
-                        BLOCK_N: tl.constexpr, GROUP_COLUMNS: tl.constexpr):
+                        BLOCK_N: tl.constexpr, GROUP_COLUMNS: tl.constexpr, IN_PTX: tl.constexpr):
     """Each element of ``grouped`` (`_thread_groups` of a tile's logits, [BLOCK_M, groups,
     GROUP_COLUMNS], -inf past the width; groups ``first_group, …`` of the tile) at or above its
     row's floor (finite) appended to the row's slots as one raw key (the float's bits above the
     column; ops/topk_from_appended.py `order_appended_keys` makes them sort keys): one atomic
     a (row, group) with any (a thread's), each element's slot by a popcount of the group's lanes
     before it, slots past ``key_capacity`` dropped (the row's count passes it: the caller redoes
-    the row). About a dozen instructions an element: no sort order and no key computed here."""
+    the row). No sort order and no key computed here."""
     groups: tl.constexpr = grouped.shape[1]
     group = first_group + tl.arange(0, groups)[None, :, None]
     lane = tl.arange(0, GROUP_COLUMNS)[None, None, :]
@@ -177,16 +208,24 @@ def _append_above_floor(grouped, first_group, column_tile, row_offsets, floor_pt
     count = _popcount(bits, POPC_IN_HARDWARE)
     row_count_ptr = counts_ptr + row_offsets[:, None] + tl.zeros([1, groups], tl.int64)
     first = tl.atomic_add(row_count_ptr, count, mask=count > 0, sem="relaxed")
-    slot = first[:, :, None] + _popcount(bits[:, :, None] & ((1 << lane) - 1), POPC_IN_HARDWARE)
     column = column_tile * BLOCK_N + top2_group_columns(group, lane, GROUP_COLUMNS)
-    raw_key = (grouped.to(tl.int32, bitcast=True).to(tl.int64) << 32) | column.to(tl.int64)
-    place = (row_offsets.to(tl.int32) * key_capacity)[:, None, None] + slot
-    tl.store(keys_ptr + place, raw_key, mask=taken & (slot < key_capacity))
+    if IN_PTX:
+        row_keys = (keys_ptr + row_offsets * key_capacity).to(tl.int64, bitcast=True)[:, None, None]
+        tl.inline_asm_elementwise(_STORE_APPENDED_PTX, "=r,f,f,r,r,r,r,l,r",
+                                  [grouped, floor[:, None, None], bits[:, :, None], (1 << lane) - 1,
+                                   first[:, :, None], tl.full([1, 1, 1], key_capacity, tl.int32), row_keys, column],
+                                  dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        slot = first[:, :, None] + _popcount(bits[:, :, None] & ((1 << lane) - 1), POPC_IN_HARDWARE)
+        raw_key = (grouped.to(tl.int32, bitcast=True).to(tl.int64) << 32) | column.to(tl.int64)
+        place = (row_offsets.to(tl.int32) * key_capacity)[:, None, None] + slot
+        tl.store(keys_ptr + place, raw_key, mask=taken & (slot < key_capacity))
 
 
 @triton.jit
 def _append_rows_in_halves(grouped, first_group, column_tile, row_offsets, floor_ptr, keys_ptr, counts_ptr,
-                           key_capacity, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_COLUMNS: tl.constexpr):
+                           key_capacity, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_COLUMNS: tl.constexpr,
+                           IN_PTX: tl.constexpr):
     """`_append_above_floor` of rows 16·w + t, then of rows 16·w + 8 + t (t < 8): a thread of the
     matrix units holds one row of each."""
     groups: tl.constexpr = grouped.shape[1]
@@ -195,10 +234,10 @@ def _append_rows_in_halves(grouped, first_group, column_tile, row_offsets, floor
     upper_rows, lower_rows = tl.split(tl.permute(tl.reshape(row_offsets, (BLOCK_M // 16, 2, 8)), (0, 2, 1)))
     _append_above_floor(tl.reshape(upper, (BLOCK_M // 2, groups, GROUP_COLUMNS)), first_group, column_tile,
                         tl.reshape(upper_rows, (BLOCK_M // 2,)), floor_ptr, keys_ptr, counts_ptr, key_capacity, BLOCK_N,
-                        GROUP_COLUMNS)
+                        GROUP_COLUMNS, IN_PTX)
     _append_above_floor(tl.reshape(lower, (BLOCK_M // 2, groups, GROUP_COLUMNS)), first_group, column_tile,
                         tl.reshape(lower_rows, (BLOCK_M // 2,)), floor_ptr, keys_ptr, counts_ptr, key_capacity, BLOCK_N,
-                        GROUP_COLUMNS)
+                        GROUP_COLUMNS, IN_PTX)
 
 
 @triton.jit
@@ -209,7 +248,8 @@ def _lm_head_group_maxima_kernel(hidden_desc, weight_desc, logits_desc, bias_ptr
                                  BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
                                  GROUP_COLUMNS: tl.constexpr, SUBTILE: tl.constexpr, FLATTEN: tl.constexpr,
                                  DOT_PRECISION: tl.constexpr, STORE_LOGITS: tl.constexpr = True,
-                                 GROUP_TOP2: tl.constexpr = False, APPEND: tl.constexpr = False):
+                                 GROUP_TOP2: tl.constexpr = False, APPEND: tl.constexpr = False,
+                                 APPEND_IN_QUARTERS: tl.constexpr = False, APPEND_IN_PTX: tl.constexpr = False):
     row_tiles = tl.cdiv(num_rows, BLOCK_M)
     column_tiles = tl.cdiv(width, BLOCK_N)
     groups_per_tile: tl.constexpr = BLOCK_N // GROUP_COLUMNS
@@ -268,17 +308,17 @@ def _lm_head_group_maxima_kernel(hidden_desc, weight_desc, logits_desc, bias_ptr
         tl.store(tile_sum2_ptr + row_offsets * column_tiles + column_tile, tile_sum2, mask=rows_ok)
         if APPEND:  # after the statistics: z's registers are free again (the sm_90 compile spilled before them)
             appending_rows = tl.where(rows_ok, row_offsets, -1)
-            if BLOCK_N == 8 * GROUP_COLUMNS and BLOCK_M % 16 == 0:
+            if APPEND_IN_QUARTERS and BLOCK_N == 8 * GROUP_COLUMNS and BLOCK_M % 16 == 0:
                 # a quarter at a time (a half of the groups of one of the two rows a thread holds in
-                # each 16 rows): the whole tile's appends spilled (sm_90 compile)
+                # each 16 rows): an atomic's wait a quarter
                 low, high = tl.split(tl.permute(tl.reshape(grouped, (BLOCK_M, 2, 4, GROUP_COLUMNS)), (0, 2, 3, 1)))
                 _append_rows_in_halves(low, 0, column_tile, appending_rows, floor_ptr, keys_ptr, counts_ptr,
-                                       key_capacity, BLOCK_M, BLOCK_N, GROUP_COLUMNS)
+                                       key_capacity, BLOCK_M, BLOCK_N, GROUP_COLUMNS, APPEND_IN_PTX)
                 _append_rows_in_halves(high, 4, column_tile, appending_rows, floor_ptr, keys_ptr, counts_ptr,
-                                       key_capacity, BLOCK_M, BLOCK_N, GROUP_COLUMNS)
-            else:
+                                       key_capacity, BLOCK_M, BLOCK_N, GROUP_COLUMNS, APPEND_IN_PTX)
+            else:  # the tile's atomics together, one wait (sm_90: no stack with the stores in PTX)
                 _append_above_floor(grouped, 0, column_tile, appending_rows, floor_ptr, keys_ptr, counts_ptr,
-                                    key_capacity, BLOCK_N, GROUP_COLUMNS)
+                                    key_capacity, BLOCK_N, GROUP_COLUMNS, APPEND_IN_PTX)
         else:
             tl.store(group_max_ptr + group_offsets, group_max, mask=rows_ok[:, None])
 
@@ -381,7 +421,8 @@ class EpilogueMatmul:
             HAS_BIAS=self.bias is not None, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
             GROUP_M=config.group_m, NUM_PROGRAMS=programs, GROUP_COLUMNS=config.group_columns,
             SUBTILE=config.subtile, FLATTEN=config.flatten, STORE_LOGITS=self.store_logits,
-            GROUP_TOP2=self.group_top2, APPEND=self.appends is not None,
+            GROUP_TOP2=self.group_top2, APPEND=self.appends is not None, APPEND_IN_QUARTERS=APPEND_IN_QUARTERS,
+            APPEND_IN_PTX=STORE_APPENDS_IN_PTX,
             # float32 inputs get float32 products (tf32 would move logits by ~1e-3)
             DOT_PRECISION="ieee" if self.hidden.dtype == torch.float32 else "tf32",
             num_warps=config.num_warps, num_stages=config.num_stages)
