@@ -32,9 +32,7 @@ COMMON = dict(HAS_BIAS=False, BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, N
               GROUP_COLUMNS=32, SUBTILE=True, FLATTEN=True, DOT_PRECISION="tf32", STORE_LOGITS=False)
 VARIANTS = {"statistics": dict(GROUP_TOP2=False, APPEND=False),
             "top2": dict(GROUP_TOP2=True, APPEND=False),
-            "append e31": dict(GROUP_TOP2=False, APPEND=True, APPEND_IN_QUARTERS=True, APPEND_IN_PTX=False),
-            "append": dict(GROUP_TOP2=False, APPEND=True, APPEND_IN_PTX=True),
-            "append quarters": dict(GROUP_TOP2=False, APPEND=True, APPEND_IN_QUARTERS=True, APPEND_IN_PTX=True)}
+            "append": dict(GROUP_TOP2=False, APPEND=True, APPEND_IN_PTX=True)}
 
 
 def sass_of(constants: dict, sass_dir: str | None, name: str) -> str:

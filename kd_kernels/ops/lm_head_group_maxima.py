@@ -158,9 +158,6 @@ def _popcount(bits, HARDWARE: tl.constexpr):
     return ((x * 0x01010101) >> 24).to(tl.int32)
 
 
-# the appends a quarter of a tile at a time (e31: the whole tile's spilled before the stores in PTX)
-APPEND_IN_QUARTERS = False
-
 # the interpreter has no inline PTX: the appends' stores in Triton there (tests), in PTX on GPUs
 STORE_APPENDS_IN_PTX = os.environ.get("TRITON_INTERPRET") != "1"
 
@@ -190,24 +187,32 @@ SKIP:
 
 
 @triton.jit
-def _append_above_floor(grouped, first_group, column_tile, row_offsets, floor_ptr, keys_ptr, counts_ptr, key_capacity,
-                        BLOCK_N: tl.constexpr, GROUP_COLUMNS: tl.constexpr, IN_PTX: tl.constexpr):
-    """Each element of ``grouped`` (`_thread_groups` of a tile's logits, [BLOCK_M, groups,
-    GROUP_COLUMNS], -inf past the width; groups ``first_group, …`` of the tile) at or above its
-    row's floor (finite) appended to the row's slots as one raw key (the float's bits above the
-    column; ops/topk_from_appended.py `order_appended_keys` makes them sort keys): one atomic
-    a (row, group) with any (a thread's), each element's slot by a popcount of the group's lanes
-    before it, slots past ``key_capacity`` dropped (the row's count passes it: the caller redoes
-    the row). No sort order and no key computed here."""
-    groups: tl.constexpr = grouped.shape[1]
-    group = first_group + tl.arange(0, groups)[None, :, None]
+def _reserve_slots(grouped, row_offsets, floor_ptr, counts_ptr, GROUP_COLUMNS: tl.constexpr):
+    """For ``grouped`` (`_thread_groups` of a tile's logits, [BLOCK_M, groups, GROUP_COLUMNS],
+    -inf past the width; rows ``row_offsets`` int64, -1 for none): (each row's floor [BLOCK_M]
+    float32, each group's bits of the lanes at or above it [BLOCK_M, groups] int32, the first of
+    the slots reserved for them [BLOCK_M, groups] int32), one atomic on the row's count a (row,
+    group) with any (a thread's). Issued before the tile's statistics, which then cover the
+    atomics' round trip."""
     lane = tl.arange(0, GROUP_COLUMNS)[None, None, :]
     floor = tl.load(floor_ptr + row_offsets, mask=row_offsets >= 0, other=float("inf"))
-    taken = grouped >= floor[:, None, None]
-    bits = tl.sum(tl.where(taken, 1 << lane, 0), axis=2)  # lane l's bit, in registers
+    bits = tl.sum(tl.where(grouped >= floor[:, None, None], 1 << lane, 0), axis=2)  # lane l's bit, in registers
     count = _popcount(bits, POPC_IN_HARDWARE)
-    row_count_ptr = counts_ptr + row_offsets[:, None] + tl.zeros([1, groups], tl.int64)
+    row_count_ptr = counts_ptr + row_offsets[:, None] + tl.zeros_like(count).to(tl.int64)
     first = tl.atomic_add(row_count_ptr, count, mask=count > 0, sem="relaxed")
+    return floor, bits, first
+
+
+@triton.jit
+def _store_appends(grouped, floor, bits, first, column_tile, row_offsets, keys_ptr, key_capacity,
+                   BLOCK_N: tl.constexpr, GROUP_COLUMNS: tl.constexpr, IN_PTX: tl.constexpr):
+    """Each element of ``grouped`` at or above its row's ``floor`` stored in its slot (`_reserve_slots`'
+    ``first`` + a popcount of its group's ``bits`` below it) as one raw key (the float's bits above
+    the column; ops/topk_from_appended.py `order_appended_keys` makes them sort keys); slots past
+    ``key_capacity`` dropped (the row's count passes it: the caller redoes the row)."""
+    groups: tl.constexpr = grouped.shape[1]
+    group = tl.arange(0, groups)[None, :, None]
+    lane = tl.arange(0, GROUP_COLUMNS)[None, None, :]
     column = column_tile * BLOCK_N + top2_group_columns(group, lane, GROUP_COLUMNS)
     if IN_PTX:
         row_keys = (keys_ptr + row_offsets * key_capacity).to(tl.int64, bitcast=True)[:, None, None]
@@ -219,25 +224,7 @@ def _append_above_floor(grouped, first_group, column_tile, row_offsets, floor_pt
         slot = first[:, :, None] + _popcount(bits[:, :, None] & ((1 << lane) - 1), POPC_IN_HARDWARE)
         raw_key = (grouped.to(tl.int32, bitcast=True).to(tl.int64) << 32) | column.to(tl.int64)
         place = (row_offsets.to(tl.int32) * key_capacity)[:, None, None] + slot
-        tl.store(keys_ptr + place, raw_key, mask=taken & (slot < key_capacity))
-
-
-@triton.jit
-def _append_rows_in_halves(grouped, first_group, column_tile, row_offsets, floor_ptr, keys_ptr, counts_ptr,
-                           key_capacity, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_COLUMNS: tl.constexpr,
-                           IN_PTX: tl.constexpr):
-    """`_append_above_floor` of rows 16·w + t, then of rows 16·w + 8 + t (t < 8): a thread of the
-    matrix units holds one row of each."""
-    groups: tl.constexpr = grouped.shape[1]
-    parts = tl.permute(tl.reshape(grouped, (BLOCK_M // 16, 2, 8, groups, GROUP_COLUMNS)), (0, 2, 3, 4, 1))
-    upper, lower = tl.split(parts)
-    upper_rows, lower_rows = tl.split(tl.permute(tl.reshape(row_offsets, (BLOCK_M // 16, 2, 8)), (0, 2, 1)))
-    _append_above_floor(tl.reshape(upper, (BLOCK_M // 2, groups, GROUP_COLUMNS)), first_group, column_tile,
-                        tl.reshape(upper_rows, (BLOCK_M // 2,)), floor_ptr, keys_ptr, counts_ptr, key_capacity, BLOCK_N,
-                        GROUP_COLUMNS, IN_PTX)
-    _append_above_floor(tl.reshape(lower, (BLOCK_M // 2, groups, GROUP_COLUMNS)), first_group, column_tile,
-                        tl.reshape(lower_rows, (BLOCK_M // 2,)), floor_ptr, keys_ptr, counts_ptr, key_capacity, BLOCK_N,
-                        GROUP_COLUMNS, IN_PTX)
+        tl.store(keys_ptr + place, raw_key, mask=(grouped >= floor[:, None, None]) & (slot < key_capacity))
 
 
 @triton.jit
@@ -249,7 +236,7 @@ def _lm_head_group_maxima_kernel(hidden_desc, weight_desc, logits_desc, bias_ptr
                                  GROUP_COLUMNS: tl.constexpr, SUBTILE: tl.constexpr, FLATTEN: tl.constexpr,
                                  DOT_PRECISION: tl.constexpr, STORE_LOGITS: tl.constexpr = True,
                                  GROUP_TOP2: tl.constexpr = False, APPEND: tl.constexpr = False,
-                                 APPEND_IN_QUARTERS: tl.constexpr = False, APPEND_IN_PTX: tl.constexpr = False):
+                                 APPEND_IN_PTX: tl.constexpr = False):
     row_tiles = tl.cdiv(num_rows, BLOCK_M)
     column_tiles = tl.cdiv(width, BLOCK_N)
     groups_per_tile: tl.constexpr = BLOCK_N // GROUP_COLUMNS
@@ -298,6 +285,8 @@ def _lm_head_group_maxima_kernel(hidden_desc, weight_desc, logits_desc, bias_ptr
             tile_max2 = tl.max(group_max, axis=1) * log2e_over_t
         elif APPEND:
             grouped = _thread_groups(z, BLOCK_M, BLOCK_N, GROUP_COLUMNS)
+            appending_rows = tl.where(rows_ok, row_offsets, -1)
+            floor, bits, first = _reserve_slots(grouped, appending_rows, floor_ptr, counts_ptr, GROUP_COLUMNS)
             tile_max2 = tl.max(tl.max(grouped, axis=2), axis=1) * log2e_over_t
         else:
             group_max = tl.max(tl.reshape(z, (BLOCK_M, groups_per_tile, GROUP_COLUMNS)), axis=2)
@@ -306,19 +295,9 @@ def _lm_head_group_maxima_kernel(hidden_desc, weight_desc, logits_desc, bias_ptr
         tile_sum2 = tl.sum(tl.exp2(tl.fma(z, log2e_over_t, -safe_max2[:, None])), axis=1)
         tl.store(tile_max2_ptr + row_offsets * column_tiles + column_tile, tile_max2, mask=rows_ok)
         tl.store(tile_sum2_ptr + row_offsets * column_tiles + column_tile, tile_sum2, mask=rows_ok)
-        if APPEND:  # after the statistics: z's registers are free again (the sm_90 compile spilled before them)
-            appending_rows = tl.where(rows_ok, row_offsets, -1)
-            if APPEND_IN_QUARTERS and BLOCK_N == 8 * GROUP_COLUMNS and BLOCK_M % 16 == 0:
-                # a quarter at a time (a half of the groups of one of the two rows a thread holds in
-                # each 16 rows): an atomic's wait a quarter
-                low, high = tl.split(tl.permute(tl.reshape(grouped, (BLOCK_M, 2, 4, GROUP_COLUMNS)), (0, 2, 3, 1)))
-                _append_rows_in_halves(low, 0, column_tile, appending_rows, floor_ptr, keys_ptr, counts_ptr,
-                                       key_capacity, BLOCK_M, BLOCK_N, GROUP_COLUMNS, APPEND_IN_PTX)
-                _append_rows_in_halves(high, 4, column_tile, appending_rows, floor_ptr, keys_ptr, counts_ptr,
-                                       key_capacity, BLOCK_M, BLOCK_N, GROUP_COLUMNS, APPEND_IN_PTX)
-            else:  # the tile's atomics together, one wait (sm_90: no stack with the stores in PTX)
-                _append_above_floor(grouped, 0, column_tile, appending_rows, floor_ptr, keys_ptr, counts_ptr,
-                                    key_capacity, BLOCK_N, GROUP_COLUMNS, APPEND_IN_PTX)
+        if APPEND:
+            _store_appends(grouped, floor, bits, first, column_tile, appending_rows, keys_ptr, key_capacity, BLOCK_N,
+                           GROUP_COLUMNS, APPEND_IN_PTX)
         else:
             tl.store(group_max_ptr + group_offsets, group_max, mask=rows_ok[:, None])
 
@@ -421,7 +400,7 @@ class EpilogueMatmul:
             HAS_BIAS=self.bias is not None, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
             GROUP_M=config.group_m, NUM_PROGRAMS=programs, GROUP_COLUMNS=config.group_columns,
             SUBTILE=config.subtile, FLATTEN=config.flatten, STORE_LOGITS=self.store_logits,
-            GROUP_TOP2=self.group_top2, APPEND=self.appends is not None, APPEND_IN_QUARTERS=APPEND_IN_QUARTERS,
+            GROUP_TOP2=self.group_top2, APPEND=self.appends is not None,
             APPEND_IN_PTX=STORE_APPENDS_IN_PTX,
             # float32 inputs get float32 products (tf32 would move logits by ~1e-3)
             DOT_PRECISION="ieee" if self.hidden.dtype == torch.float32 else "tf32",
