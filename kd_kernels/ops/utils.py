@@ -18,11 +18,12 @@ def kth_largest_lower_bound(values, valid, k, STEPS: tl.constexpr):
     least k valid values at or above the bound: within (largest − smallest) / 2^STEPS below the
     k-th largest. Where fewer than k are valid, the smallest valid value (+inf where none is):
     callers check the count themselves."""
+    counted = tl.where(valid, values, float("-inf"))  # never reaches a finite middle: no mask in the loop
     low = tl.min(tl.where(valid, values, float("inf")), axis=0)
-    high = tl.max(tl.where(valid, values, float("-inf")), axis=0)
+    high = tl.max(counted, axis=0)
     for _ in range(STEPS):
         middle = low + (high - low) * 0.5
-        enough = tl.sum((valid & (values >= middle)).to(tl.int32), axis=0) >= k
+        enough = tl.sum((counted >= middle).to(tl.int32), axis=0) >= k
         low = tl.where(enough, middle, low)
         high = tl.where(enough, high, middle)
     return low
