@@ -1,8 +1,9 @@
 """The appended schedule's parts under variants (NOTES e31-e32), by device time per kernel
 (torch.profiler, the median of several calls) and the whole call timed in turn with the bare
-matmul: how the matmul reserves its appends' slots (an atomic a row and group, or a row), the CUDA sort (KD_KERNELS_SORT_REGISTERS: shared memory
-or registers), the floors' bisection steps (`FLOOR_STEPS`), the warps of the row kernels (`ROW_WARPS`: floors, key order,
-logsumexp), the sample's stride (`SAMPLE_STRIDE`: fewer sampled columns, more keys to sort) and
+matmul: how the matmul stores its appends (in Triton or in PTX), the CUDA sort
+(KD_KERNELS_SORT_REGISTERS: shared memory or registers), the floors' bisection steps
+(`FLOOR_STEPS`), the warps of the row kernels (`ROW_WARPS`: floors, key order, logsumexp), the
+sample's stride (`SAMPLE_STRIDE`: fewer sampled columns, more keys to sort) and
 margin (`SAMPLE_SIGMAS`).
 First, what the matmul alone costs under the same profiler: cuBLAS, the statistics-only
 epilogue matmul, and the appending one with floors no element reaches (its code, no appends).
@@ -26,12 +27,14 @@ from kd_kernels.ops import lm_head_group_maxima, topk_from_appended  # noqa: E40
 from kd_kernels.ops.lm_head_group_maxima import Appends, EpilogueMatmul  # noqa: E402
 from kd_kernels.teacher_chunked import teacher_topk_appended  # noqa: E402
 
-PER_GROUP = dict(ATOMIC_PER_ROW=False)
-PER_ROW = dict(ATOMIC_PER_ROW=True)
+TRITON_STORES = dict(STORE_APPENDS_IN_PTX=False)
+PTX_STORES = dict(STORE_APPENDS_IN_PTX=True)
 # (KD_KERNELS_SORT_REGISTERS, lm_head_group_maxima settings, topk_from_appended settings)
-VARIANTS = {"an atomic a row and group": ("1", PER_GROUP, {}),
-            "an atomic a row": ("1", PER_ROW, {}),
-            "an atomic a row, 8 warps for the row kernels": ("1", PER_ROW, dict(ROW_WARPS=8))}
+VARIANTS = {"as is (PTX stores, register sort, 12 steps, 4 warps, stride 19, 5 sigmas)": ("1", PTX_STORES, {}),
+            "shared-memory sort": ("0", PTX_STORES, {}),
+            "appends stored by Triton": ("1", TRITON_STORES, {}),
+            "8 warps for the row kernels": ("1", PTX_STORES, dict(ROW_WARPS=8)),
+            "4 sigmas": ("1", PTX_STORES, dict(SAMPLE_SIGMAS=4.0))}
 
 
 def configured(sort_registers, appends, settings, call):
@@ -49,7 +52,7 @@ def print_matmul_kernels(hidden, weight):
     appending = EpilogueMatmul(hidden, weight, None, v, 2.0, None, appends=unreached)
     matmuls = {"cuBLAS bf16 logits": lambda: hidden @ weight.T,
                "epilogue matmul, statistics only": lambda: EpilogueMatmul(hidden, weight, None, v, 2.0, None)(0, v)}
-    for name, settings in (("an atomic a row and group", PER_GROUP), ("an atomic a row", PER_ROW)):
+    for name, settings in (("stores in Triton", TRITON_STORES), ("stores in PTX", PTX_STORES)):
         matmuls[f"appending matmul ({name}), no element reaching its floor"] = (
             lambda settings=settings: with_attributes(lm_head_group_maxima, settings, lambda: appending(0, v)))
     print("| matmul alone | device ms (median of 5) |\n| --- | --- |")

@@ -33,7 +33,7 @@ COMMON = dict(HAS_BIAS=False, BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, N
 VARIANTS = {"statistics": dict(GROUP_TOP2=False, APPEND=False),
             "top2": dict(GROUP_TOP2=True, APPEND=False),
             "append": dict(GROUP_TOP2=False, APPEND=True, APPEND_IN_PTX=True),
-            "append per row": dict(GROUP_TOP2=False, APPEND=True, APPEND_IN_PTX=True, APPEND_ATOMIC_PER_ROW=True)}
+            "append triton-stores": dict(GROUP_TOP2=False, APPEND=True, APPEND_IN_PTX=False)}
 
 
 def sass_of(constants: dict, sass_dir: str | None, name: str) -> str:
