@@ -198,8 +198,10 @@ def test_bad_inputs_raise_clear_errors():
         _C.topk_candidates(logits, 4, 0.0, 3000)
 
 
-@pytest.mark.parametrize("capacity, k", [(2048, 1024), (300, 300), (4096, 7)])
-def test_sort_keys_orders_each_rows_counted_keys(capacity, k):
+@pytest.mark.parametrize("in_registers", ["1", "0"])
+@pytest.mark.parametrize("capacity, k", [(2048, 1024), (300, 300), (4096, 7), (100, 60), (4096, 1024)])
+def test_sort_keys_orders_each_rows_counted_keys(capacity, k, in_registers, monkeypatch):
+    monkeypatch.setenv("KD_KERNELS_SORT_REGISTERS", in_registers)  # csrc/sort_keys.cu reads it at each launch
     from kd_kernels.ops.sort_keys import value_column_keys
 
     generator = torch.Generator(device="cuda").manual_seed(capacity + k)
