@@ -1,6 +1,7 @@
 // Block-wide bitonic sort in shared memory, shared by the kernels of this folder.
 #pragma once
 #include <cstdint>
+#include <cstdlib>
 
 namespace kd_kernels {
 
@@ -75,6 +76,55 @@ __device__ __forceinline__ void sort_descending_in_registers(uint64_t (&keys)[IT
       }
     }
   }
+}
+
+}  // namespace kd_kernels
+
+namespace kd_kernels {
+
+// buffer[0, size) (size a power of two, at most 16 * kThreads; the buffer holds at least
+// max(size, kThreads) keys) sorted descending in place through registers: read blocked, sorted
+// by sort_descending_in_registers (the buffer its exchange space), written back. Every thread of
+// the block (kThreads) calls it.
+template <int kThreads, int ITEMS>
+__device__ __forceinline__ void sort_buffer_in_registers(uint64_t* buffer, int size) {
+  uint64_t held[ITEMS];
+#pragma unroll
+  for (int r = 0; r < ITEMS; ++r) {
+    const int i = threadIdx.x * ITEMS + r;
+    held[r] = i < size ? buffer[i] : 0ull;  // 0 sorts after every key
+  }
+  __syncthreads();  // every key read before the buffer is exchange space
+  sort_descending_in_registers<kThreads, ITEMS>(held, buffer);
+  __syncthreads();
+#pragma unroll
+  for (int r = 0; r < ITEMS; ++r) {
+    const int i = threadIdx.x * ITEMS + r;
+    if (i < size) buffer[i] = held[r];
+  }
+  __syncthreads();
+}
+
+template <int kThreads>
+__device__ inline void sort_descending_via_registers(uint64_t* buffer, int size) {
+  if (size <= kThreads) {
+    sort_buffer_in_registers<kThreads, 1>(buffer, size);
+  } else if (size <= 2 * kThreads) {
+    sort_buffer_in_registers<kThreads, 2>(buffer, size);
+  } else if (size <= 4 * kThreads) {
+    sort_buffer_in_registers<kThreads, 4>(buffer, size);
+  } else if (size <= 8 * kThreads) {
+    sort_buffer_in_registers<kThreads, 8>(buffer, size);
+  } else {
+    sort_buffer_in_registers<kThreads, 16>(buffer, size);
+  }
+}
+
+// KD_KERNELS_SORT_REGISTERS=0|1, read at each launch: the sorts through registers (1) or every
+// step through shared memory (0); unset, each kernel's ``fallback`` (its measured choice).
+inline bool sort_in_registers(bool fallback) {
+  const char* choice = std::getenv("KD_KERNELS_SORT_REGISTERS");
+  return choice ? choice[0] == '1' : fallback;
 }
 
 }  // namespace kd_kernels

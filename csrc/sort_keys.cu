@@ -8,8 +8,6 @@
 #include "keys.cuh"
 #include "sort_keys.h"
 
-#include <cstdlib>
-
 namespace kd_kernels {
 namespace {
 
@@ -83,11 +81,6 @@ __global__ void __launch_bounds__(kSortThreads) sort_keys_in_registers_kernel(co
   }
 }
 
-bool sort_in_registers() {
-  const char* choice = std::getenv("KD_KERNELS_SORT_REGISTERS");
-  return choice ? choice[0] == '1' : true;
-}
-
 }  // namespace
 
 cudaError_t launch_sort_keys(const int64_t* keys, const int32_t* counts, int64_t rows, int64_t capacity, int64_t k,
@@ -96,7 +89,7 @@ cudaError_t launch_sort_keys(const int64_t* keys, const int32_t* counts, int64_t
   int size = kSortThreads;  // the register sort exchanges at least a key a thread through shared memory
   while (size < capacity) size <<= 1;
   const size_t shared = static_cast<size_t>(size) * sizeof(uint64_t);  // <= 32 KiB: no opt-in needed
-  if (sort_in_registers()) {
+  if (sort_in_registers(true)) {  // a third faster on an H200 (NOTES e32)
     sort_keys_in_registers_kernel<<<static_cast<unsigned int>(rows), kSortThreads, shared, stream>>>(
         keys, counts, capacity, static_cast<int>(k), values, columns);
   } else {
