@@ -191,9 +191,8 @@ def _reserve_slots(grouped, row_offsets, floor_ptr, counts_ptr, GROUP_COLUMNS: t
     """For ``grouped`` (`_thread_groups` of a tile's logits, [BLOCK_M, groups, GROUP_COLUMNS],
     -inf past the width; rows ``row_offsets`` int64, -1 for none): (each row's floor [BLOCK_M]
     float32, each group's bits of the lanes at or above it [BLOCK_M, groups] int32, the first of
-    the slots reserved for them [BLOCK_M, groups] int32), one atomic on the row's count a (row,
-    group) with any (a thread's). Issued before the tile's statistics, which then cover the
-    atomics' round trip."""
+    the slots reserved for them [BLOCK_M, groups] int32), one atomic on the row's count a row of
+    the tile that has any."""
     lane = tl.arange(0, GROUP_COLUMNS)[None, None, :]
     floor = tl.load(floor_ptr + row_offsets, mask=row_offsets >= 0, other=float("inf"))
     bits = tl.sum(tl.where(grouped >= floor[:, None, None], 1 << lane, 0), axis=2)  # lane l's bit, in registers
@@ -289,6 +288,7 @@ def _lm_head_group_maxima_kernel(hidden_desc, weight_desc, logits_desc, bias_ptr
         elif APPEND:
             grouped = _thread_groups(z, BLOCK_M, BLOCK_N, GROUP_COLUMNS)
             appending_rows = tl.where(rows_ok, row_offsets, -1)
+            # before the statistics: their exp2 cover the atomics' round trip (the stores come after them)
             floor, bits, first = _reserve_slots(grouped, appending_rows, floor_ptr, counts_ptr, GROUP_COLUMNS)
             tile_max2 = tl.max(tl.max(grouped, axis=2), axis=1) * log2e_over_t
         else:
