@@ -174,7 +174,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=None)
     parser.add_argument("--k", default="8,64,1024")
-    parser.add_argument("--shapes", default="all", help="comma-separated shape name prefixes, or all")
+    parser.add_argument("--shapes", default="all",
+                        help="comma-separated parts of shape names (case-insensitive: qwen, llama), or all")
     parser.add_argument("--providers", default="", help="comma-separated parts of provider names (default: all)")
     parser.add_argument("--fused-sweep", action="store_true", help="also time the fused kernel's tile sweep")
     parser.add_argument("--after-idle", action="store_true",
@@ -182,13 +183,17 @@ def main():
     parser.add_argument("--interleave", action="store_true",
                         help="also time the from-hidden providers in turn with the floor (ratios per repetition)")
     args = parser.parse_args()
+    shapes = [shape for shape in TEACHER_SHAPES if args.shapes == "all"
+              or any(part.lower() in shape[0].lower() for part in args.shapes.split(","))]
+    if not shapes:
+        parser.error(f"--shapes: expected all or parts of {[shape[0] for shape in TEACHER_SHAPES]}, "
+                     f"got {args.shapes!r}")
     env = environment()
     print(f"environment: {env}")
     ks = [int(k) for k in args.k.split(",")]
     only = [part for part in args.providers.split(",") if part]
-    results = [bench_shape(name, n, h, v, ks, only, args.fused_sweep, args.interleave,
-                           args.after_idle) for name, n, h, v in TEACHER_SHAPES
-               if args.shapes == "all" or any(name.startswith(prefix) for prefix in args.shapes.split(","))]
+    results = [bench_shape(name, n, h, v, ks, only, args.fused_sweep, args.interleave, args.after_idle)
+               for name, n, h, v in shapes]
     if args.out:
         write_json(args.out, dict(environment=env, results=results))
 
