@@ -16,10 +16,13 @@ constexpr int kThreads = 256;
 constexpr int kGroupsInFlight = 4;  // per warp: loads issued before the first is used
 static_assert(kGroupColumns == 32, "one lane per column of a group");
 
+// kInRegisters: its own instantiation, so the shared-memory one keeps its ~30 registers (with
+// both sorts in one kernel it took 78, three blocks an SM instead of seven)
+template <bool kInRegisters>
 __global__ void __launch_bounds__(kThreads) candidates_from_groups_kernel(
     const float* logits, int64_t row_stride, const int32_t* group_ids, int64_t group_capacity, const int32_t* listed,
-    const int32_t* thresholds, int width, float log2e_over_t, int k, int key_capacity, bool in_registers,
-    float* values, int32_t* columns, uint8_t* overflowed) {
+    const int32_t* thresholds, int width, float log2e_over_t, int k, int key_capacity, float* values,
+    int32_t* columns, uint8_t* overflowed) {
   extern __shared__ uint64_t buffer[];
   __shared__ unsigned int count;
   const int64_t row = blockIdx.x;
@@ -55,7 +58,7 @@ __global__ void __launch_bounds__(kThreads) candidates_from_groups_kernel(
   while (size < found) size <<= 1;
   for (int i = found + threadIdx.x; i < size; i += blockDim.x) buffer[i] = 0ull;  // sorts after every key
   __syncthreads();
-  if (in_registers) {
+  if constexpr (kInRegisters) {
     sort_descending_via_registers<kThreads>(buffer, size);
   } else {
     sort_descending(buffer, size);
@@ -75,10 +78,10 @@ cudaError_t launch_candidates_from_groups(const float* logits, int64_t row_strid
   while (size < key_capacity) size <<= 1;
   const size_t shared = static_cast<size_t>(size) * sizeof(uint64_t);  // <= 32 KiB: no opt-in needed
   // not yet timed here on a GPU: shared memory unless KD_KERNELS_SORT_REGISTERS=1 (sort_keys: 1)
-  const bool in_registers = sort_in_registers(false);
-  candidates_from_groups_kernel<<<static_cast<unsigned int>(rows), kThreads, shared, stream>>>(
+  auto* kernel = sort_in_registers(false) ? candidates_from_groups_kernel<true> : candidates_from_groups_kernel<false>;
+  kernel<<<static_cast<unsigned int>(rows), kThreads, shared, stream>>>(
       logits, row_stride, group_ids, group_capacity, listed, thresholds, static_cast<int>(width), log2e_over_t,
-      static_cast<int>(k), static_cast<int>(key_capacity), in_registers, values, columns, overflowed);
+      static_cast<int>(k), static_cast<int>(key_capacity), values, columns, overflowed);
   return cudaGetLastError();
 }
 
