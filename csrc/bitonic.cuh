@@ -2,6 +2,7 @@
 #pragma once
 #include <cstdint>
 #include <cstdlib>
+#include <type_traits>
 
 namespace kd_kernels {
 
@@ -105,19 +106,28 @@ __device__ __forceinline__ void sort_buffer_in_registers(uint64_t* buffer, int s
   __syncthreads();
 }
 
+// sort(std::integral_constant<int, ITEMS>) for the fewest ITEMS of 1, 2, 4, 8, 16 with
+// kThreads * ITEMS >= size (16 past that): the register sorts' keys a thread, picked per block
+template <int kThreads, typename Sort>
+__device__ __forceinline__ void with_items_for(int size, Sort&& sort) {
+  if (size <= kThreads) {
+    sort(std::integral_constant<int, 1>{});
+  } else if (size <= 2 * kThreads) {
+    sort(std::integral_constant<int, 2>{});
+  } else if (size <= 4 * kThreads) {
+    sort(std::integral_constant<int, 4>{});
+  } else if (size <= 8 * kThreads) {
+    sort(std::integral_constant<int, 8>{});
+  } else {
+    sort(std::integral_constant<int, 16>{});
+  }
+}
+
 template <int kThreads>
 __device__ inline void sort_descending_via_registers(uint64_t* buffer, int size) {
-  if (size <= kThreads) {
-    sort_buffer_in_registers<kThreads, 1>(buffer, size);
-  } else if (size <= 2 * kThreads) {
-    sort_buffer_in_registers<kThreads, 2>(buffer, size);
-  } else if (size <= 4 * kThreads) {
-    sort_buffer_in_registers<kThreads, 4>(buffer, size);
-  } else if (size <= 8 * kThreads) {
-    sort_buffer_in_registers<kThreads, 8>(buffer, size);
-  } else {
-    sort_buffer_in_registers<kThreads, 16>(buffer, size);
-  }
+  with_items_for<kThreads>(size, [&](auto items) {
+    sort_buffer_in_registers<kThreads, decltype(items)::value>(buffer, size);
+  });
 }
 
 // KD_KERNELS_SORT_REGISTERS=0|1, read at each launch: the sorts through registers (1) or every

@@ -66,19 +66,10 @@ __global__ void __launch_bounds__(kSortThreads) sort_keys_in_registers_kernel(co
   const int64_t* row_keys = keys + row * capacity;
   float* row_values = values + row * k;
   int32_t* row_columns = columns + row * k;
-  // the same branch for the whole block: the row's count picks the size (k <= count but for rows to redo)
-  const int size = max(count, k);
-  if (size <= kSortThreads) {
-    sort_row_in_registers<1>(row_keys, count, k, row_values, row_columns, buffer);
-  } else if (size <= 2 * kSortThreads) {
-    sort_row_in_registers<2>(row_keys, count, k, row_values, row_columns, buffer);
-  } else if (size <= 4 * kSortThreads) {
-    sort_row_in_registers<4>(row_keys, count, k, row_values, row_columns, buffer);
-  } else if (size <= 8 * kSortThreads) {
-    sort_row_in_registers<8>(row_keys, count, k, row_values, row_columns, buffer);
-  } else {
-    sort_row_in_registers<16>(row_keys, count, k, row_values, row_columns, buffer);
-  }
+  // the same size for the whole block: the row's count picks it (k <= count but for rows to redo)
+  with_items_for<kSortThreads>(max(count, k), [&](auto items) {
+    sort_row_in_registers<decltype(items)::value>(row_keys, count, k, row_values, row_columns, buffer);
+  });
 }
 
 }  // namespace
