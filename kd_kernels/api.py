@@ -84,11 +84,11 @@ def teacher_topk(hidden: torch.Tensor, weight: torch.Tensor, k: int = 64, *, tem
             maxima schedule (each 32-column group's maximum, its column and its second largest
             give the top-k with no logits stored, the few groups holding two top-k elements
             computed again; ~50 MiB beyond the outputs at 8192 rows; on an H200 at k = 64
-            1.05-1.08x the bare matmul in blocks, 1.10-1.14x after idle, 1.15-1.22x timed in turn
-            with it, over the last two runs),
-            at k <= 1024 the epilogue schedule (the float32 logits stored, ~1.25 GiB a chunk, then
-            ~k groups read per row; 1.21x at k = 1024 on cuda, whose extension gathers and sorts
-            the candidates past k = 256; 1.25-1.30x after idle, 1.30-1.38x in turn:
+            1.05-1.08x the bare matmul in blocks, 1.10-1.14x after idle, 1.14-1.23x timed in turn
+            with it, over the last two runs), at k <= 1024 the epilogue schedule (the float32
+            logits stored, ~1.25 GiB a chunk, then ~k groups read per row; at k = 1024 on cuda,
+            whose extension gathers and sorts the candidates past k = 256, 1.18-1.21x in blocks,
+            1.25-1.31x after idle, 1.30-1.40x in turn over the last three runs:
             benchmarks/RESULTS.md); the backend's own selection then only redoes rows of massive
             ties.
             ``KD_KERNELS_TEACHER_SCHEDULE=cublas`` forces cuBLAS logits + the full-row selection;

@@ -58,7 +58,7 @@ def test_the_matmul_appends_exactly_the_elements_at_or_above_each_floor():
 
 @pytest.mark.gpu
 def test_the_matmul_appends_exactly_at_the_real_tiles():
-    # 128 x 256 tiles, the appends a quarter of a tile at a time: rows past a tile, a partial last tile
+    # 128 x 256 tiles, the appends' stores in PTX: rows past a tile, a partial last tile
     generator = torch.Generator(device="cuda").manual_seed(8)
     hidden = (0.3 * torch.randn(300, 4096, device="cuda", generator=generator)).bfloat16()
     weight = (0.02 * torch.randn(20_096, 4096, device="cuda", generator=generator)).bfloat16()
