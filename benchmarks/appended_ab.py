@@ -22,7 +22,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
-from harness import kernel_times, print_variant_kernels, teacher_s1, with_attributes, with_env  # noqa: E402
+from harness import (check_variants_agree, kernel_times, print_variant_kernels, teacher_s1,  # noqa: E402
+                     with_attributes, with_env)
 from kd_kernels.ops import lm_head_group_maxima, topk_from_appended  # noqa: E402
 from kd_kernels.ops.lm_head_group_maxima import Appends, EpilogueMatmul  # noqa: E402
 from kd_kernels.teacher_chunked import teacher_topk_appended  # noqa: E402
@@ -72,12 +73,7 @@ def main():
         calls = {name: (lambda variant=variant: configured(*variant, lambda: (
             teacher_topk_appended(hidden, weight, k, 2.0, v, select="cuda"))), None)
             for name, variant in VARIANTS.items()}
-        first = calls[next(iter(calls))][0]()
-        for name, (call, _) in calls.items():
-            out = call()
-            largest = (out.logprobs - first.logprobs).abs().max().item()
-            swapped = (out.indices != first.indices).float().mean().item()
-            assert largest < 1e-4 and swapped < 1e-4, (name, largest, swapped)
+        check_variants_agree(calls)
         print(f"\n## k = {k}: device ms per kernel (median of 5 calls), whole call in turn")
         print_variant_kernels(calls, lambda: hidden @ weight.T, {"both matmuls": "group_maxima",
                                                                  "floors": "sample_floor", "key order": "order_keys",

@@ -123,6 +123,22 @@ def kernel_times(call, repeats=5):
     return {name: statistics.median(values) for name, values in samples.items()}
 
 
+def check_variants_agree(calls, exact=()):
+    """Each variant's `TopK` (``calls`` {name: (fn, setup)}) against the first's: bit for bit for
+    the names in ``exact``; the others (sums in another order, or rows redone by cuBLAS) with
+    log-probs within 1e-4 and ids swapped at under 1e-4 of the entries, printed."""
+    first = calls[next(iter(calls))][0]()
+    for name, (call, _) in calls.items():
+        out = call()
+        if name in exact:
+            assert torch.equal(out.indices, first.indices) and torch.equal(out.logprobs, first.logprobs), name
+            continue
+        largest = (out.logprobs - first.logprobs).abs().max().item()
+        swapped = (out.indices != first.indices).float().mean().item()
+        print(f"{name}: log-probs within {largest:.2e} of the first variant's, ids swapped {swapped:.2e}")
+        assert largest < 1e-4 and swapped < 1e-4, name
+
+
 def print_variant_kernels(calls, floor, parts):
     """A markdown table of variants ``calls`` ({name: (fn, setup)}, the first the reference): per
     variant the device ms of the kernels whose names contain each of ``parts`` ({column: name
