@@ -31,9 +31,9 @@ TRITON_STORES = dict(STORE_APPENDS_IN_PTX=False)
 PTX_STORES = dict(STORE_APPENDS_IN_PTX=True)
 # (lm_head_group_maxima settings, topk_from_appended settings)
 VARIANTS = {"as is (PTX stores, 12 steps, 4 warps, stride 19, 5 sigmas)": (PTX_STORES, {}),
-            "entries stored by Triton": (TRITON_STORES, {}),
             "4 sigmas": (PTX_STORES, dict(SAMPLE_SIGMAS=4.0)),
-            "stride 25": (PTX_STORES, dict(SAMPLE_STRIDE=25))}
+            "stride 25": (PTX_STORES, dict(SAMPLE_STRIDE=25)),
+            "stride 25, 4 sigmas": (PTX_STORES, dict(SAMPLE_STRIDE=25, SAMPLE_SIGMAS=4.0))}
 
 
 def configured(appends, settings, call):

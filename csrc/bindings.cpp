@@ -173,6 +173,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> rank_appends(const at::Tensor& lo
     fail_value("logs: expected a contiguous [programs, block_m, capacity] tensor, got shape " + shape_of(logs));
   }
   const int64_t programs = logs.size(0), block_m = logs.size(1), capacity = logs.size(2);
+  if (programs > kd_kernels::kMaxRankPrograms) {
+    fail_value("logs: expected at most " + std::to_string(kd_kernels::kMaxRankPrograms) + " programs, got " +
+               std::to_string(programs));
+  }
   if (log_counts.device() != logs.device() || log_counts.scalar_type() != at::kInt || log_counts.dim() != 2 ||
       log_counts.size(0) != programs || log_counts.size(1) != block_m || !log_counts.is_contiguous()) {
     fail_value("log_counts: expected a contiguous int32 [" + std::to_string(programs) + ", " +

@@ -1,5 +1,6 @@
-// One block per row: a warp per program that saw the row's tile reads that program's log of the
-// row's place in a tile (consecutive entries, a lane each), the entries tagged with the row's
+// One block per row: the programs that saw the row's tile listed first, then a warp per listed
+// program reads its log of the row's place in a tile (consecutive entries, a lane each), the
+// entries tagged with the row's
 // tile appended to shared memory as sort keys (one atomic per warp and load), then a bitonic
 // sort through registers and the first k written. The appending matmul keeps no per-row count
 // in memory: waiting for an atomic's result a tile cost it ~5 % (NOTES e33), so the row's
@@ -23,27 +24,37 @@ __global__ void __launch_bounds__(kThreads) rank_appends_kernel(const uint2* log
                                                                 float* values, int32_t* columns,
                                                                 uint8_t* overflowed) {
   extern __shared__ uint64_t buffer[];
-  __shared__ unsigned int count;
+  __shared__ unsigned int count, listed;
   __shared__ int lost;
+  __shared__ int listed_programs[kMaxRankPrograms], listed_entries[kMaxRankPrograms];
   const int row = blockIdx.x;
   const uint32_t row_tile = static_cast<uint32_t>(row / block_m);
   const int place = row % block_m;
-  if (threadIdx.x == 0) count = 0, lost = 0;
+  if (threadIdx.x == 0) count = 0, listed = 0, lost = 0;
+  __syncthreads();
+  // the programs that saw the row's tile, their flags and counts loaded at once (a warp walking
+  // them in turn waited on one load after another)
+  for (int program = threadIdx.x; program < programs; program += blockDim.x) {
+    const bool saw = row_tiles_seen[static_cast<int64_t>(program) * row_tiles + row_tile];
+    const int logged = log_counts[static_cast<int64_t>(program) * block_m + place];
+    if (saw) {
+      const unsigned int slot = atomicAdd(&listed, 1u);
+      listed_programs[slot] = program;
+      listed_entries[slot] = min(logged, log_capacity);
+      if (logged > log_capacity) lost = 1;
+    }
+  }
   __syncthreads();
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-  for (int program = warp; program < programs; program += warps) {
-    if (!row_tiles_seen[static_cast<int64_t>(program) * row_tiles + row_tile]) continue;  // uniform in the warp
-    const int64_t log = static_cast<int64_t>(program) * block_m + place;
-    const int logged = log_counts[log];
-    if (logged > log_capacity && lane == 0) lost = 1;
-    const int entries = min(logged, log_capacity);
-    const uint2* entry = logs + log * log_capacity;
+  for (int listing = warp; listing < static_cast<int>(listed); listing += warps) {
+    const int entries = listed_entries[listing];
+    const uint2* entry = logs + (static_cast<int64_t>(listed_programs[listing]) * block_m + place) * log_capacity;
     for (int first = 0; first < entries; first += 32 * kLoadsInFlight) {
       uint2 loaded[kLoadsInFlight];
 #pragma unroll
       for (int j = 0; j < kLoadsInFlight; ++j) {
         const int i = first + j * 32 + lane;
-        if (i < entries) loaded[j] = entry[i];
+        loaded[j] = i < entries ? entry[i] : make_uint2(0u, 0u);
       }
 #pragma unroll
       for (int j = 0; j < kLoadsInFlight; ++j) {

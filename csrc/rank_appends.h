@@ -8,6 +8,8 @@ namespace kd_kernels {
 
 // Most entries a row gathers (its shared-memory buffer: 8 bytes each); more: the row is flagged.
 constexpr int kMaxRankedEntries = 4096;
+// Most programs of the appending matmul's grid (one an SM).
+constexpr int kMaxRankPrograms = 512;
 // An entry's low word: the row tile above kLogColumnBits of column (kd_kernels/ops/lm_head_group_maxima.py).
 constexpr int kLogColumnBits = 25;
 
@@ -23,7 +25,7 @@ constexpr int kLogColumnBits = 25;
 //   columns [rows, k] int32: their columns; 0 past the count;
 //   overflowed [rows] uint8: 1 where the row has fewer than k entries, more than
 //     kMaxRankedEntries, or a log of it lost entries (the caller redoes the row).
-// Requires 1 <= k <= kMaxRankedEntries.
+// Requires 1 <= k <= kMaxRankedEntries, programs <= kMaxRankPrograms.
 cudaError_t launch_rank_appends(const int64_t* logs, const int32_t* log_counts, const uint8_t* row_tiles_seen,
                                 int64_t programs, int64_t block_m, int64_t log_capacity, int64_t rows, int64_t k,
                                 float* values, int32_t* columns, uint8_t* overflowed, cudaStream_t stream);

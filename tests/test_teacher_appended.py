@@ -142,7 +142,7 @@ def test_the_extension_ranks_the_logs_as_torch_does(rows, k):
     hidden = (0.3 * torch.randn(rows, 4096, device="cuda", generator=generator)).bfloat16()
     weight = (0.02 * torch.randn(20_096, 4096, device="cuda", generator=generator)).bfloat16()
     exact = (hidden.float() @ weight.float().T)[:, :20_000]
-    floors = exact.sort(dim=1, descending=True).values[:, min(k + 200, 19_999)]
+    floors = exact.sort(dim=1, descending=True).values[:, min(k + 200, 19_999)].contiguous()
     floors[3] = float("inf")  # no entry: fewer than k
     floors[6] = torch.finfo(torch.float32).min
     _, appends = appending_matmul(hidden, weight, None, 20_000, floors, 256)

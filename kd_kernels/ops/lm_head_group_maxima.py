@@ -396,7 +396,11 @@ class EpilogueMatmul:
         return grid_programs(self.hidden.shape[0], width, self.config, self.hidden.device)
 
     def _check_appends(self, appends: "Appends") -> None:
-        row_tiles = -(-self.hidden.shape[0] // self.config.block_m)
+        rows, row_tiles = self.hidden.shape[0], -(-self.hidden.shape[0] // self.config.block_m)
+        floors = appends.floors
+        if floors.dtype != torch.float32 or tuple(floors.shape) != (rows,) or not floors.is_contiguous():
+            raise ValueError(f"appends: expected contiguous float32 floors [{rows}], got {floors.dtype} "
+                             f"{list(floors.shape)} with strides {floors.stride()}")
         logs = (self.programs(self.max_width), self.config.block_m)
         if tuple(appends.logs.shape[:2]) != logs or tuple(appends.log_counts.shape) != logs:
             raise ValueError(f"appends: expected logs [{logs[0]}, {logs[1]}, capacity] and log_counts {list(logs)} "
