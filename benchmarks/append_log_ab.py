@@ -58,8 +58,8 @@ def main():
     statistics = e33.EpilogueMatmul(hidden, weight, None, v, 2.0, None)
     calls = {"cuBLAS": (lambda: hidden @ weight.T, None),
              "statistics only": (lambda: statistics(0, v), None),
-             "e32: an atomic a row and tile": (lambda: reserving(0, v), counts.zero_),
-             "e33: a log a program and row-of-tile": (lambda: logging(0, v), seen.zero_)}
+             "e32: an atomic a row and tile": (lambda: reserving(0, v), lambda: (counts.zero_(), ())[1]),
+             "e33: a log a program and row-of-tile": (lambda: logging(0, v), lambda: (seen.zero_(), ())[1])}
     for fn, setup in calls.values():
         if setup:
             setup()
@@ -67,7 +67,7 @@ def main():
     torch.cuda.synchronize()
     print(f"entries a row: e32 {counts.float().mean():.1f}, e33 {log_counts.sum().item() / rows:.1f}; "
           f"log capacity {capacity}, fullest {int(log_counts.max())}")
-    summary, ratios = time_interleaved_ms(calls, warmup=2, repeats=15)
+    summary, ratios = time_interleaved_ms(calls, warmup=2, repeats=25)
     print("| matmul | ms in turn (median) | × cuBLAS (median of pairs) | device ms, profiler (median of 5) |")
     print("| --- | --- | --- | --- |")
     for name, (fn, setup) in calls.items():
