@@ -1,11 +1,12 @@
-"""The appended schedule's parts under variants (NOTES e31-e33), by device time per kernel
+"""The appended schedule's parts under variants (NOTES e31-e32), by device time per kernel
 (torch.profiler, the median of several calls) and the whole call timed in turn with the bare
-matmul: how the matmul stores its entries (in Triton or in PTX), the floors' bisection steps
-(`FLOOR_STEPS`), the warps of the row kernels (`ROW_WARPS`: floors, logsumexp), the
-sample's stride (`SAMPLE_STRIDE`: fewer sampled columns, more entries to sort) and
+matmul: how the matmul stores its appends (in Triton or in PTX), the CUDA sort
+(KD_KERNELS_SORT_REGISTERS: shared memory or registers), the floors' bisection steps
+(`FLOOR_STEPS`), the warps of the row kernels (`ROW_WARPS`: floors, key order, logsumexp), the
+sample's stride (`SAMPLE_STRIDE`: fewer sampled columns, more keys to sort) and
 margin (`SAMPLE_SIGMAS`).
 First, what the matmul alone costs under the same profiler: cuBLAS, the statistics-only
-epilogue matmul, and the appending one with floors no element reaches (its code, no entries).
+epilogue matmul, and the appending one with floors no element reaches (its code, no appends).
 Every variant must give the same top-k (the keys' values come from the same matmul; only how
 many reach the floor changes), up to the ulps of a row redone by cuBLAS where a floor failed.
 
@@ -22,33 +23,33 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 from harness import (check_variants_agree, kernel_times, print_variant_kernels, teacher_s1,  # noqa: E402
-                     with_attributes)
+                     with_attributes, with_env)
 from kd_kernels.ops import lm_head_group_maxima, topk_from_appended  # noqa: E402
-from kd_kernels.ops.lm_head_group_maxima import Appends, EpilogueMatmul, default_config  # noqa: E402
+from kd_kernels.ops.lm_head_group_maxima import Appends, EpilogueMatmul  # noqa: E402
 from kd_kernels.teacher_chunked import teacher_topk_appended  # noqa: E402
 
 TRITON_STORES = dict(STORE_APPENDS_IN_PTX=False)
 PTX_STORES = dict(STORE_APPENDS_IN_PTX=True)
-# (lm_head_group_maxima settings, topk_from_appended settings)
-VARIANTS = {"as is (PTX stores, 12 steps, 4 warps, stride 19, 5 sigmas)": (PTX_STORES, {}),
-            "4 sigmas": (PTX_STORES, dict(SAMPLE_SIGMAS=4.0)),
-            "stride 25": (PTX_STORES, dict(SAMPLE_STRIDE=25)),
-            "stride 25, 4 sigmas": (PTX_STORES, dict(SAMPLE_STRIDE=25, SAMPLE_SIGMAS=4.0))}
+# (KD_KERNELS_SORT_REGISTERS, lm_head_group_maxima settings, topk_from_appended settings)
+VARIANTS = {"as is (PTX stores, register sort, 12 steps, 4 warps, stride 19, 5 sigmas)": ("1", PTX_STORES, {}),
+            "shared-memory sort": ("0", PTX_STORES, {}),
+            "appends stored by Triton": ("1", TRITON_STORES, {}),
+            "8 warps for the row kernels": ("1", PTX_STORES, dict(ROW_WARPS=8)),
+            "4 sigmas": ("1", PTX_STORES, dict(SAMPLE_SIGMAS=4.0))}
 
 
-def configured(appends, settings, call):
+def configured(sort_registers, appends, settings, call):
     """call() under one variant's settings."""
-    return with_attributes(lm_head_group_maxima, appends, lambda: with_attributes(topk_from_appended, settings, call))
+    return with_env("KD_KERNELS_SORT_REGISTERS", sort_registers, lambda: with_attributes(
+        lm_head_group_maxima, appends, lambda: with_attributes(topk_from_appended, settings, call)))
 
 
 def print_matmul_kernels(hidden, weight):
     """Device ms of the matmul alone, three ways, under the profiler the variants run under."""
     rows, v = hidden.shape[0], weight.shape[0]
-    programs, block_m = EpilogueMatmul(hidden, weight, None, v, 2.0, None).programs(v), default_config().block_m
     unreached = Appends(torch.full((rows,), float("inf"), device="cuda"),
-                        torch.empty(programs, block_m, 8, dtype=torch.int64, device="cuda"),
-                        torch.zeros(programs, block_m, dtype=torch.int32, device="cuda"),
-                        torch.zeros(programs, -(-rows // block_m), dtype=torch.int8, device="cuda"))
+                        torch.empty(rows, 8, dtype=torch.int64, device="cuda"),
+                        torch.zeros(rows, dtype=torch.int32, device="cuda"))
     appending = EpilogueMatmul(hidden, weight, None, v, 2.0, None, appends=unreached)
     matmuls = {"cuBLAS bf16 logits": lambda: hidden @ weight.T,
                "epilogue matmul, statistics only": lambda: EpilogueMatmul(hidden, weight, None, v, 2.0, None)(0, v)}
@@ -75,8 +76,8 @@ def main():
         check_variants_agree(calls)
         print(f"\n## k = {k}: device ms per kernel (median of 5 calls), whole call in turn")
         print_variant_kernels(calls, lambda: hidden @ weight.T, {"both matmuls": "group_maxima",
-                                                                 "floors": "sample_floor", "gather and sort": "rank_appends",
-                                                                 "all kernels": ""})
+                                                                 "floors": "sample_floor", "key order": "order_keys",
+                                                                 "sort": "sort_keys", "all kernels": ""})
 
 
 if __name__ == "__main__":

@@ -1,7 +1,6 @@
 """The appended schedule's rows redone and peak memory (issue #4's 64 MiB), on random and on
-LLM-like hidden states at 8192 × 4096 × 151,936, k = 256 and 1024; per chunk, the entries a
-row (mean), the fullest log against its capacity, and the rows flagged (fewer than k entries,
-more than the ranking gathers, or a log that lost entries).
+LLM-like hidden states at 8192 × 4096 × 151,936, k = 256 and 1024; per chunk, the key counts
+(mean, min, max) and the rows with fewer than k keys or more than the slots.
 
 usage: python benchmarks/appended_probe.py   (one GPU)
 """
@@ -28,11 +27,11 @@ def _spy_redo(original):
 
 
 def _spy_rank(original):
-    def rank(logs, log_counts, row_tiles_seen, rows, k, order):
-        values, columns, overflow = original(logs, log_counts, row_tiles_seen, rows, k, order)
-        COUNTS.append((round(log_counts.sum().item() / rows, 1), int(log_counts.max()), logs.shape[2],
-                       int(overflow.sum())))
-        return values, columns, overflow
+    def rank(keys, counts, k, order):
+        c = counts.float()
+        COUNTS.append((round(c.mean().item(), 1), int(c.min()), int(c.max()), int((counts < k).sum()),
+                       int((counts > keys.shape[1]).sum())))
+        return original(keys, counts, k, order)
     return rank
 
 
@@ -57,7 +56,7 @@ def main():
             extra = torch.cuda.max_memory_allocated() - before - outputs
             print(f"{name}, k = {k}: rows redone {sum(REDONE)}, {extra / 2**20:.1f} MiB beyond the outputs")
             for counts in COUNTS:
-                print("    entries a row (mean), fullest log, log capacity, rows flagged:", counts)
+                print("    keys a row (mean, min, max), rows under k, rows over the slots:", counts)
 
 
 if __name__ == "__main__":

@@ -26,8 +26,8 @@ SIGNATURE = {"hidden_desc": "tensordesc<bf16[128,64]>", "weight_desc": "tensorde
              "logits_desc": "tensordesc<bf16[128,64]>", "bias_ptr": "*fp32", "tile_max2_ptr": "*fp32",
              "tile_sum2_ptr": "*fp32", "group_max_ptr": "*fp32", "group_arg_ptr": "*fp32",
              "group_second_ptr": "*fp32", "num_rows": "i32", "width": "i32", "column_offset": "i32",
-             "hidden_size": "i32", "log2e_over_t": "fp32", "floor_ptr": "*fp32", "logs_ptr": "*i64",
-             "log_counts_ptr": "*i32", "seen_ptr": "*i8", "log_capacity": "i32"}
+             "hidden_size": "i32", "log2e_over_t": "fp32", "floor_ptr": "*fp32", "keys_ptr": "*i64",
+             "counts_ptr": "*i32", "key_capacity": "i32"}
 COMMON = dict(HAS_BIAS=False, BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, NUM_PROGRAMS=132,
               GROUP_COLUMNS=32, SUBTILE=True, FLATTEN=True, DOT_PRECISION="tf32", STORE_LOGITS=False)
 VARIANTS = {"statistics": dict(GROUP_TOP2=False, APPEND=False),

@@ -11,7 +11,6 @@
 #include <tuple>
 
 #include "candidates_from_groups.h"
-#include "rank_appends.h"
 #include "sort_keys.h"
 #include "topk_candidates.h"
 
@@ -162,58 +161,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> candidates_from_groups(
   return {values, columns, overflowed.to(at::kBool)};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> rank_appends(const at::Tensor& logs, const at::Tensor& log_counts,
-                                                            const at::Tensor& row_tiles_seen, int64_t rows,
-                                                            int64_t k) {
-  if (!logs.is_cuda()) fail_value("logs: expected a CUDA tensor, got one on " + logs.device().str());
-  if (logs.scalar_type() != at::kLong) {
-    fail_type(std::string("logs: expected dtype int64, got ") + c10::toString(logs.scalar_type()));
-  }
-  if (logs.dim() != 3 || !logs.is_contiguous() || logs.size(2) < 1) {
-    fail_value("logs: expected a contiguous [programs, block_m, capacity] tensor, got shape " + shape_of(logs));
-  }
-  const int64_t programs = logs.size(0), block_m = logs.size(1), capacity = logs.size(2);
-  if (programs > kd_kernels::kMaxRankPrograms) {
-    fail_value("logs: expected at most " + std::to_string(kd_kernels::kMaxRankPrograms) + " programs, got " +
-               std::to_string(programs));
-  }
-  if (log_counts.device() != logs.device() || log_counts.scalar_type() != at::kInt || log_counts.dim() != 2 ||
-      log_counts.size(0) != programs || log_counts.size(1) != block_m || !log_counts.is_contiguous()) {
-    fail_value("log_counts: expected a contiguous int32 [" + std::to_string(programs) + ", " +
-               std::to_string(block_m) + "] tensor on " + logs.device().str() + ", got " +
-               c10::toString(log_counts.scalar_type()) + " " + shape_of(log_counts));
-  }
-  const int64_t row_tiles = (rows + block_m - 1) / block_m;
-  if (rows < 0 || row_tiles > (int64_t{1} << (32 - kd_kernels::kLogColumnBits))) {
-    fail_value("rows: expected 0 <= rows <= " + std::to_string(block_m << (32 - kd_kernels::kLogColumnBits)) +
-               " (the row tiles an entry's tag holds), got " + std::to_string(rows));
-  }
-  if (row_tiles_seen.device() != logs.device() || row_tiles_seen.scalar_type() != at::kChar ||
-      row_tiles_seen.dim() != 2 || row_tiles_seen.size(0) != programs || row_tiles_seen.size(1) != row_tiles ||
-      !row_tiles_seen.is_contiguous()) {
-    fail_value("row_tiles_seen: expected a contiguous int8 [" + std::to_string(programs) + ", " +
-               std::to_string(row_tiles) + "] tensor on " + logs.device().str() + ", got " +
-               c10::toString(row_tiles_seen.scalar_type()) + " " + shape_of(row_tiles_seen));
-  }
-  if (k < 1 || k > kd_kernels::kMaxRankedEntries) {
-    fail_value("k: expected 1 <= k <= " + std::to_string(kd_kernels::kMaxRankedEntries) + ", got " +
-               std::to_string(k));
-  }
-  const c10::cuda::CUDAGuard guard(logs.device());
-  at::Tensor values = at::empty({rows, k}, logs.options().dtype(at::kFloat));
-  at::Tensor columns = at::empty({rows, k}, logs.options().dtype(at::kInt));
-  at::Tensor overflowed = at::empty({rows}, logs.options().dtype(at::kByte));
-  const cudaError_t status = kd_kernels::launch_rank_appends(
-      logs.data_ptr<int64_t>(), log_counts.data_ptr<int32_t>(),
-      reinterpret_cast<const uint8_t*>(row_tiles_seen.data_ptr<int8_t>()), programs, block_m, capacity, rows, k,
-      values.data_ptr<float>(), columns.data_ptr<int32_t>(), overflowed.data_ptr<uint8_t>(),
-      c10::cuda::getCurrentCUDAStream().stream());
-  if (status != cudaSuccess) {
-    throw std::runtime_error(std::string("rank_appends: CUDA launch failed: ") + cudaGetErrorString(status));
-  }
-  return {values, columns, overflowed.to(at::kBool)};
-}
-
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
@@ -230,15 +177,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
              "packing), in order: (values [rows, k] float32, descending, lower column first on ties, -inf past the "
              "count; columns [rows, k] int32, 0 there).",
              pybind11::arg("keys"), pybind11::arg("counts"), pybind11::arg("k"));
-  module.attr("MAX_RANKED_ENTRIES") = kd_kernels::kMaxRankedEntries;
-  module.attr("LOG_COLUMN_BITS") = kd_kernels::kLogColumnBits;
-  module.def("rank_appends", &rank_appends,
-             "Each of `rows` rows' top-k from the appending matmul's logs (kd_kernels/ops/lm_head_group_maxima.py "
-             "`Appends`): (values [rows, k] float32, descending, lower column first on ties, -inf past the row's "
-             "entries; columns [rows, k] int32, 0 there; overflowed [rows] bool: fewer than k entries, more than "
-             "MAX_RANKED_ENTRIES, or a log of the row lost some).",
-             pybind11::arg("logs"), pybind11::arg("log_counts"), pybind11::arg("row_tiles_seen"), pybind11::arg("rows"),
-             pybind11::arg("k"));
   module.attr("GROUP_COLUMNS") = kd_kernels::kGroupColumns;
   module.def("candidates_from_groups", &candidates_from_groups,
              "Each row's top-k among the elements of its listed 32-column groups whose logit * log2e_over_t "

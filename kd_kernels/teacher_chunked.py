@@ -53,9 +53,9 @@ EPILOGUE_ROW_MULTIPLE = 1024  # the epilogue matmul's L2 group of row tiles (8 �
 MAXIMA_BYTES = 56 << 20
 MAXIMA_MAX_K = 256
 MAXIMA_DEFAULT_K = 64  # the default schedule up to here (H200: the epilogue schedule is faster at k = 256)
-# the appended schedule: a chunk's sample logits or logs (the same bytes), tile statistics, the ranking's outputs
+# the appended schedule: a chunk's sample logits or keys (the same bytes), tile statistics, the sort's outputs
 APPENDED_BYTES = 56 << 20
-APPENDED_MAX_K = 1024  # a row's entries (~1.7k at k = 1024) stay within the extension ranking's 4096
+APPENDED_MAX_K = 1024  # the keys' slots (~1.5 · r · stride a row) stay within the extension sort's 4096
 
 
 def _cuda_candidates(logits: torch.Tensor, k: int, temperature: float, width: int, column_start: int):
@@ -243,37 +243,16 @@ def teacher_topk_maxima(hidden: torch.Tensor, weight: torch.Tensor, k: int, temp
                              max(1, MAXIMA_BYTES // (4 * weight.shape[0])), select, (values, indices, lse), shard)
 
 
-def appended_chunk_rows(num_rows: int, width: int, k: int, plan, device, element_size: int = 2,
-                        config=None) -> int:
+def appended_chunk_rows(num_rows: int, width: int, k: int, plan, element_size: int = 2,
+                        block_n: int = 256) -> int:
     """Rows per chunk of the appended schedule (`AppendedPlan` ``plan``): its buffers within
-    APPENDED_BYTES, in quarters of the matmul's L2 group of row tiles. A chunk holds its sample
-    logits, then in the same bytes the matmul's logs (`appended_buffer_bytes`), and per row its
-    tile statistics (8 · V / block_n), its floor and the ranking's values and columns (8 · k)."""
-    from .ops.lm_head_group_maxima import default_config
-
-    config = config or default_config()
-    rows = _rows_in_quarter_groups(APPENDED_BYTES // (element_size * plan.sample_columns + 8 * k), num_rows)
-    while rows > EPILOGUE_ROW_MULTIPLE // 4 and appended_chunk_bytes(rows, width, k, plan, device, element_size,
-                                                                     config) > APPENDED_BYTES:
-        rows = _rows_in_quarter_groups(rows - 1, num_rows)
-    return rows
-
-
-def appended_logs_shape(rows: int, width: int, plan, device, config) -> tuple[int, int, int]:
-    """(programs, block_m, capacity) of a chunk's logs (`Appends`) for ``rows`` rows."""
-    from .ops.lm_head_group_maxima import grid_programs
-    from .ops.topk_from_appended import log_capacity
-
-    programs = grid_programs(rows, width, config, device)
-    return programs, config.block_m, log_capacity(plan.entries_a_row, rows, width, programs, config.block_m,
-                                                   config.block_n)
-
-
-def appended_chunk_bytes(rows: int, width: int, k: int, plan, device, element_size: int, config) -> int:
-    """Bytes of a chunk of ``rows`` rows of the appended schedule (`appended_chunk_rows`)."""
-    programs, block_m, capacity = appended_logs_shape(rows, width, plan, device, config)
-    shared = max(element_size * plan.sample_columns * rows, 8 * programs * block_m * capacity)
-    return shared + rows * (8 * -(-width // config.block_n) + 8 + 8 * k) + 4 * programs * block_m
+    APPENDED_BYTES, in quarters of the matmul's L2 group of row tiles. A row holds its sample
+    logits, then in the same bytes its keys (``max(element_size · sample_columns, 8 ·
+    capacity)``), its tile statistics (8 · V / block_n), its floor and count, and the sort's
+    values and columns (8 · k)."""
+    per_row = (max(element_size * plan.sample_columns, 8 * plan.capacity) + 8 * -(-width // block_n) + 8
+               + 8 * k)
+    return _rows_in_quarter_groups(APPENDED_BYTES // per_row, num_rows)
 
 
 def teacher_topk_appended(hidden: torch.Tensor, weight: torch.Tensor, k: int, temperature: float, vocab_size: int,
@@ -286,6 +265,7 @@ def teacher_topk_appended(hidden: torch.Tensor, weight: torch.Tensor, k: int, te
     and keeps the tile statistics (the logsumexp), one sort per row ranks the keys
     (ops/topk_from_appended.py). Rows with fewer than k keys or more than the slots are redone
     by cuBLAS logits and the full-row selection ``select``."""
+    from .ops.lm_head_group_maxima import default_config
     from .ops.topk_from_appended import appended_plan
 
     if not 1 <= k <= APPENDED_MAX_K:
@@ -293,7 +273,8 @@ def teacher_topk_appended(hidden: torch.Tensor, weight: torch.Tensor, k: int, te
     num_rows = hidden.shape[0]
     width = vocab_size if shard is None else shard.existing
     plan = appended_plan(width, k, stride)
-    chunk_rows = chunk_rows or appended_chunk_rows(num_rows, width, k, plan, hidden.device, hidden.element_size())
+    chunk_rows = chunk_rows or appended_chunk_rows(num_rows, width, k, plan, hidden.element_size(),
+                                                   default_config().block_n)
     sample_bias = None if bias is None else bias[:width:plan.stride].contiguous()
     values, indices, lse, overflow = _outputs(num_rows, k, hidden.device, with_overflow=True)
     for start in range(0, num_rows, chunk_rows):
@@ -311,31 +292,26 @@ def _appended_chunk(part: torch.Tensor, weight: torch.Tensor, bias, sample_bias,
     tempered values, local ids, lse and overflow) filled. Its buffers live only within this call,
     so the next chunk's never coexist with them."""
     from .ops.buffers import empty_parts
-    from .ops.lm_head_group_maxima import Appends, EpilogueMatmul, default_config
+    from .ops.lm_head_group_maxima import Appends, EpilogueMatmul
     from .ops.topk_from_appended import rank_appended, sample_floors, tile_logsumexp
 
-    chunk, device, config = part.shape[0], part.device, default_config()
-    programs, block_m, capacity = appended_logs_shape(chunk, width, plan, device, config)
-    sample_bytes = part.element_size() * plan.sample_columns * chunk
-    log_bytes = 8 * programs * block_m * capacity
-    # the sample's logits, in the inputs' dtype (they only bound the floors), then the logs in the same bytes
-    shared, floors, log_counts, seen = empty_parts(
-        device, ((max(sample_bytes, log_bytes),), torch.uint8), ((chunk,), torch.float32),
-        ((programs, block_m), torch.int32), ((programs, -(-chunk // block_m)), torch.int8))
-    sample = shared[:sample_bytes].view(part.dtype).view(chunk, plan.sample_columns)
-    logs = shared[:log_bytes].view(torch.int64).view(programs, block_m, capacity)
+    chunk, device = part.shape[0], part.device
+    sample_bytes = part.element_size() * plan.sample_columns
+    # the sample's logits, in the inputs' dtype (they only bound the floors), then the keys in the same bytes
+    shared, floors, counts = empty_parts(device, ((max(sample_bytes, 8 * plan.capacity) * chunk,), torch.uint8),
+                                         ((chunk,), torch.float32), ((chunk,), torch.int32))
+    sample = shared[:sample_bytes * chunk].view(part.dtype).view(chunk, plan.sample_columns)
+    keys = shared[:8 * plan.capacity * chunk].view(torch.int64).view(chunk, plan.capacity)
     # both matmuls set up before the first launch (made between them, a profile showed the device idle ~0.5 ms)
     sampler = EpilogueMatmul(part, weight[:width:plan.stride], sample_bias, plan.sample_width, temperature, sample)
-    appender = EpilogueMatmul(part, weight, bias, width, temperature, None,
-                              appends=Appends(floors, logs, log_counts, seen))
+    appender = EpilogueMatmul(part, weight, bias, width, temperature, None, appends=Appends(floors, keys, counts))
     sampler(0, plan.sample_width)
     sample_floors(sample[:, :plan.sample_width], plan.rank, floors)
-    seen.zero_()
+    counts.zero_()
     summaries = appender(0, width)
     values, indices, lse, overflow = outputs
     tile_logsumexp(summaries.tile_max2, summaries.tile_sum2, lse)
-    chunk_values, indices[:], overflow[:] = rank_appended(logs, log_counts, seen, chunk, k,
-                                                          "cuda" if select == "cuda" else "torch")
+    chunk_values, indices[:], overflow[:] = rank_appended(keys, counts, k, "cuda" if select == "cuda" else "torch")
     values.copy_(chunk_values.div_(temperature))
 
 

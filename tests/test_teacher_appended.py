@@ -1,7 +1,7 @@
 """The teacher's appended schedule against the float64 reference: floors from a sampled column
-subset (ops/topk_from_appended.py), the epilogue matmul logging each element at or above its
-row's floor (ops/lm_head_group_maxima.py with `Appends`), one gather and sort per row; rows whose
-floor kept fewer than k elements, or whose logs lost entries, redone exactly. Interpreter tiles: 16 rows ×
+subset (ops/topk_from_appended.py), the epilogue matmul appending each element at or above its
+row's floor (ops/lm_head_group_maxima.py with `Appends`), one sort per row; rows whose floor
+kept fewer than k elements or more than the slots redone exactly. Interpreter tiles: 16 rows ×
 32 columns, groups of 8 (the real shape runs on a GPU in tests/test_teacher_epilogue.py, the 64 MiB
 bound through ``lean=True`` in tests/test_teacher_maxima.py)."""
 import pytest
@@ -11,71 +11,49 @@ from helpers import (HAS_CUDA, check_teacher_topk,
                      small_teacher_problem)
 from kd_kernels import reference
 from kd_kernels.ops import topk_from_appended
-from kd_kernels.ops.lm_head_group_maxima import (LOG_COLUMN_BITS, Appends, EpilogueMatmul, default_config,
-                                                 lm_head_logits_with_summaries)
-from kd_kernels.ops.topk_from_appended import rank_appended, sample_floors
+from kd_kernels.ops.lm_head_group_maxima import Appends, EpilogueMatmul, lm_head_logits_with_summaries
+from kd_kernels.ops.sort_keys import decode_keys
+from kd_kernels.ops.topk_from_appended import order_appended_keys, sample_floors
 from kd_kernels.teacher_chunked import teacher_topk_appended
 
 pytestmark = pytest.mark.interpret
 DEVICE = "cuda" if HAS_CUDA else "cpu"
 
 
-def appending_matmul(hidden, weight, bias, width, floors, capacity):
-    """The appending matmul run with ``floors`` and logs of ``capacity`` entries: (its summaries,
-    its `Appends`)."""
-    rows, config = hidden.shape[0], default_config()
-    matmul = EpilogueMatmul(hidden, weight, bias, width, 0.7, None)
-    programs = matmul.programs(width)
-    appends = Appends(floors.to(DEVICE), torch.zeros(programs, config.block_m, capacity, dtype=torch.int64,
-                                                     device=DEVICE),
-                      torch.zeros(programs, config.block_m, dtype=torch.int32, device=DEVICE),
-                      torch.zeros(programs, -(-rows // config.block_m), dtype=torch.int8, device=DEVICE))
-    return EpilogueMatmul(hidden, weight, bias, width, 0.7, None, appends=appends)(0, width), appends
-
-
-def logged_rows(appends, rows):
-    """Each row's logged (columns, values) decoded here from the raw entries (row tile above the
-    column in the low word, the float's bits in the high), and the rows a full log lost."""
-    logs, counts, seen = appends.logs.cpu(), appends.log_counts.cpu(), appends.row_tiles_seen.cpu()
-    programs, block_m, capacity = logs.shape
-    program, place, slot = (torch.arange(capacity) < counts.clamp(max=capacity)[..., None]).nonzero(as_tuple=True)
-    entries = logs[program, place, slot]
-    row = ((entries & 0xFFFFFFFF) >> LOG_COLUMN_BITS.value) * block_m + place
-    columns = entries & ((1 << LOG_COLUMN_BITS.value) - 1)
-    values = (entries >> 32).to(torch.int32).view(torch.float32)
-    lost = {tile * block_m + r for p, r in (counts > capacity).nonzero().tolist()
-            for tile in seen[p].nonzero().flatten().tolist()}
-    return {r: (columns[row == r], values[row == r]) for r in range(rows)}, lost
-
-
 def check_appends_exactly(hidden, weight, bias, width, capacity):
-    """The appending matmul logs exactly each row's elements at or above its floor, floors set
+    """The appending matmul keeps exactly each row's elements at or above its floor, floors set
     between each row's 10th and 11th largest (row 5: none reaches it; row 6: the lowest finite
-    floor, which every existing column reaches and no -inf past the width: more than its logs
-    hold, so they say they lost some, as they do for the rows sharing them: the same place in
-    a tile), and its statistics equal the storing matmul's."""
+    floor, which every existing column reaches and no -inf past the width), and its statistics
+    equal the storing matmul's."""
     rows = hidden.shape[0]
     exact = reference.lm_head_logits(hidden, weight, bias)[:, :width].cpu()
     ordered = exact.sort(dim=1, descending=True).values
     floors = ((ordered[:, 9] + ordered[:, 10]) / 2).float()
     floors[5], floors[6] = float("inf"), torch.finfo(torch.float32).min
-    summaries, appends = appending_matmul(hidden, weight, bias, width, floors, capacity)
+    counts = torch.zeros(rows, dtype=torch.int32, device=DEVICE)
+    keys = torch.zeros(rows, capacity, dtype=torch.int64, device=DEVICE)
+    appends = Appends(floors.to(DEVICE), keys, counts)
+    summaries = EpilogueMatmul(hidden, weight, bias, width, 0.7, None, appends=appends)(0, width)
     stored = lm_head_logits_with_summaries(hidden, weight, bias, width, 0.7,
                                            torch.empty(rows, width + 8, dtype=torch.float32, device=DEVICE))
     for name in ("tile_max2", "tile_sum2"):  # the statistics do not change
         assert torch.equal(getattr(stored, name), getattr(summaries, name)), name
-    logged, lost = logged_rows(appends, rows)
-    block_m = appends.logs.shape[1]
-    assert 6 in lost and all(row % block_m == 6 for row in lost)
-    for row in set(range(rows)) - lost:
-        columns, values = logged[row]
+    order_appended_keys(keys, counts)
+    expected_counts = (exact >= floors[:, None].double()).sum(1)
+    assert expected_counts[6] == width
+    assert counts.cpu().tolist() == expected_counts.tolist()
+    for row in range(rows):
+        if row == 6:  # more than the capacity: the count says so, the slots hold some of them
+            assert counts[row] > capacity
+            continue
+        values, columns = decode_keys(keys[row, :counts[row]].cpu())
         assert sorted(columns.tolist()) == (exact[row] >= floors[row].double()).nonzero().flatten().tolist()
         assert torch.allclose(values.double(), exact[row, columns], atol=1e-4, rtol=0)
 
 
 def test_the_matmul_appends_exactly_the_elements_at_or_above_each_floor():
     hidden, weight, bias = small_teacher_problem(3, dtype=torch.float16)
-    check_appends_exactly(hidden, weight, bias, 200, 40)
+    check_appends_exactly(hidden, weight, bias, 200, 64)
 
 
 @pytest.mark.gpu
@@ -118,8 +96,8 @@ def test_floors_above_the_kth_largest_are_redone_exactly(monkeypatch):
     calls = []
     original = topk_from_appended.rank_appended
 
-    def counted(*args):
-        values, columns, overflow = original(*args)
+    def counted(keys, counts, k, order):
+        values, columns, overflow = original(keys, counts, k, order)
         calls.append(int(overflow.sum()))
         return values, columns, overflow
     monkeypatch.setattr(topk_from_appended, "sample_rank", lambda k, stride, width: 1)
@@ -131,25 +109,11 @@ def test_floors_above_the_kth_largest_are_redone_exactly(monkeypatch):
     check_teacher_topk(top, reference.teacher_topk(hidden, weight, 6, 1.0, 200, bias), 1e-5, logits, 1.0, 200)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("rows, k", [(300, 10), (1000, 1024)])
-def test_the_extension_ranks_the_logs_as_torch_does(rows, k):
-    """csrc/rank_appends.cu against the torch ranking of the same logs at the real tiles: values
-    and columns equal (ties at equal values by the lower column in both), the same rows flagged:
-    row 3 (nothing reaches its floor), row 6 (every column does: its logs lose entries) and
-    perhaps rows at its place in other row tiles (sharing those logs)."""
-    generator = torch.Generator(device="cuda").manual_seed(9)
-    hidden = (0.3 * torch.randn(rows, 4096, device="cuda", generator=generator)).bfloat16()
-    weight = (0.02 * torch.randn(20_096, 4096, device="cuda", generator=generator)).bfloat16()
-    exact = (hidden.float() @ weight.float().T)[:, :20_000]
-    floors = exact.sort(dim=1, descending=True).values[:, min(k + 200, 19_999)].contiguous()
-    floors[3] = float("inf")  # no entry: fewer than k
-    floors[6] = torch.finfo(torch.float32).min
-    _, appends = appending_matmul(hidden, weight, None, 20_000, floors, 256)
-    ranked = rank_appended(appends.logs, appends.log_counts, appends.row_tiles_seen, rows, k, "cuda")
-    expected = rank_appended(appends.logs, appends.log_counts, appends.row_tiles_seen, rows, k, "torch")
-    flagged = set(ranked[2].nonzero().flatten().tolist())
-    assert torch.equal(ranked[2], expected[2]) and {3, 6} <= flagged
-    assert all(row % appends.logs.shape[1] == 6 for row in flagged - {3})
-    kept = ~expected[2]
-    assert torch.equal(ranked[0][kept], expected[0][kept]) and torch.equal(ranked[1][kept], expected[1][kept])
+def test_the_appending_matmul_refuses_strided_floors():
+    hidden, weight, bias = small_teacher_problem(3, dtype=torch.float16)
+    rows = hidden.shape[0]
+    strided = torch.zeros(rows, 2, device=DEVICE)[:, 0]
+    appends = Appends(strided, torch.zeros(rows, 8, dtype=torch.int64, device=DEVICE),
+                      torch.zeros(rows, dtype=torch.int32, device=DEVICE))
+    with pytest.raises(ValueError, match=r"appends: expected contiguous floors \[37\] torch.float32"):
+        EpilogueMatmul(hidden, weight, bias, 200, 0.7, None, appends=appends)

@@ -79,30 +79,20 @@ class RowSummaries:
     group_second: torch.Tensor | None = None
 
 
-# a logged entry's low word: the row tile (of the chunk) above the column, so a program's log
-# of one row-of-tile holds the entries of every row tile it walked
-LOG_COLUMN_BITS = tl.constexpr(25)
-LOG_MAX_ROW_TILES = 1 << (32 - LOG_COLUMN_BITS.value)
-
-
 @dataclasses.dataclass
 class Appends:
-    """Where an appending matmul logs each row's elements at or above the row's floor:
-    ``floors [R]`` float32 (logits before τ, bias included); ``logs [programs, block_m,
-    capacity]`` int64, one log per program and row of a tile (no atomics: a program counts its
-    own), an entry the float's bits above (row tile << LOG_COLUMN_BITS | column), in no order;
-    ``log_counts [programs, block_m]`` int32, written by the matmul: the entries each log was
-    given (past the capacity: the log lost some); ``row_tiles_seen [programs, row_tiles]``
-    int8, zero before the matmul, 1 where the program walked a tile of that row tile. A row's
-    elements are then the entries tagged with its row tile in the logs of its row-of-tile of the
-    programs that saw its row tile (ops/topk_from_appended.py `rank_appended`)."""
+    """Where an appending matmul puts each row's elements at or above the row's floor:
+    ``floors [R]`` float32 (logits before τ, bias included), ``keys [R, capacity]`` int64
+    (raw: the float's bits above the column, in no order, `order_appended_keys` makes them
+    `value_column_keys`; slots past a row's count are junk), ``counts [R]`` int32
+    (zero before the matmul; after it, the elements at or above the floor, which may pass the
+    capacity: such a row's keys are incomplete)."""
     floors: torch.Tensor
-    logs: torch.Tensor
-    log_counts: torch.Tensor
-    row_tiles_seen: torch.Tensor
+    keys: torch.Tensor
+    counts: torch.Tensor
 
     def operands(self) -> tuple:
-        return self.floors, self.logs, self.log_counts, self.row_tiles_seen, self.logs.shape[2]
+        return self.floors, self.keys, self.counts, self.keys.shape[1]
 
 
 @triton.jit
@@ -172,8 +162,8 @@ def _popcount(bits, HARDWARE: tl.constexpr):
 STORE_APPENDS_IN_PTX = os.environ.get("TRITON_INTERPRET") != "1"
 
 # one element's append, its group's slots taken: where value >= floor, the slot first + the
-# group's lanes below it (bits & below), the 8-byte entry (tagged column, value bits) stored
-# below the capacity. A branch: elements below the floor (~99 %) cost 4 instructions, not the slot's and
+# group's lanes below it (bits & below), the 8-byte key (column, value bits) stored below the
+# capacity. A branch: elements below the floor (~99 %) cost 4 instructions, not the slot's and
 # the address's arithmetic a masked store makes every element pay (sm_90: NOTES e32)
 _STORE_APPENDED_PTX = tl.constexpr("""
 {
@@ -197,51 +187,52 @@ SKIP:
 
 
 @triton.jit
-def _take_slots(grouped, row_offsets, floor_ptr, logged, GROUP_COLUMNS: tl.constexpr):
+def _reserve_slots(grouped, row_offsets, floor_ptr, counts_ptr, GROUP_COLUMNS: tl.constexpr):
     """For ``grouped`` (`_thread_groups` of a tile's logits, [BLOCK_M, groups, GROUP_COLUMNS],
-    -inf past the width; rows ``row_offsets`` int64, -1 for none) and ``logged`` [BLOCK_M]
-    int32 (the entries this program's log of each row-of-tile holds from its earlier tiles):
-    (each row's floor [BLOCK_M] float32, each group's bits of the lanes at or above it
-    [BLOCK_M, groups] int32, the first of their slots in the log [BLOCK_M, groups] int32, the
-    row's elements kept [BLOCK_M] int32). No atomic: waiting for one a tile (a row's count in
-    memory) cost ~5 % of the matmul (NOTES e33)."""
+    -inf past the width; rows ``row_offsets`` int64, -1 for none): (each row's floor [BLOCK_M]
+    float32, each group's bits of the lanes at or above it [BLOCK_M, groups] int32, the first of
+    the slots reserved for them [BLOCK_M, groups] int32), one atomic on the row's count a row of
+    the tile that has any."""
     lane = tl.arange(0, GROUP_COLUMNS)[None, None, :]
     floor = tl.load(floor_ptr + row_offsets, mask=row_offsets >= 0, other=float("inf"))
     bits = tl.sum(tl.where(grouped >= floor[:, None, None], 1 << lane, 0), axis=2)  # lane l's bit, in registers
     count = _popcount(bits, POPC_IN_HARDWARE)
-    first = logged[:, None] + tl.cumsum(count, axis=1) - count
-    return floor, bits, first, tl.sum(count, axis=1)
+    # one atomic a row of the tile (~60 % fewer than one a row and group by count at k = 1024; 13.76
+    # against 13.85 ms with nothing appended, NOTES e32), the groups' first slots by an exclusive prefix sum
+    row_count = tl.sum(count, axis=1)
+    row_first = tl.atomic_add(counts_ptr + row_offsets, row_count, mask=row_count > 0, sem="relaxed")
+    first = row_first[:, None] + tl.cumsum(count, axis=1) - count
+    return floor, bits, first
 
 
 @triton.jit
-def _store_appends(grouped, floor, bits, first, column_tile, row_tile, row_logs, log_capacity,
+def _store_appends(grouped, floor, bits, first, column_tile, row_offsets, keys_ptr, key_capacity,
                    BLOCK_N: tl.constexpr, GROUP_COLUMNS: tl.constexpr, IN_PTX: tl.constexpr):
-    """Each element of ``grouped`` at or above its row's ``floor`` logged in its slot
-    (`_take_slots`' ``first`` + a popcount of its group's ``bits`` below it) of its row's log
-    (``row_logs`` [BLOCK_M] pointers to int64) as one raw entry (`Appends`); slots past
-    ``log_capacity`` dropped (the log's count passes it: the caller redoes its rows)."""
+    """Each element of ``grouped`` at or above its row's ``floor`` stored in its slot (`_reserve_slots`'
+    ``first`` + a popcount of its group's ``bits`` below it) as one raw key (the float's bits above
+    the column; ops/topk_from_appended.py `order_appended_keys` makes them sort keys); slots past
+    ``key_capacity`` dropped (the row's count passes it: the caller redoes the row)."""
     groups: tl.constexpr = grouped.shape[1]
     group = tl.arange(0, groups)[None, :, None]
     lane = tl.arange(0, GROUP_COLUMNS)[None, None, :]
     column = column_tile * BLOCK_N + top2_group_columns(group, lane, GROUP_COLUMNS)
-    tagged = (row_tile << LOG_COLUMN_BITS) | column
     if IN_PTX:
+        row_keys = (keys_ptr + row_offsets * key_capacity).to(tl.int64, bitcast=True)[:, None, None]
         tl.inline_asm_elementwise(_STORE_APPENDED_PTX, "=r,f,f,r,r,r,r,l,r",
                                   [grouped, floor[:, None, None], bits[:, :, None], (1 << lane) - 1,
-                                   first[:, :, None], tl.full([1, 1, 1], log_capacity, tl.int32),
-                                   row_logs.to(tl.int64, bitcast=True)[:, None, None], tagged],
+                                   first[:, :, None], tl.full([1, 1, 1], key_capacity, tl.int32), row_keys, column],
                                   dtype=tl.int32, is_pure=False, pack=1)
     else:
         slot = first[:, :, None] + _popcount(bits[:, :, None] & ((1 << lane) - 1), POPC_IN_HARDWARE)
-        raw = (grouped.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (tagged.to(tl.int64) & 0xFFFFFFFF)
-        tl.store(row_logs[:, None, None] + slot, raw, mask=(grouped >= floor[:, None, None]) & (slot < log_capacity))
+        raw_key = (grouped.to(tl.int32, bitcast=True).to(tl.int64) << 32) | column.to(tl.int64)
+        place = (row_offsets.to(tl.int32) * key_capacity)[:, None, None] + slot
+        tl.store(keys_ptr + place, raw_key, mask=(grouped >= floor[:, None, None]) & (slot < key_capacity))
 
 
 @triton.jit
 def _lm_head_group_maxima_kernel(hidden_desc, weight_desc, logits_desc, bias_ptr, tile_max2_ptr, tile_sum2_ptr,
                                  group_max_ptr, group_arg_ptr, group_second_ptr, num_rows, width, column_offset,
-                                 hidden_size, log2e_over_t, floor_ptr, logs_ptr, log_counts_ptr, seen_ptr,
-                                 log_capacity,
+                                 hidden_size, log2e_over_t, floor_ptr, keys_ptr, counts_ptr, key_capacity,
                                  HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                                  BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
                                  GROUP_COLUMNS: tl.constexpr, SUBTILE: tl.constexpr, FLATTEN: tl.constexpr,
@@ -255,7 +246,6 @@ def _lm_head_group_maxima_kernel(hidden_desc, weight_desc, logits_desc, bias_ptr
     # the epilogue's tile counter runs apart from the mainloop's: the flattened loop may
     # software-pipeline the next tile's loads under this tile's epilogue
     epilogue_tile = tl.program_id(0) - NUM_PROGRAMS
-    logged = tl.zeros([BLOCK_M], tl.int32)  # the appending matmul: entries in this program's log of each row-of-tile
     for tile in tl.range(tl.program_id(0), row_tiles * column_tiles, NUM_PROGRAMS, flatten=FLATTEN):
         row_tile, column_tile = _tile_position(tile, row_tiles, column_tiles, GROUP_M)
         accumulator = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -297,10 +287,9 @@ def _lm_head_group_maxima_kernel(hidden_desc, weight_desc, logits_desc, bias_ptr
             tile_max2 = tl.max(group_max, axis=1) * log2e_over_t
         elif APPEND:
             grouped = _thread_groups(z, BLOCK_M, BLOCK_N, GROUP_COLUMNS)
-            floor, bits, first, kept = _take_slots(grouped, tl.where(rows_ok, row_offsets, -1), floor_ptr, logged,
-                                                   GROUP_COLUMNS)
-            logged += kept
-            tl.store(seen_ptr + tl.program_id(0) * row_tiles + row_tile, tl.full([], 1, tl.int8))
+            appending_rows = tl.where(rows_ok, row_offsets, -1)
+            # before the statistics: their exp2 cover the atomics' round trip (the stores come after them)
+            floor, bits, first = _reserve_slots(grouped, appending_rows, floor_ptr, counts_ptr, GROUP_COLUMNS)
             tile_max2 = tl.max(tl.max(grouped, axis=2), axis=1) * log2e_over_t
         else:
             group_max = tl.max(tl.reshape(z, (BLOCK_M, groups_per_tile, GROUP_COLUMNS)), axis=2)
@@ -310,20 +299,21 @@ def _lm_head_group_maxima_kernel(hidden_desc, weight_desc, logits_desc, bias_ptr
         tl.store(tile_max2_ptr + row_offsets * column_tiles + column_tile, tile_max2, mask=rows_ok)
         tl.store(tile_sum2_ptr + row_offsets * column_tiles + column_tile, tile_sum2, mask=rows_ok)
         if APPEND:
-            row_logs = logs_ptr + (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64) * log_capacity
-            _store_appends(grouped, floor, bits, first, column_tile, row_tile, row_logs, log_capacity, BLOCK_N,
+            _store_appends(grouped, floor, bits, first, column_tile, appending_rows, keys_ptr, key_capacity, BLOCK_N,
                            GROUP_COLUMNS, APPEND_IN_PTX)
         else:
             tl.store(group_max_ptr + group_offsets, group_max, mask=rows_ok[:, None])
-    if APPEND:
-        tl.store(log_counts_ptr + tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M), logged)
 
 
-def grid_programs(num_rows: int, width: int, config: GroupMaximaConfig, device: torch.device) -> int:
-    """Programs of the persistent grid over ``num_rows`` × ``width``: one an SM at most (the
-    interpreter: 3, several tiles each), one a tile at least."""
-    tiles = -(-num_rows // config.block_m) * -(-width // config.block_n)
-    return min(tiles, multiprocessor_count(device) if device.type == "cuda" else 3)
+def _check_appends(appends: Appends, rows: int) -> None:
+    """The kernel reads floors and counts at row offsets and keys at row · capacity: contiguous
+    rows of the expected dtypes (a strided view of floors read other rows' values unnoticed)."""
+    for name, tensor, dtype, shape in (("floors", appends.floors, torch.float32, (rows,)),
+                                       ("counts", appends.counts, torch.int32, (rows,)),
+                                       ("keys", appends.keys, torch.int64, (rows, appends.keys.shape[-1]))):
+        if tensor.dtype != dtype or tuple(tensor.shape) != shape or not tensor.is_contiguous():
+            raise ValueError(f"appends: expected contiguous {name} {list(shape)} {dtype}, got {tensor.dtype} "
+                             f"{list(tensor.shape)} with strides {tensor.stride()}")
 
 
 def padded_width(width: int) -> int:
@@ -363,6 +353,8 @@ class EpilogueMatmul:
         config = config or default_config()
         if appends is not None and (group_top2 or logits is not None):
             raise ValueError("appends: the matmul appends above floors with neither logits stored nor group_top2")
+        if appends is not None:
+            _check_appends(appends, hidden.shape[0])
         if logits is not None and logits.dtype not in (torch.float32, hidden.dtype):
             raise ValueError(f"logits: expected a float32 buffer (rows of padded_width(width)) or one of the "
                              f"inputs' dtype {hidden.dtype} (rounded logits), got {logits.dtype}")
@@ -388,29 +380,8 @@ class EpilogueMatmul:
             store_columns = config.block_n // 2 if config.subtile else config.block_n
             self.logits_desc = row_tile_descriptor(logits[:, :max_width], "logits", [config.block_m, store_columns],
                                                    user)
-        if appends is not None:
-            self._check_appends(appends)
-
-    def programs(self, width: int) -> int:
-        """Programs of the persistent grid over ``width`` columns (each walks several tiles)."""
-        return grid_programs(self.hidden.shape[0], width, self.config, self.hidden.device)
-
-    def _check_appends(self, appends: "Appends") -> None:
-        rows, row_tiles = self.hidden.shape[0], -(-self.hidden.shape[0] // self.config.block_m)
-        floors = appends.floors
-        if floors.dtype != torch.float32 or tuple(floors.shape) != (rows,) or not floors.is_contiguous():
-            raise ValueError(f"appends: expected contiguous float32 floors [{rows}], got {floors.dtype} "
-                             f"{list(floors.shape)} with strides {floors.stride()}")
-        logs = (self.programs(self.max_width), self.config.block_m)
-        if tuple(appends.logs.shape[:2]) != logs or tuple(appends.log_counts.shape) != logs:
-            raise ValueError(f"appends: expected logs [{logs[0]}, {logs[1]}, capacity] and log_counts {list(logs)} "
-                             f"(programs, block_m), got {list(appends.logs.shape)} and "
-                             f"{list(appends.log_counts.shape)}")
-        if tuple(appends.row_tiles_seen.shape) != (logs[0], row_tiles) or row_tiles > LOG_MAX_ROW_TILES:
-            raise ValueError(f"appends: expected row_tiles_seen [{logs[0]}, {row_tiles}] with at most "
-                             f"{LOG_MAX_ROW_TILES} row tiles, got {list(appends.row_tiles_seen.shape)}")
-        if self.max_width >= 1 << LOG_COLUMN_BITS.value:
-            raise ValueError(f"appends: the logs take widths below 2^{LOG_COLUMN_BITS.value}, got {self.max_width}")
+        self.multiprocessors = (multiprocessor_count(hidden.device)
+                                if hidden.device.type == "cuda" else 3)  # the interpreter: several tiles a program
 
     def _summaries(self, width: int) -> RowSummaries:
         column_tiles = -(-width // self.config.block_n)
@@ -432,9 +403,8 @@ class EpilogueMatmul:
         num_rows, hidden_size = self.hidden.shape
         if num_rows == 0:
             return summaries
-        programs = self.programs(width)
-        if self.appends is not None and width != self.max_width:
-            raise ValueError(f"width: an appending matmul runs over its max_width {self.max_width}, got {width}")
+        tiles = -(-num_rows // config.block_m) * summaries.tile_max2.shape[1]
+        programs = min(tiles, self.multiprocessors)
         _lm_head_group_maxima_kernel[(programs,)](
             self.hidden_desc, self.weight_desc, self.logits_desc,
             self.bias if self.bias is not None else summaries.tile_max2, summaries.tile_max2, summaries.tile_sum2,
@@ -442,7 +412,7 @@ class EpilogueMatmul:
             summaries.group_second if self.group_top2 else summaries.group_max,
             num_rows, width, column_start, hidden_size, self.log2e_over_t,
             *(self.appends.operands() if self.appends else (summaries.tile_max2, summaries.tile_max2,
-                                                            summaries.tile_max2, summaries.tile_max2, 0)),
+                                                            summaries.tile_max2, 0)),
             HAS_BIAS=self.bias is not None, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
             GROUP_M=config.group_m, NUM_PROGRAMS=programs, GROUP_COLUMNS=config.group_columns,
             SUBTILE=config.subtile, FLATTEN=config.flatten, STORE_LOGITS=self.store_logits,
