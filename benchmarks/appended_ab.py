@@ -30,12 +30,14 @@ from kd_kernels.teacher_chunked import teacher_topk_appended  # noqa: E402
 
 TRITON_STORES = dict(STORE_APPENDS_IN_PTX=False)
 PTX_STORES = dict(STORE_APPENDS_IN_PTX=True)
+STREAMING_STORES = dict(STORE_APPENDS_IN_PTX=True, APPENDED_STORE="two words, streaming")
 # (KD_KERNELS_SORT_REGISTERS, lm_head_group_maxima settings, topk_from_appended settings)
 VARIANTS = {"as is (PTX stores, register sort, 12 steps, 4 warps, stride 19, 5 sigmas)": ("1", PTX_STORES, {}),
             "shared-memory sort": ("0", PTX_STORES, {}),
             "appends stored by Triton": ("1", TRITON_STORES, {}),
             "8 warps for the row kernels": ("1", PTX_STORES, dict(ROW_WARPS=8)),
-            "4 sigmas": ("1", PTX_STORES, dict(SAMPLE_SIGMAS=4.0))}
+            "4 sigmas": ("1", PTX_STORES, dict(SAMPLE_SIGMAS=4.0)),
+            "streaming key stores (.cs)": ("1", STREAMING_STORES, {})}
 
 
 def configured(sort_registers, appends, settings, call):
@@ -62,6 +64,39 @@ def print_matmul_kernels(hidden, weight):
         print(f"| {name} | {sum(kernel_times(call).values()):.3f} |", flush=True)
 
 
+def print_appending_matmuls_in_turn(hidden, weight, k):
+    """The appending matmul alone with the real floors of k, each way of storing the keys
+    (lm_head_group_maxima.APPENDED_STORES), timed in turn with cuBLAS (25 repetitions: the
+    whole calls' ratios move by ~3 % from run to run, the matmuls' in one process less)."""
+    from harness import time_interleaved_ms
+    from kd_kernels.ops.topk_from_appended import appended_plan, sample_floors
+
+    rows, v = hidden.shape[0], weight.shape[0]
+    plan = appended_plan(v, k)
+    sample = torch.empty(rows, plan.sample_columns, dtype=hidden.dtype, device="cuda")
+    EpilogueMatmul(hidden, weight[::plan.stride], None, plan.sample_width, 2.0, sample)(0, plan.sample_width)
+    floors = sample_floors(sample[:, :plan.sample_width], plan.rank, torch.empty(rows, device="cuda"))
+    del sample
+    counts = torch.zeros(rows, dtype=torch.int32, device="cuda")
+    keys = torch.empty(rows, 4096, dtype=torch.int64, device="cuda")
+    appending = EpilogueMatmul(hidden, weight, None, v, 2.0, None, appends=Appends(floors, keys, counts))
+    calls = {"cuBLAS": (lambda: hidden @ weight.T, None)}
+    for store in lm_head_group_maxima.APPENDED_STORES:
+        calls[f"appending matmul, keys stored as {store}"] = (
+            lambda store=store: with_attributes(lm_head_group_maxima, dict(APPENDED_STORE=store),
+                                                lambda: appending(0, v)), lambda: (counts.zero_(), ())[1])
+    for fn, setup in calls.values():
+        fn()
+    summary, ratios = time_interleaved_ms(calls, warmup=2, repeats=25)
+    print(f"\n## k = {k}: the appending matmul alone, real floors ({counts.float().mean():.0f} keys a row), in turn")
+    print("| matmul | ms (median) | × cuBLAS (median of pairs) | device ms, profiler (median of 5) |")
+    print("| --- | --- | --- | --- |")
+    for name, (fn, setup) in calls.items():
+        profiled = sum(ms for kernel, ms in kernel_times(lambda: (setup and setup(), fn())).items()
+                       if "zero" not in kernel and "fill" not in kernel)
+        print(f"| {name} | {summary[name][0]:.3f} | {ratios[name]:.3f} | {profiled:.3f} |", flush=True)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--k", default="256,1024")
@@ -70,6 +105,7 @@ def main():
     v = weight.shape[0]
     print_matmul_kernels(hidden, weight)
     for k in [int(part) for part in args.k.split(",")]:
+        print_appending_matmuls_in_turn(hidden, weight, k)
         calls = {name: (lambda variant=variant: configured(*variant, lambda: (
             teacher_topk_appended(hidden, weight, k, 2.0, v, select="cuda"))), None)
             for name, variant in VARIANTS.items()}

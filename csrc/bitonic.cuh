@@ -84,29 +84,6 @@ __device__ __forceinline__ void sort_descending_in_registers(uint64_t (&keys)[IT
 
 namespace kd_kernels {
 
-// buffer[0, size) (size a power of two, at most 16 * kThreads; the buffer holds at least
-// max(size, kThreads) keys) sorted descending in place through registers: read blocked, sorted
-// by sort_descending_in_registers (the buffer its exchange space), written back. Every thread of
-// the block (kThreads) calls it.
-template <int kThreads, int ITEMS>
-__device__ __forceinline__ void sort_buffer_in_registers(uint64_t* buffer, int size) {
-  uint64_t held[ITEMS];
-#pragma unroll
-  for (int r = 0; r < ITEMS; ++r) {
-    const int i = threadIdx.x * ITEMS + r;
-    held[r] = i < size ? buffer[i] : 0ull;  // 0 sorts after every key
-  }
-  __syncthreads();  // every key read before the buffer is exchange space
-  sort_descending_in_registers<kThreads, ITEMS>(held, buffer);
-  __syncthreads();
-#pragma unroll
-  for (int r = 0; r < ITEMS; ++r) {
-    const int i = threadIdx.x * ITEMS + r;
-    if (i < size) buffer[i] = held[r];
-  }
-  __syncthreads();
-}
-
 // sort(std::integral_constant<int, ITEMS>) for the fewest ITEMS of 1, 2, 4, 8, 16 with
 // kThreads * ITEMS >= size (16 past that): the register sorts' keys a thread, picked per block
 template <int kThreads, typename Sort>
@@ -122,13 +99,6 @@ __device__ __forceinline__ void with_items_for(int size, Sort&& sort) {
   } else {
     sort(std::integral_constant<int, 16>{});
   }
-}
-
-template <int kThreads>
-__device__ inline void sort_descending_via_registers(uint64_t* buffer, int size) {
-  with_items_for<kThreads>(size, [&](auto items) {
-    sort_buffer_in_registers<kThreads, decltype(items)::value>(buffer, size);
-  });
 }
 
 // KD_KERNELS_SORT_REGISTERS=0|1, read at each launch: the sorts through registers (1) or every

@@ -16,9 +16,9 @@ constexpr int kThreads = 256;
 constexpr int kGroupsInFlight = 4;  // per warp: loads issued before the first is used
 static_assert(kGroupColumns == 32, "one lane per column of a group");
 
-// kInRegisters: its own instantiation, so the shared-memory one keeps its ~30 registers (with
-// both sorts in one kernel it took 78: three blocks an SM instead of eight at k = 1024)
-template <bool kInRegisters>
+// The sort stays in shared memory: through registers (sort_keys' sort) it took 78 registers
+// instead of 30 (three blocks an SM instead of eight at k = 1024) and the default k = 1024 call
+// 1.019x the time, timed in turn on an H200 (NOTES e33)
 __global__ void __launch_bounds__(kThreads) candidates_from_groups_kernel(
     const float* logits, int64_t row_stride, const int32_t* group_ids, int64_t group_capacity, const int32_t* listed,
     const int32_t* thresholds, int width, float log2e_over_t, int k, int key_capacity, float* values,
@@ -58,11 +58,7 @@ __global__ void __launch_bounds__(kThreads) candidates_from_groups_kernel(
   while (size < found) size <<= 1;
   for (int i = found + threadIdx.x; i < size; i += blockDim.x) buffer[i] = 0ull;  // sorts after every key
   __syncthreads();
-  if constexpr (kInRegisters) {
-    sort_descending_via_registers<kThreads>(buffer, size);
-  } else {
-    sort_descending(buffer, size);
-  }
+  sort_descending(buffer, size);
   write_top(buffer, found, k, values + row * k, columns + row * k);
 }
 
@@ -74,12 +70,10 @@ cudaError_t launch_candidates_from_groups(const float* logits, int64_t row_strid
                                           int64_t key_capacity, float* values, int32_t* columns,
                                           uint8_t* overflowed, cudaStream_t stream) {
   if (rows == 0) return cudaSuccess;
-  int size = kThreads;  // the sort through registers exchanges at least a key a thread in the buffer
+  int size = 1;
   while (size < key_capacity) size <<= 1;
   const size_t shared = static_cast<size_t>(size) * sizeof(uint64_t);  // <= 32 KiB: no opt-in needed
-  // not yet timed here on a GPU: shared memory unless KD_KERNELS_SORT_REGISTERS=1 (sort_keys: 1)
-  auto* kernel = sort_in_registers(false) ? candidates_from_groups_kernel<true> : candidates_from_groups_kernel<false>;
-  kernel<<<static_cast<unsigned int>(rows), kThreads, shared, stream>>>(
+  candidates_from_groups_kernel<<<static_cast<unsigned int>(rows), kThreads, shared, stream>>>(
       logits, row_stride, group_ids, group_capacity, listed, thresholds, static_cast<int>(width), log2e_over_t,
       static_cast<int>(k), static_cast<int>(key_capacity), values, columns, overflowed);
   return cudaGetLastError();
