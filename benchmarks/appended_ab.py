@@ -10,7 +10,7 @@ epilogue matmul, and the appending one with floors no element reaches (its code,
 Every variant must give the same top-k (the keys' values come from the same matmul; only how
 many reach the floor changes), up to the ulps of a row redone by cuBLAS where a floor failed.
 
-usage: python benchmarks/appended_ab.py [--k 256,1024]   (one H200)
+usage: python benchmarks/appended_ab.py [--k 256,1024] [--matmul-only]   (one H200)
 """
 from __future__ import annotations
 
@@ -100,12 +100,16 @@ def print_appending_matmuls_in_turn(hidden, weight, k):
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--k", default="256,1024")
+    parser.add_argument("--matmul-only", action="store_true",
+                        help="only the matmul alone: unreached floors, then the real floors' key stores in turn")
     args = parser.parse_args()
     hidden, weight = teacher_s1()
     v = weight.shape[0]
     print_matmul_kernels(hidden, weight)
     for k in [int(part) for part in args.k.split(",")]:
         print_appending_matmuls_in_turn(hidden, weight, k)
+        if args.matmul_only:
+            continue
         calls = {name: (lambda variant=variant: configured(*variant, lambda: (
             teacher_topk_appended(hidden, weight, k, 2.0, v, select="cuda"))), None)
             for name, variant in VARIANTS.items()}
