@@ -1,6 +1,6 @@
 """The appended schedule's parts under variants (NOTES e31-e32), by device time per kernel
 (torch.profiler, the median of several calls) and the whole call timed in turn with the bare
-matmul: how the matmul stores its appends (in Triton or in PTX), the CUDA sort
+matmul: how the matmul stores its appends (in Triton, or in PTX behind a branch or a predicate), the CUDA sort
 (KD_KERNELS_SORT_REGISTERS: shared memory or registers), the floors' bisection steps
 (`FLOOR_STEPS`), the warps of the row kernels (`ROW_WARPS`: floors, key order, logsumexp), the
 sample's stride (`SAMPLE_STRIDE`: fewer sampled columns, more keys to sort) and
@@ -30,12 +30,14 @@ from kd_kernels.teacher_chunked import teacher_topk_appended  # noqa: E402
 
 TRITON_STORES = dict(STORE_APPENDS_IN_PTX=False)
 PTX_STORES = dict(STORE_APPENDS_IN_PTX=True)
+PREDICATED_STORES = dict(STORE_APPENDS_IN_PTX=True, APPEND_FORM="predicated")
 # (KD_KERNELS_SORT_REGISTERS, lm_head_group_maxima settings, topk_from_appended settings)
 VARIANTS = {"as is (PTX stores, register sort, 12 steps, 4 warps, stride 19, 5 sigmas)": ("1", PTX_STORES, {}),
             "shared-memory sort": ("0", PTX_STORES, {}),
             "appends stored by Triton": ("1", TRITON_STORES, {}),
             "8 warps for the row kernels": ("1", PTX_STORES, dict(ROW_WARPS=8)),
-            "4 sigmas": ("1", PTX_STORES, dict(SAMPLE_SIGMAS=4.0))}
+            "4 sigmas": ("1", PTX_STORES, dict(SAMPLE_SIGMAS=4.0)),
+            "predicated appends": ("1", PREDICATED_STORES, {})}
 
 
 def configured(sort_registers, appends, settings, call):
@@ -63,8 +65,9 @@ def print_matmul_kernels(hidden, weight):
 
 
 def print_appending_matmuls_in_turn(hidden, weight, k):
-    """The appending matmul alone with the real floors of k, and the statistics-only matmul,
-    timed in turn with cuBLAS (25 repetitions: the whole calls' ratios move by ~±5 % from run to
+    """The appending matmul alone with the real floors of k (its appends branching or
+    predicated: lm_head_group_maxima.APPEND_FORM), and the statistics-only matmul, timed in turn
+    with cuBLAS (25 repetitions: the whole calls' ratios move by ~±5 % from run to
     run, and a Triton matmul's time by ~±4 % from process to process, NOTES e33)."""
     from harness import time_interleaved_ms
     from kd_kernels.ops.topk_from_appended import appended_plan, sample_floors
@@ -79,8 +82,11 @@ def print_appending_matmuls_in_turn(hidden, weight, k):
     keys = torch.empty(rows, 4096, dtype=torch.int64, device="cuda")
     appending = EpilogueMatmul(hidden, weight, None, v, 2.0, None, appends=Appends(floors, keys, counts))
     statistics = EpilogueMatmul(hidden, weight, None, v, 2.0, None)
-    calls = {"cuBLAS": (lambda: hidden @ weight.T, None), "statistics only": (lambda: statistics(0, v), None),
-             "appending": (lambda: appending(0, v), lambda: (counts.zero_(), ())[1])}
+    zeroed = lambda: (counts.zero_(), ())[1]  # noqa: E731
+    calls = {"cuBLAS": (lambda: hidden @ weight.T, None), "statistics only": (lambda: statistics(0, v), None)}
+    for form in ("branch", "predicated"):
+        calls[f"appending, {form}"] = (lambda form=form: with_attributes(
+            lm_head_group_maxima, dict(APPEND_FORM=form), lambda: appending(0, v)), zeroed)
     for fn, setup in calls.values():
         fn()
     summary, ratios = time_interleaved_ms(calls, warmup=2, repeats=25)

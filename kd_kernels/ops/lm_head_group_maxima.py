@@ -163,9 +163,14 @@ STORE_APPENDS_IN_PTX = os.environ.get("TRITON_INTERPRET") != "1"
 
 # one element's append, its group's slots taken: where value >= floor, the slot first + the
 # group's lanes below it (bits & below), the 8-byte key (column, value bits) stored below the
-# capacity. A branch: elements below the floor (~99 %) cost 4 instructions, not the slot's and
-# the address's arithmetic a masked store makes every element pay (sm_90: NOTES e32)
-_STORE_APPENDED_PTX = tl.constexpr("""
+# capacity. Two forms (APPEND_FORM, read at each launch; benchmarks/appended_ab.py times both in
+# turn). "branch": elements below the floor (~99 %) cost 4 instructions, not the slot's and the
+# address's arithmetic a masked store makes every element pay (sm_90: NOTES e32); but a warp runs
+# the taken path whenever one of its lanes keeps an element (~30 % of positions at k = 1024), and
+# each such branch diverges and reconverges. "predicated": every element computes its slot and
+# address and stores under a predicate, no branch: the sm_90 loop 3652 → 3280 instructions,
+# 250 → 2 reconvergence barriers (NOTES e33; not yet timed on a GPU)
+_APPEND_PTX = {"branch": """
 {
 .reg .pred taken;
 .reg .b32 slot;
@@ -183,7 +188,30 @@ st.global.b32 [address], $8;
 st.global.b32 [address+4], $1;
 SKIP:
 }
-""")
+""", "predicated": """
+{
+.reg .pred taken, kept;
+.reg .b32 slot;
+.reg .b64 address;
+mov.u32 $0, 0;
+setp.ge.f32 taken, $1, $2;
+and.b32 slot, $3, $4;
+popc.b32 slot, slot;
+add.u32 slot, slot, $5;
+setp.lt.and.u32 kept, slot, $6, taken;
+mad.wide.u32 address, slot, 8, $7;
+@kept st.global.b32 [address], $8;
+@kept st.global.b32 [address+4], $1;
+}
+"""}
+APPEND_FORM = "branch"
+
+
+def append_ptx(form: str) -> str:
+    """The PTX of one element's append in ``form`` (a key of `_APPEND_PTX`)."""
+    if form not in _APPEND_PTX:
+        raise ValueError(f"APPEND_FORM: expected one of {sorted(_APPEND_PTX)}, got {form!r}")
+    return _APPEND_PTX[form]
 
 
 @triton.jit
@@ -207,7 +235,8 @@ def _reserve_slots(grouped, row_offsets, floor_ptr, counts_ptr, GROUP_COLUMNS: t
 
 @triton.jit
 def _store_appends(grouped, floor, bits, first, column_tile, row_offsets, keys_ptr, key_capacity,
-                   BLOCK_N: tl.constexpr, GROUP_COLUMNS: tl.constexpr, IN_PTX: tl.constexpr):
+                   BLOCK_N: tl.constexpr, GROUP_COLUMNS: tl.constexpr, IN_PTX: tl.constexpr,
+                   PTX: tl.constexpr):
     """Each element of ``grouped`` at or above its row's ``floor`` stored in its slot (`_reserve_slots`'
     ``first`` + a popcount of its group's ``bits`` below it) as one raw key (the float's bits above
     the column; ops/topk_from_appended.py `order_appended_keys` makes them sort keys); slots past
@@ -218,7 +247,7 @@ def _store_appends(grouped, floor, bits, first, column_tile, row_offsets, keys_p
     column = column_tile * BLOCK_N + top2_group_columns(group, lane, GROUP_COLUMNS)
     if IN_PTX:
         row_keys = (keys_ptr + row_offsets * key_capacity).to(tl.int64, bitcast=True)[:, None, None]
-        tl.inline_asm_elementwise(_STORE_APPENDED_PTX, "=r,f,f,r,r,r,r,l,r",
+        tl.inline_asm_elementwise(PTX, "=r,f,f,r,r,r,r,l,r",
                                   [grouped, floor[:, None, None], bits[:, :, None], (1 << lane) - 1,
                                    first[:, :, None], tl.full([1, 1, 1], key_capacity, tl.int32), row_keys, column],
                                   dtype=tl.int32, is_pure=False, pack=1)
@@ -238,7 +267,7 @@ def _lm_head_group_maxima_kernel(hidden_desc, weight_desc, logits_desc, bias_ptr
                                  GROUP_COLUMNS: tl.constexpr, SUBTILE: tl.constexpr, FLATTEN: tl.constexpr,
                                  DOT_PRECISION: tl.constexpr, STORE_LOGITS: tl.constexpr = True,
                                  GROUP_TOP2: tl.constexpr = False, APPEND: tl.constexpr = False,
-                                 APPEND_IN_PTX: tl.constexpr = False):
+                                 APPEND_IN_PTX: tl.constexpr = False, APPEND_PTX: tl.constexpr = ""):
     row_tiles = tl.cdiv(num_rows, BLOCK_M)
     column_tiles = tl.cdiv(width, BLOCK_N)
     groups_per_tile: tl.constexpr = BLOCK_N // GROUP_COLUMNS
@@ -300,7 +329,7 @@ def _lm_head_group_maxima_kernel(hidden_desc, weight_desc, logits_desc, bias_ptr
         tl.store(tile_sum2_ptr + row_offsets * column_tiles + column_tile, tile_sum2, mask=rows_ok)
         if APPEND:
             _store_appends(grouped, floor, bits, first, column_tile, appending_rows, keys_ptr, key_capacity, BLOCK_N,
-                           GROUP_COLUMNS, APPEND_IN_PTX)
+                           GROUP_COLUMNS, APPEND_IN_PTX, APPEND_PTX)
         else:
             tl.store(group_max_ptr + group_offsets, group_max, mask=rows_ok[:, None])
 
@@ -418,6 +447,7 @@ class EpilogueMatmul:
             SUBTILE=config.subtile, FLATTEN=config.flatten, STORE_LOGITS=self.store_logits,
             GROUP_TOP2=self.group_top2, APPEND=self.appends is not None,
             APPEND_IN_PTX=STORE_APPENDS_IN_PTX,
+            APPEND_PTX=append_ptx(APPEND_FORM) if self.appends is not None else "",
             # float32 inputs get float32 products (tf32 would move logits by ~1e-3)
             DOT_PRECISION="ieee" if self.hidden.dtype == torch.float32 else "tf32",
             num_warps=config.num_warps, num_stages=config.num_stages)
