@@ -1,4 +1,4 @@
-"""The appended schedule's parts under variants (NOTES e31-e32), by device time per kernel
+"""The appended schedule's parts under variants (NOTES e31-e33), by device time per kernel
 (torch.profiler, the median of several calls) and the whole call timed in turn with the bare
 matmul: how the matmul stores its appends (in Triton, or in PTX behind a branch or a predicate), the CUDA sort
 (KD_KERNELS_SORT_REGISTERS: shared memory or registers), the floors' bisection steps
@@ -23,9 +23,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 from harness import (check_variants_agree, kernel_times, print_variant_kernels, teacher_s1,  # noqa: E402
-                     with_attributes, with_env)
+                     time_interleaved_ms, with_attributes, with_env)
 from kd_kernels.ops import lm_head_group_maxima, topk_from_appended  # noqa: E402
 from kd_kernels.ops.lm_head_group_maxima import Appends, EpilogueMatmul  # noqa: E402
+from kd_kernels.ops.topk_from_appended import appended_plan, sample_floors  # noqa: E402
 from kd_kernels.teacher_chunked import teacher_topk_appended  # noqa: E402
 
 TRITON_STORES = dict(STORE_APPENDS_IN_PTX=False)
@@ -69,9 +70,6 @@ def print_appending_matmuls_in_turn(hidden, weight, k):
     predicated: lm_head_group_maxima.APPEND_FORM), and the statistics-only matmul, timed in turn
     with cuBLAS (25 repetitions: the whole calls' ratios move by ~±5 % from run to
     run, and a Triton matmul's time by ~±4 % from process to process, NOTES e33)."""
-    from harness import time_interleaved_ms
-    from kd_kernels.ops.topk_from_appended import appended_plan, sample_floors
-
     rows, v = hidden.shape[0], weight.shape[0]
     plan = appended_plan(v, k)
     sample = torch.empty(rows, plan.sample_columns, dtype=hidden.dtype, device="cuda")
@@ -79,14 +77,17 @@ def print_appending_matmuls_in_turn(hidden, weight, k):
     floors = sample_floors(sample[:, :plan.sample_width], plan.rank, torch.empty(rows, device="cuda"))
     del sample
     counts = torch.zeros(rows, dtype=torch.int32, device="cuda")
-    keys = torch.empty(rows, 4096, dtype=torch.int64, device="cuda")
+    keys = torch.empty(rows, plan.capacity, dtype=torch.int64, device="cuda")
     appending = EpilogueMatmul(hidden, weight, None, v, 2.0, None, appends=Appends(floors, keys, counts))
     statistics = EpilogueMatmul(hidden, weight, None, v, 2.0, None)
-    zeroed = lambda: (counts.zero_(), ())[1]  # noqa: E731
+    def zero_counts():  # a setup: untimed before each call, no arguments for it
+        counts.zero_()
+        return ()
+
     calls = {"cuBLAS": (lambda: hidden @ weight.T, None), "statistics only": (lambda: statistics(0, v), None)}
     for form in ("branch", "predicated"):
         calls[f"appending, {form}"] = (lambda form=form: with_attributes(
-            lm_head_group_maxima, dict(APPEND_FORM=form), lambda: appending(0, v)), zeroed)
+            lm_head_group_maxima, dict(APPEND_FORM=form), lambda: appending(0, v)), zero_counts)
     for fn, setup in calls.values():
         fn()
     summary, ratios = time_interleaved_ms(calls, warmup=2, repeats=25)
@@ -95,8 +96,9 @@ def print_appending_matmuls_in_turn(hidden, weight, k):
     print("| matmul | ms (median) | × cuBLAS (median of pairs) | device ms, profiler (median of 5) |")
     print("| --- | --- | --- | --- |")
     for name, (fn, setup) in calls.items():
+        # the setup's zeroing (a FillFunctor kernel) left out
         profiled = sum(ms for kernel, ms in kernel_times(lambda: (setup and setup(), fn())).items()
-                       if "zero" not in kernel and "fill" not in kernel)
+                       if "fill" not in kernel.lower())
         print(f"| {name} | {summary[name][0]:.3f} | {ratios[name]:.3f} | {profiled:.3f} |", flush=True)
 
 

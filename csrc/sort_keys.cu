@@ -80,7 +80,7 @@ cudaError_t launch_sort_keys(const int64_t* keys, const int32_t* counts, int64_t
   int size = kSortThreads;  // the register sort exchanges at least a key a thread through shared memory
   while (size < capacity) size <<= 1;
   const size_t shared = static_cast<size_t>(size) * sizeof(uint64_t);  // <= 32 KiB: no opt-in needed
-  if (sort_in_registers(true)) {  // a third faster on an H200 (NOTES e32)
+  if (sort_in_registers(true)) {  // 25-31 % less time on an H200 (NOTES e32)
     sort_keys_in_registers_kernel<<<static_cast<unsigned int>(rows), kSortThreads, shared, stream>>>(
         keys, counts, capacity, static_cast<int>(k), values, columns);
   } else {

@@ -121,7 +121,6 @@ def test_the_appending_matmul_refuses_strided_floors():
         EpilogueMatmul(hidden, weight, bias, 200, 0.7, None, appends=appends)
 
 
-def test_an_unknown_append_form_is_refused(monkeypatch):
-    monkeypatch.setattr(lm_head_group_maxima, "APPEND_FORM", "scattered")
+def test_an_unknown_append_form_is_refused():
     with pytest.raises(ValueError, match=r"APPEND_FORM: expected one of \['branch', 'predicated'\], got 'scattered'"):
-        lm_head_group_maxima.append_ptx(lm_head_group_maxima.APPEND_FORM)
+        lm_head_group_maxima.append_ptx("scattered")

@@ -40,7 +40,6 @@ def num_warps_for(block: int) -> int:
 THRESHOLD_BISECTIONS = 8 if os.environ.get("TRITON_INTERPRET") == "1" else 24
 
 
-
 def multiprocessor_count(device: torch.device) -> int:
     """SMs of a CUDA device (persistent grids size themselves by it)."""
     return _multiprocessor_count(device.index if device.index is not None else torch.cuda.current_device())

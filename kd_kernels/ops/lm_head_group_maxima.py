@@ -166,10 +166,11 @@ STORE_APPENDS_IN_PTX = os.environ.get("TRITON_INTERPRET") != "1"
 # capacity. Two forms (APPEND_FORM, read at each launch; benchmarks/appended_ab.py times both in
 # turn). "branch": elements below the floor (~99 %) cost 4 instructions, not the slot's and the
 # address's arithmetic a masked store makes every element pay (sm_90: NOTES e32); but a warp runs
-# the taken path whenever one of its lanes keeps an element (~30 % of positions at k = 1024), and
-# each such branch diverges and reconverges. "predicated": every element computes its slot and
-# address and stores under a predicate, no branch: the sm_90 loop 3652 → 3280 instructions,
-# 250 → 2 reconvergence barriers (NOTES e33; not yet timed on a GPU)
+# the taken path whenever one of its lanes keeps an element (~30 % of positions at k = 1024 if the
+# ~1 % kept fall at random: 1 - 0.99^32), and each such branch diverges and reconverges.
+# "predicated": every element computes its slot and address and stores under a predicate, no
+# branch: the sm_90 loop 3652 → 3280 instructions, 250 → 2 reconvergence barriers (NOTES e33;
+# not yet timed on a GPU)
 _APPEND_PTX = {"branch": """
 {
 .reg .pred taken;
