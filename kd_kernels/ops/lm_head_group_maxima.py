@@ -205,7 +205,7 @@ mad.wide.u32 address, slot, 8, $7;
 @kept st.global.b32 [address+4], $1;
 }
 """}
-APPEND_FORM = "branch"
+APPEND_FORM = "predicated"
 
 
 def append_ptx(form: str) -> str:
