@@ -1,10 +1,10 @@
-"""The appended schedule's parts under variants (NOTES e31-e33), by device time per kernel
+"""The appended schedule's parts under variants (NOTES e31-e34), by device time per kernel
 (torch.profiler, the median of several calls) and the whole call timed in turn with the bare
-matmul: how the matmul stores its appends (in Triton, or in PTX behind a branch or a predicate), the CUDA sort
-(KD_KERNELS_SORT_REGISTERS: shared memory or registers), the floors' bisection steps
-(`FLOOR_STEPS`), the warps of the row kernels (`ROW_WARPS`: floors, key order, logsumexp), the
-sample's stride (`SAMPLE_STRIDE`: fewer sampled columns, more keys to sort) and
-margin (`SAMPLE_SIGMAS`).
+matmul: how the matmul stores its appends (in Triton or in PTX), the CUDA sort
+(KD_KERNELS_SORT_REGISTERS: shared memory or registers; KD_KERNELS_SORT_SELECT: the keys reaching
+the k-th value selected first, or all sorted), the floors' bisection steps (`FLOOR_STEPS`), the
+warps of the row kernels (`ROW_WARPS`: floors, key order, logsumexp), the sample's stride
+(`SAMPLE_STRIDE`: fewer sampled columns, more keys to sort) and margin (`SAMPLE_SIGMAS`).
 First, what the matmul alone costs under the same profiler: cuBLAS, the statistics-only
 epilogue matmul, and the appending one with floors no element reaches (its code, no appends).
 Every variant must give the same top-k (the keys' values come from the same matmul; only how
@@ -17,13 +17,14 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from contextlib import ExitStack
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
-from harness import (check_variants_agree, kernel_times, print_variant_kernels, teacher_s1,  # noqa: E402
-                     time_interleaved_ms, with_attributes, with_env)
+from harness import (check_variants_agree, environment_variable, kernel_times, print_variant_kernels,  # noqa: E402
+                     teacher_s1, time_interleaved_ms, with_attributes)
 from kd_kernels.ops import lm_head_group_maxima, topk_from_appended  # noqa: E402
 from kd_kernels.ops.lm_head_group_maxima import Appends, EpilogueMatmul  # noqa: E402
 from kd_kernels.ops.topk_from_appended import appended_plan, sample_floors  # noqa: E402
@@ -31,20 +32,24 @@ from kd_kernels.teacher_chunked import teacher_topk_appended  # noqa: E402
 
 TRITON_STORES = dict(STORE_APPENDS_IN_PTX=False)
 PTX_STORES = dict(STORE_APPENDS_IN_PTX=True)
-PREDICATED_STORES = dict(STORE_APPENDS_IN_PTX=True, APPEND_FORM="predicated")
-# (KD_KERNELS_SORT_REGISTERS, lm_head_group_maxima settings, topk_from_appended settings)
-VARIANTS = {"as is (PTX stores, register sort, 12 steps, 4 warps, stride 19, 5 sigmas)": ("1", PTX_STORES, {}),
-            "shared-memory sort": ("0", PTX_STORES, {}),
-            "appends stored by Triton": ("1", TRITON_STORES, {}),
-            "8 warps for the row kernels": ("1", PTX_STORES, dict(ROW_WARPS=8)),
-            "4 sigmas": ("1", PTX_STORES, dict(SAMPLE_SIGMAS=4.0)),
-            "predicated appends": ("1", PREDICATED_STORES, {})}
+SORTED_AS_IS = {"KD_KERNELS_SORT_REGISTERS": "1", "KD_KERNELS_SORT_SELECT": "1"}
+# (the CUDA sort's environment, lm_head_group_maxima settings, topk_from_appended settings)
+VARIANTS = {"as is (PTX stores, register sort after a selection, 12 steps, 4 warps, stride 19, 5 sigmas)":
+            (SORTED_AS_IS, PTX_STORES, {}),
+            "register sort of every key": (dict(SORTED_AS_IS, KD_KERNELS_SORT_SELECT="0"), PTX_STORES, {}),
+            "shared-memory sort": (dict(SORTED_AS_IS, KD_KERNELS_SORT_REGISTERS="0"), PTX_STORES, {}),
+            "appends stored by Triton": (SORTED_AS_IS, TRITON_STORES, {}),
+            "8 warps for the row kernels": (SORTED_AS_IS, PTX_STORES, dict(ROW_WARPS=8)),
+            "4 sigmas": (SORTED_AS_IS, PTX_STORES, dict(SAMPLE_SIGMAS=4.0))}
 
 
-def configured(sort_registers, appends, settings, call):
+def configured(environment, appends, settings, call):
     """call() under one variant's settings."""
-    return with_env("KD_KERNELS_SORT_REGISTERS", sort_registers, lambda: with_attributes(
-        lm_head_group_maxima, appends, lambda: with_attributes(topk_from_appended, settings, call)))
+    with ExitStack() as stack:
+        for name, value in environment.items():
+            stack.enter_context(environment_variable(name, value))
+        return with_attributes(lm_head_group_maxima, appends, lambda: with_attributes(
+            topk_from_appended, settings, call))
 
 
 def print_matmul_kernels(hidden, weight):
@@ -66,8 +71,7 @@ def print_matmul_kernels(hidden, weight):
 
 
 def print_appending_matmuls_in_turn(hidden, weight, k):
-    """The appending matmul alone with the real floors of k (its appends branching or
-    predicated: lm_head_group_maxima.APPEND_FORM), and the statistics-only matmul, timed in turn
+    """The appending matmul alone with the real floors of k, and the statistics-only matmul, timed in turn
     with cuBLAS (25 repetitions: the whole calls' ratios move by ~±5 % from run to
     run, and a Triton matmul's time by ~±4 % from process to process, NOTES e33)."""
     rows, v = hidden.shape[0], weight.shape[0]
@@ -84,10 +88,8 @@ def print_appending_matmuls_in_turn(hidden, weight, k):
         counts.zero_()
         return ()
 
-    calls = {"cuBLAS": (lambda: hidden @ weight.T, None), "statistics only": (lambda: statistics(0, v), None)}
-    for form in ("branch", "predicated"):
-        calls[f"appending, {form}"] = (lambda form=form: with_attributes(
-            lm_head_group_maxima, dict(APPEND_FORM=form), lambda: appending(0, v)), zero_counts)
+    calls = {"cuBLAS": (lambda: hidden @ weight.T, None), "statistics only": (lambda: statistics(0, v), None),
+             "appending": (lambda: appending(0, v), zero_counts)}
     for fn, setup in calls.values():
         fn()
     summary, ratios = time_interleaved_ms(calls, warmup=2, repeats=25)

@@ -3,7 +3,7 @@ bundled ptxas and cuobjdump): instructions of the kernel, of its hottest loop, r
 and spills, per set of compile-time switches. The e28 calibration (NOTES) reads ~1300
 instructions a tile-thread as ~4.5 % of the matmul's time at 128 × 256 tiles on 8 warps.
 
-usage: python benchmarks/sass_probe.py [--variants statistics,top2,append,"append predicated"] [--sass-dir DIR]
+usage: python benchmarks/sass_probe.py [--variants statistics,top2,append] [--sass-dir DIR]
 """
 from __future__ import annotations
 
@@ -32,9 +32,7 @@ COMMON = dict(HAS_BIAS=False, BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, N
               GROUP_COLUMNS=32, SUBTILE=True, FLATTEN=True, DOT_PRECISION="tf32", STORE_LOGITS=False)
 VARIANTS = {"statistics": dict(GROUP_TOP2=False, APPEND=False),
             "top2": dict(GROUP_TOP2=True, APPEND=False),
-            "append": dict(GROUP_TOP2=False, APPEND=True, APPEND_IN_PTX=True, APPEND_PTX=epilogue.append_ptx("branch")),
-            "append predicated": dict(GROUP_TOP2=False, APPEND=True, APPEND_IN_PTX=True,
-                                      APPEND_PTX=epilogue.append_ptx("predicated")),
+            "append": dict(GROUP_TOP2=False, APPEND=True, APPEND_IN_PTX=True, APPEND_PTX=epilogue.APPEND_PTX),
             "append triton-stores": dict(GROUP_TOP2=False, APPEND=True, APPEND_IN_PTX=False)}
 
 

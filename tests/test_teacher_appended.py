@@ -10,7 +10,7 @@ import torch
 from helpers import (HAS_CUDA, check_teacher_topk,
                      small_teacher_problem)
 from kd_kernels import reference
-from kd_kernels.ops import lm_head_group_maxima, topk_from_appended
+from kd_kernels.ops import topk_from_appended
 from kd_kernels.ops.lm_head_group_maxima import Appends, EpilogueMatmul, lm_head_logits_with_summaries
 from kd_kernels.ops.sort_keys import decode_keys
 from kd_kernels.ops.topk_from_appended import order_appended_keys, sample_floors
@@ -57,10 +57,8 @@ def test_the_matmul_appends_exactly_the_elements_at_or_above_each_floor():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("form", ["branch", "predicated"])
-def test_the_matmul_appends_exactly_at_the_real_tiles(form, monkeypatch):
-    # 128 x 256 tiles, the appends' stores in PTX (both forms): rows past a tile, a partial last tile
-    monkeypatch.setattr(lm_head_group_maxima, "APPEND_FORM", form)
+def test_the_matmul_appends_exactly_at_the_real_tiles():
+    # 128 x 256 tiles, the appends' stores in PTX: rows past a tile, a partial last tile
     generator = torch.Generator(device="cuda").manual_seed(8)
     hidden = (0.3 * torch.randn(300, 4096, device="cuda", generator=generator)).bfloat16()
     weight = (0.02 * torch.randn(20_096, 4096, device="cuda", generator=generator)).bfloat16()
@@ -120,7 +118,3 @@ def test_the_appending_matmul_refuses_strided_floors():
     with pytest.raises(ValueError, match=r"appends: expected contiguous floors \[37\] torch.float32"):
         EpilogueMatmul(hidden, weight, bias, 200, 0.7, None, appends=appends)
 
-
-def test_an_unknown_append_form_is_refused():
-    with pytest.raises(ValueError, match=r"APPEND_FORM: expected one of \['branch', 'predicated'\], got 'scattered'"):
-        lm_head_group_maxima.append_ptx("scattered")

@@ -198,16 +198,28 @@ def test_bad_inputs_raise_clear_errors():
         _C.topk_candidates(logits, 4, 0.0, 3000)
 
 
-@pytest.mark.parametrize("in_registers", ["1", "0"])
-@pytest.mark.parametrize("capacity, k", [(2048, 1024), (300, 300), (4096, 7), (100, 60), (4096, 1024)])
-def test_sort_keys_orders_each_rows_counted_keys(capacity, k, in_registers, monkeypatch):
-    monkeypatch.setenv("KD_KERNELS_SORT_REGISTERS", in_registers)  # csrc/sort_keys.cu reads it at each launch
+# (KD_KERNELS_SORT_REGISTERS, KD_KERNELS_SORT_SELECT): csrc/sort_keys.cu reads them at each launch
+SORTS = {"registers, the keys reaching the k-th value first": ("1", "1"), "registers, every key": ("1", "0"),
+         "shared memory": ("0", "1")}
+
+
+@pytest.mark.parametrize("sort", SORTS)
+@pytest.mark.parametrize("capacity, k", [(2048, 1024), (300, 300), (4096, 7), (100, 60), (4096, 1024), (4096, 2500)])
+@pytest.mark.parametrize("rounded", [True, False])
+def test_sort_keys_orders_each_rows_counted_keys(capacity, k, sort, rounded, monkeypatch):
+    monkeypatch.setenv("KD_KERNELS_SORT_REGISTERS", SORTS[sort][0])
+    monkeypatch.setenv("KD_KERNELS_SORT_SELECT", SORTS[sort][1])
     from kd_kernels.ops.sort_keys import value_column_keys
 
     generator = torch.Generator(device="cuda").manual_seed(capacity + k)
     rows = 64
-    # ties, -0.0 among them (equal to 0.0: the lower column first)
-    values = torch.randn(rows, capacity, device="cuda", generator=generator).round(decimals=1)
+    # rounded: ties (at the k-th value too, so the selection keeps more than k keys; a row of one
+    # value), -0.0 among them (equal to 0.0: the lower column first); else distinct float32 values,
+    # the selection's bisection running to a floor exactly k keys reach
+    values = torch.randn(rows, capacity, device="cuda", generator=generator)
+    if rounded:
+        values = values.round(decimals=1)
+        values[3] = 1.5
     columns = torch.randperm(200_000, device="cuda", generator=generator)[:capacity].int().expand(rows, -1)
     keys = value_column_keys(values, columns).contiguous()
     counts = torch.randint(0, capacity + 1, (rows,), device="cuda", generator=generator, dtype=torch.int32)

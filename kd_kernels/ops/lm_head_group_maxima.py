@@ -163,33 +163,13 @@ STORE_APPENDS_IN_PTX = os.environ.get("TRITON_INTERPRET") != "1"
 
 # one element's append, its group's slots taken: where value >= floor, the slot first + the
 # group's lanes below it (bits & below), the 8-byte key (column, value bits) stored below the
-# capacity. Two forms (APPEND_FORM, read at each launch; benchmarks/appended_ab.py times both in
-# turn). "branch": elements below the floor (~99 %) cost 4 instructions, not the slot's and the
-# address's arithmetic a masked store makes every element pay (sm_90: NOTES e32); but a warp runs
-# the taken path whenever one of its lanes keeps an element (~30 % of positions at k = 1024 if the
-# ~1 % kept fall at random: 1 - 0.99^32), and each such branch diverges and reconverges.
-# "predicated": every element computes its slot and address and stores under a predicate, no
-# branch: the sm_90 loop 3652 → 3280 instructions, 250 → 2 reconvergence barriers (NOTES e33;
-# not yet timed on a GPU)
-_APPEND_PTX = {"branch": """
-{
-.reg .pred taken;
-.reg .b32 slot;
-.reg .b64 address;
-mov.u32 $0, 0;
-setp.ge.f32 taken, $1, $2;
-@!taken bra SKIP;
-and.b32 slot, $3, $4;
-popc.b32 slot, slot;
-add.u32 slot, slot, $5;
-setp.lt.u32 taken, slot, $6;
-@!taken bra SKIP;
-mad.wide.u32 address, slot, 8, $7;
-st.global.b32 [address], $8;
-st.global.b32 [address+4], $1;
-SKIP:
-}
-""", "predicated": """
+# capacity. Every element computes its slot and address and stores under a predicate, without a
+# branch: a branch skipping that for the ~99 % of elements below the floor made every warp with
+# one element kept (~30 % of positions at k = 1024 if the ~1 % kept fall at random: 1 - 0.99^32)
+# diverge and reconverge (sm_90 loop 3652 instructions and 250 reconvergence barriers against
+# 3280 and 2; in one process on an H200 the appending matmul at k = 1024 1.185-1.192x cuBLAS
+# against 1.122-1.123x predicated: NOTES e33-e34)
+APPEND_PTX = """
 {
 .reg .pred taken, kept;
 .reg .b32 slot;
@@ -204,15 +184,7 @@ mad.wide.u32 address, slot, 8, $7;
 @kept st.global.b32 [address], $8;
 @kept st.global.b32 [address+4], $1;
 }
-"""}
-APPEND_FORM = "predicated"
-
-
-def append_ptx(form: str) -> str:
-    """The PTX of one element's append in ``form`` (a key of `_APPEND_PTX`)."""
-    if form not in _APPEND_PTX:
-        raise ValueError(f"APPEND_FORM: expected one of {sorted(_APPEND_PTX)}, got {form!r}")
-    return _APPEND_PTX[form]
+"""
 
 
 @triton.jit
@@ -448,7 +420,7 @@ class EpilogueMatmul:
             SUBTILE=config.subtile, FLATTEN=config.flatten, STORE_LOGITS=self.store_logits,
             GROUP_TOP2=self.group_top2, APPEND=self.appends is not None,
             APPEND_IN_PTX=STORE_APPENDS_IN_PTX,
-            APPEND_PTX=append_ptx(APPEND_FORM) if self.appends is not None else "",
+            APPEND_PTX=APPEND_PTX if self.appends is not None else "",
             # float32 inputs get float32 products (tf32 would move logits by ~1e-3)
             DOT_PRECISION="ieee" if self.hidden.dtype == torch.float32 else "tf32",
             num_warps=config.num_warps, num_stages=config.num_stages)
