@@ -101,12 +101,12 @@ def teacher_topk(hidden: torch.Tensor, weight: torch.Tensor, k: int = 64, *, tem
             torch sort of the appended keys is slower) and the appended one up to k = 1024
             (floors from a strided sample of the columns, the epilogue matmul appending each
             element that reaches its row's floor, one sort per row; on an H200 in blocks k = 256
-            1.19-1.27× the bare matmul, k = 1024 1.29-1.30× at 55-56 MiB), others tiles of rows ×
-            vocab columns (48 MiB of float32 logits plus ~16 MiB for merging; 2.9-3.1× at k = 1024).
+            1.19-1.27× the bare matmul, k = 1024 1.24-1.32× at 55-56 MiB), others tiles of rows ×
+            vocab columns (48 MiB of float32 logits plus ~16 MiB for merging; 2.9-3.3× at k = 1024).
         fused: the top-k chosen in the epilogue of a Triton matmul (triton backend): no logits in
             memory at all, ``N · S · C · 8`` bytes of candidates (S vocab splits, C ≥ k + 128);
-            k <= 256. Exact, but slow: 2.9–4.1× the bare matmul at k = 64 on an H200, against
-            1.09–1.18× for the default schedule (benchmarks/RESULTS.md); off by default.
+            k <= 256. Exact, but slow: 2.9–4.3× the bare matmul on an H200, against
+            1.04–1.10× for the default schedule in blocks (benchmarks/RESULTS.md); off by default.
     Returns:
         `TopK` with ``logprobs [N, k]``, ``indices [N, k]`` int32, ``lse [N]`` float32.
     """

@@ -137,7 +137,7 @@ def teacher_schedule(hidden: torch.Tensor, weight: torch.Tensor, k: int) -> str:
     gathered and sorted by the extension 1.15-1.23x the matmul against 1.25-1.34x for cuBLAS +
     the full-row selection in the same runs; benchmarks/RESULTS.md).
     ``KD_KERNELS_TEACHER_SCHEDULE=cublas`` / ``=epilogue`` / ``=maxima`` / ``=appended`` forces
-    one (A/B in the benchmark; "appended" is ``lean=True``'s past k = 64: at k = 1024 1.24-1.30x
+    one (A/B in the benchmark; "appended" is ``lean=True``'s past k = 64: at k = 1024 1.24-1.32x
     within 64 MiB); the epilogue-matmul schedules where that matmul does not apply (dtype,
     alignment) are an error."""
     from .ops.lm_head_group_maxima import epilogue_applies
@@ -384,8 +384,8 @@ def teacher_topk_lean(hidden: torch.Tensor, weight: torch.Tensor, k: int, temper
     MAXIMA_MAX_K (``"triton"``, whose ranking of the appended keys is a torch sort) and
     `teacher_topk_appended` up to APPENDED_MAX_K; else `teacher_topk_tiled`. On an H200 at 8192 ×
     4096 × 151,936: k = 64 1.07-1.11× the bare matmul in blocks (maxima); k = 256 1.22-1.27×
-    appended against 1.30-1.35× maxima on cuda, 1.43× against 1.24× on triton; k = 1024 1.29-1.30×
-    appended against the tiled schedule's 3.0× on cuda, 1.8-2.1× against 6.3× on triton."""
+    appended against 1.30-1.35× maxima on cuda, 1.43× against 1.24× on triton; k = 1024 1.24-1.32×
+    appended against the tiled schedule's 3.0× on cuda, 1.8-4.3× against 6.3× on triton."""
     from .ops.lm_head_group_maxima import epilogue_applies
 
     applies = epilogue_applies(hidden, weight)
