@@ -27,6 +27,12 @@ from .utils import kth_largest_lower_bound
 
 # every SAMPLE_STRIDE-th column sampled for the floors: 1/19 of the flops, ~8k columns at V = 151,936
 SAMPLE_STRIDE = 19
+# the sample keeps at least this many columns per k: the stride falls below SAMPLE_STRIDE where it
+# would not (at k = 1024: 18 at V = 151,936, 15 at 128,256). A rule of the first version, never
+# measured (the floor's rank r ~ k / stride sits inside any sample of more than ~2k columns); a
+# larger stride halves the sample matmul and the floors' width at the cost of ~20 % more keys
+# (appended_ab.py times strides 25-50 with it at 1; NOTES e34)
+SAMPLE_COLUMNS_PER_K = 8
 SAMPLE_SIGMAS = 5.0  # r over the sample's mean count of top-k elements, in its standard deviations
 KEY_SIGMAS = 6.0  # the key slots over the elements a floor keeps on average, in standard deviations
 FLOOR_STEPS = 12  # value-space bisection steps of the floor (a lower bound: more steps, fewer keys)
@@ -69,8 +75,8 @@ class AppendedPlan:
 
 def appended_plan(width: int, k: int, stride: int | None = None) -> AppendedPlan:
     """`AppendedPlan` for ``width`` columns and k; ``stride`` None: SAMPLE_STRIDE, or less where
-    the vocabulary is small (a sample of at least ~8k columns keeps r well inside it)."""
-    stride = stride or max(1, min(SAMPLE_STRIDE, width // (8 * k)))
+    the sample would hold fewer than SAMPLE_COLUMNS_PER_K · k columns."""
+    stride = stride or max(1, min(SAMPLE_STRIDE, width // (SAMPLE_COLUMNS_PER_K * k)))
     sample_width = -(-width // stride)
     rank = sample_rank(k, stride, sample_width)
     return AppendedPlan(stride, sample_width, -(-sample_width // 8) * 8, rank, key_capacity(k, stride, rank))
