@@ -33,17 +33,15 @@ TRITON_STORES = dict(STORE_APPENDS_IN_PTX=False)
 PTX_STORES = dict(STORE_APPENDS_IN_PTX=True)
 SORTED_AS_IS = {"KD_KERNELS_SORT_REGISTERS": "1", "KD_KERNELS_SORT_SELECT": "1"}
 # (the CUDA sort's environment, lm_head_group_maxima settings, topk_from_appended settings)
-# at k = 1024 the stride is SAMPLE_STRIDE only where the sample keeps SAMPLE_COLUMNS_PER_K · k columns
-# (18 at V = 151,936 by default): the stride variants lift that rule
-ANY_SAMPLE = dict(SAMPLE_COLUMNS_PER_K=1)
-VARIANTS = {"as is (PTX stores, register sort after a selection, 12 steps, 4 warps, stride 19 or less, 5 sigmas)":
+# the stride at most SAMPLE_STRIDE where the sample keeps SAMPLE_COLUMNS_PER_K · k columns; before
+# e34 it was 19 with 8 · k columns: 18 at k = 1024 and V = 151,936
+VARIANTS = {"as is (PTX stores, register sort after a selection, 12 steps, 4 warps, stride 50, 5 sigmas)":
             (SORTED_AS_IS, PTX_STORES, {}),
-            "register sort of every key": (dict(SORTED_AS_IS, KD_KERNELS_SORT_SELECT="0"), PTX_STORES, {}),
-            "stride 19 at any k": (SORTED_AS_IS, PTX_STORES, ANY_SAMPLE),
-            "stride 25": (SORTED_AS_IS, PTX_STORES, dict(ANY_SAMPLE, SAMPLE_STRIDE=25)),
-            "stride 38 (a sample of <= 4096 columns)": (SORTED_AS_IS, PTX_STORES, dict(ANY_SAMPLE, SAMPLE_STRIDE=38)),
-            "stride 50": (SORTED_AS_IS, PTX_STORES, dict(ANY_SAMPLE, SAMPLE_STRIDE=50)),
-            "stride 38, 4 sigmas": (SORTED_AS_IS, PTX_STORES, dict(ANY_SAMPLE, SAMPLE_STRIDE=38, SAMPLE_SIGMAS=4.0))}
+            "stride 38": (SORTED_AS_IS, PTX_STORES, dict(SAMPLE_STRIDE=38)),
+            "stride 19 or less (e34's before)": (SORTED_AS_IS, PTX_STORES, dict(SAMPLE_STRIDE=19, SAMPLE_COLUMNS_PER_K=8)),
+            "stride 64": (SORTED_AS_IS, PTX_STORES, dict(SAMPLE_STRIDE=64)),
+            "4 sigmas": (SORTED_AS_IS, PTX_STORES, dict(SAMPLE_SIGMAS=4.0)),
+            "register sort of every key": (dict(SORTED_AS_IS, KD_KERNELS_SORT_SELECT="0"), PTX_STORES, {})}
 
 
 def configured(environment, appends, settings, call):

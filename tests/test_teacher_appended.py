@@ -13,7 +13,7 @@ from kd_kernels import reference
 from kd_kernels.ops import topk_from_appended
 from kd_kernels.ops.lm_head_group_maxima import Appends, EpilogueMatmul, lm_head_logits_with_summaries
 from kd_kernels.ops.sort_keys import decode_keys
-from kd_kernels.ops.topk_from_appended import order_appended_keys, sample_floors
+from kd_kernels.ops.topk_from_appended import appended_plan, order_appended_keys, sample_floors
 from kd_kernels.teacher_chunked import teacher_topk_appended
 
 pytestmark = pytest.mark.interpret
@@ -118,3 +118,17 @@ def test_the_appending_matmul_refuses_strided_floors():
     with pytest.raises(ValueError, match=r"appends: expected contiguous floors \[37\] torch.float32"):
         EpilogueMatmul(hidden, weight, bias, 200, 0.7, None, appends=appends)
 
+
+
+@pytest.mark.parametrize("width", [151_936, 128_256, 32_000, 4_096])
+@pytest.mark.parametrize("k", [1, 64, 256, 1024])
+def test_the_plan_keeps_a_rows_keys_within_its_slots(width, k):
+    # the floor's rank inside the sample, and the ~rank · stride elements a floor keeps, plus five
+    # of their standard deviations (~stride · sqrt(rank)), within the slots: a row overflows (and
+    # is redone) in well under a millionth of rows
+    plan = appended_plan(width, k)
+    assert 1 <= plan.stride <= topk_from_appended.SAMPLE_STRIDE
+    assert plan.rank <= plan.sample_width <= plan.sample_columns
+    assert plan.sample_width * plan.stride >= width
+    assert plan.rank * plan.stride + 5 * plan.stride * plan.rank ** 0.5 <= plan.capacity <= topk_from_appended.MAX_KEYS
+    assert plan.capacity >= k

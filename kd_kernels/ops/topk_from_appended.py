@@ -1,10 +1,10 @@
 """Each row's top-k from the elements the appending matmul kept (ops/lm_head_group_maxima.py
 with `Appends`): no logits stored, no group summaries, memory independent of V.
 
-Before a chunk's matmul, a sample of its columns (every ``stride``-th, by cuBLAS: ~1/19 of the
-flops) gives each row a floor: a lower bound of the sample's r-th largest logit, with r a few
+Before a chunk's matmul, a sample of its columns (every ``stride``-th, by the epilogue matmul:
+1/50 of the flops) gives each row a floor: a lower bound of the sample's r-th largest logit, with r a few
 standard deviations above the k/stride top-k elements a sample holds on average. The matmul
-then appends every element at or above its row's floor (~r · stride a row, ~1.8k at k = 1024)
+then appends every element at or above its row's floor (~r · stride a row, ~2.2k at k = 1024)
 to the row's keys, and one sort per row ranks them. Exact whatever the floor: when at least k
 elements reach it, the row's k-th largest does too, so every top-k element (and every tie of
 the k-th) is among the keys; rows with fewer than k (a floor above the k-th largest: a sample
@@ -25,14 +25,15 @@ from .sort_keys import top_of_counted_keys, value_column_key
 from .topk_from_groups import row_logsumexp
 from .utils import kth_largest_lower_bound
 
-# every SAMPLE_STRIDE-th column sampled for the floors: 1/19 of the flops, ~8k columns at V = 151,936
-SAMPLE_STRIDE = 19
-# the sample keeps at least this many columns per k: the stride falls below SAMPLE_STRIDE where it
-# would not (at k = 1024: 18 at V = 151,936, 15 at 128,256). A rule of the first version, never
-# measured (the floor's rank r ~ k / stride sits inside any sample of more than ~2k columns); a
-# larger stride halves the sample matmul and the floors' width at the cost of ~20 % more keys
-# (appended_ab.py times strides 25-50 with it at 1; NOTES e34)
-SAMPLE_COLUMNS_PER_K = 8
+# every SAMPLE_STRIDE-th column sampled for the floors: 1/50 of the flops, ~3k columns at V =
+# 151,936 (a floors kernel block of 4096), ~2.2k keys a row at k = 1024 against ~1.7k at stride 18:
+# the sum of the schedule's kernels 16.34 -> 15.37 ms at k = 1024 and 15.50 -> 14.86 at k = 256 on
+# an H200 (stride 38: 15.61 / 14.90; NOTES e34)
+SAMPLE_STRIDE = 50
+# the sample keeps at least this many columns per k (the stride falls below SAMPLE_STRIDE where it
+# would not), so the floor's rank r ~ k / stride + 5 sigmas sits well inside it; 8 before e34,
+# which held the stride at 18 / 15 at k = 1024 and V = 151,936 / 128,256
+SAMPLE_COLUMNS_PER_K = 2
 SAMPLE_SIGMAS = 5.0  # r over the sample's mean count of top-k elements, in its standard deviations
 KEY_SIGMAS = 6.0  # the key slots over the elements a floor keeps on average, in standard deviations
 FLOOR_STEPS = 12  # value-space bisection steps of the floor (a lower bound: more steps, fewer keys)
