@@ -32,7 +32,7 @@ COMMON = dict(HAS_BIAS=False, BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, N
               GROUP_COLUMNS=32, SUBTILE=True, FLATTEN=True, DOT_PRECISION="tf32", STORE_LOGITS=False)
 VARIANTS = {"statistics": dict(GROUP_TOP2=False, APPEND=False),
             "top2": dict(GROUP_TOP2=True, APPEND=False),
-            "append": dict(GROUP_TOP2=False, APPEND=True, APPEND_IN_PTX=True, APPEND_PTX=epilogue.APPEND_PTX),
+            "append": dict(GROUP_TOP2=False, APPEND=True, APPEND_IN_PTX=True),
             "append triton-stores": dict(GROUP_TOP2=False, APPEND=True, APPEND_IN_PTX=False)}
 
 

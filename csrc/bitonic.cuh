@@ -1,7 +1,6 @@
 // Block-wide bitonic sort in shared memory, shared by the kernels of this folder.
 #pragma once
 #include <cstdint>
-#include <cstdlib>
 #include <type_traits>
 
 namespace kd_kernels {
@@ -99,13 +98,6 @@ __device__ __forceinline__ void with_items_for(int size, Sort&& sort) {
   } else {
     sort(std::integral_constant<int, 16>{});
   }
-}
-
-// KD_KERNELS_SORT_REGISTERS=0|1, read at each launch: the sorts through registers (1) or every
-// step through shared memory (0); unset, each kernel's ``fallback`` (its measured choice).
-inline bool sort_in_registers(bool fallback) {
-  const char* choice = std::getenv("KD_KERNELS_SORT_REGISTERS");
-  return choice ? choice[0] == '1' : fallback;
 }
 
 }  // namespace kd_kernels

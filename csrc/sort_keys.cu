@@ -12,6 +12,7 @@
 #include "bitonic.cuh"
 #include "keys.cuh"
 #include "sort_keys.h"
+#include "switches.h"
 
 namespace kd_kernels {
 namespace {
@@ -142,13 +143,6 @@ __device__ __forceinline__ int select_reaching_kth(const int64_t* row_keys, int 
   return static_cast<int>(*selected_count);
 }
 
-// KD_KERNELS_SORT_SELECT=0|1, read at each launch: the register sort selects the keys reaching the
-// k-th value first (1, the default) or sorts all of a row's keys (0)
-inline bool select_before_sort() {
-  const char* choice = std::getenv("KD_KERNELS_SORT_SELECT");
-  return choice ? choice[0] == '1' : true;
-}
-
 __global__ void __launch_bounds__(kSortThreads) sort_keys_in_registers_kernel(const int64_t* keys,
                                                                               const int32_t* counts, int64_t capacity,
                                                                               int k, bool select, float* values,
@@ -184,9 +178,12 @@ cudaError_t launch_sort_keys(const int64_t* keys, const int32_t* counts, int64_t
   int size = kSortThreads;  // the register sort exchanges at least a key a thread through shared memory
   while (size < capacity) size <<= 1;
   const size_t shared = static_cast<size_t>(size) * sizeof(uint64_t);  // <= 32 KiB: no opt-in needed
-  if (sort_in_registers(true)) {  // 25-31 % less time on an H200 (NOTES e32)
+  // KD_KERNELS_SORT_REGISTERS: through registers, 25-31 % less time on an H200 (NOTES e32), or
+  // every step through shared memory; KD_KERNELS_SORT_SELECT: the register sort selects the keys
+  // reaching the k-th value first (0.51 against 0.84 ms at k = 1024, NOTES e34) or sorts them all
+  if (switch_on("KD_KERNELS_SORT_REGISTERS", true)) {
     sort_keys_in_registers_kernel<<<static_cast<unsigned int>(rows), kSortThreads, shared, stream>>>(
-        keys, counts, capacity, static_cast<int>(k), select_before_sort(), values, columns);
+        keys, counts, capacity, static_cast<int>(k), switch_on("KD_KERNELS_SORT_SELECT", true), values, columns);
   } else {
     sort_keys_kernel<<<static_cast<unsigned int>(rows), kSortThreads, shared, stream>>>(
         keys, counts, capacity, static_cast<int>(k), values, columns);

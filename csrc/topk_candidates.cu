@@ -29,6 +29,7 @@
 
 #include "bitonic.cuh"
 #include "keys.cuh"
+#include "switches.h"
 #include "topk_candidates.h"
 
 namespace cg = cooperative_groups;
@@ -475,11 +476,6 @@ struct Switches {
   bool pipelined, filter, narrow;
   float margin_factor;
 };
-
-bool switch_on(const char* name, bool fallback) {
-  const char* choice = std::getenv(name);
-  return choice ? choice[0] == '1' : fallback;
-}
 
 template <typename T>
 Switches read_switches(int64_t k, int64_t width) {

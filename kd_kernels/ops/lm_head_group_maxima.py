@@ -169,7 +169,7 @@ STORE_APPENDS_IN_PTX = os.environ.get("TRITON_INTERPRET") != "1"
 # diverge and reconverge (sm_90 loop 3652 instructions and 250 reconvergence barriers against
 # 3280 and 2; in one process on an H200 the appending matmul at k = 1024 1.185-1.192x cuBLAS
 # against 1.122-1.123x predicated: NOTES e33-e34)
-APPEND_PTX = """
+_STORE_APPENDED_PTX = tl.constexpr("""
 {
 .reg .pred taken, kept;
 .reg .b32 slot;
@@ -184,7 +184,7 @@ mad.wide.u32 address, slot, 8, $7;
 @kept st.global.b32 [address], $8;
 @kept st.global.b32 [address+4], $1;
 }
-"""
+""")
 
 
 @triton.jit
@@ -208,8 +208,7 @@ def _reserve_slots(grouped, row_offsets, floor_ptr, counts_ptr, GROUP_COLUMNS: t
 
 @triton.jit
 def _store_appends(grouped, floor, bits, first, column_tile, row_offsets, keys_ptr, key_capacity,
-                   BLOCK_N: tl.constexpr, GROUP_COLUMNS: tl.constexpr, IN_PTX: tl.constexpr,
-                   PTX: tl.constexpr):
+                   BLOCK_N: tl.constexpr, GROUP_COLUMNS: tl.constexpr, IN_PTX: tl.constexpr):
     """Each element of ``grouped`` at or above its row's ``floor`` stored in its slot (`_reserve_slots`'
     ``first`` + a popcount of its group's ``bits`` below it) as one raw key (the float's bits above
     the column; ops/topk_from_appended.py `order_appended_keys` makes them sort keys); slots past
@@ -220,7 +219,7 @@ def _store_appends(grouped, floor, bits, first, column_tile, row_offsets, keys_p
     column = column_tile * BLOCK_N + top2_group_columns(group, lane, GROUP_COLUMNS)
     if IN_PTX:
         row_keys = (keys_ptr + row_offsets * key_capacity).to(tl.int64, bitcast=True)[:, None, None]
-        tl.inline_asm_elementwise(PTX, "=r,f,f,r,r,r,r,l,r",
+        tl.inline_asm_elementwise(_STORE_APPENDED_PTX, "=r,f,f,r,r,r,r,l,r",
                                   [grouped, floor[:, None, None], bits[:, :, None], (1 << lane) - 1,
                                    first[:, :, None], tl.full([1, 1, 1], key_capacity, tl.int32), row_keys, column],
                                   dtype=tl.int32, is_pure=False, pack=1)
@@ -240,7 +239,7 @@ def _lm_head_group_maxima_kernel(hidden_desc, weight_desc, logits_desc, bias_ptr
                                  GROUP_COLUMNS: tl.constexpr, SUBTILE: tl.constexpr, FLATTEN: tl.constexpr,
                                  DOT_PRECISION: tl.constexpr, STORE_LOGITS: tl.constexpr = True,
                                  GROUP_TOP2: tl.constexpr = False, APPEND: tl.constexpr = False,
-                                 APPEND_IN_PTX: tl.constexpr = False, APPEND_PTX: tl.constexpr = ""):
+                                 APPEND_IN_PTX: tl.constexpr = False):
     row_tiles = tl.cdiv(num_rows, BLOCK_M)
     column_tiles = tl.cdiv(width, BLOCK_N)
     groups_per_tile: tl.constexpr = BLOCK_N // GROUP_COLUMNS
@@ -302,7 +301,7 @@ def _lm_head_group_maxima_kernel(hidden_desc, weight_desc, logits_desc, bias_ptr
         tl.store(tile_sum2_ptr + row_offsets * column_tiles + column_tile, tile_sum2, mask=rows_ok)
         if APPEND:
             _store_appends(grouped, floor, bits, first, column_tile, appending_rows, keys_ptr, key_capacity, BLOCK_N,
-                           GROUP_COLUMNS, APPEND_IN_PTX, APPEND_PTX)
+                           GROUP_COLUMNS, APPEND_IN_PTX)
         else:
             tl.store(group_max_ptr + group_offsets, group_max, mask=rows_ok[:, None])
 
@@ -420,7 +419,6 @@ class EpilogueMatmul:
             SUBTILE=config.subtile, FLATTEN=config.flatten, STORE_LOGITS=self.store_logits,
             GROUP_TOP2=self.group_top2, APPEND=self.appends is not None,
             APPEND_IN_PTX=STORE_APPENDS_IN_PTX,
-            APPEND_PTX=APPEND_PTX if self.appends is not None else "",
             # float32 inputs get float32 products (tf32 would move logits by ~1e-3)
             DOT_PRECISION="ieee" if self.hidden.dtype == torch.float32 else "tf32",
             num_warps=config.num_warps, num_stages=config.num_stages)
