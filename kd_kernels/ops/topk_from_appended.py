@@ -146,17 +146,17 @@ def tile_logsumexp(tile_max2: torch.Tensor, tile_sum2: torch.Tensor, lse: torch.
 
 
 def rank_appended(keys: torch.Tensor, counts: torch.Tensor, k: int, order: str):
-    """keys ``[R, capacity]`` int64 raw (the appending matmul's; ordered in place), counts ``[R]``
-    int32 (may pass the capacity) -> (the k
+    """keys ``[R, capacity]`` int64 raw (the appending matmul's; "cuda" sorts them as they are,
+    "torch" orders them in place first), counts ``[R]`` int32 (may pass the capacity) -> (the k
     largest values ``[R, k]`` float32 in order, -inf past a row's count; columns ``[R, k]``
     int32; overflow ``[R]`` bool: fewer than k keys or more than the capacity, rows to redo)."""
     capacity = keys.shape[1]
-    order_appended_keys(keys, counts)
     overflow = (counts < k) | (counts > capacity)
     kept = counts.clamp(max=capacity)
-    if order == "cuda":
-        values, columns = top_of_counted_keys(keys, kept, k, order)
+    if order == "cuda":  # the extension makes the raw keys sortable as it loads them: no ordering pass
+        values, columns = top_of_counted_keys(keys, kept, k, order, raw=True)
         return values, columns, overflow
+    order_appended_keys(keys, counts)
     piece = max(1, RANK_PIECE_BYTES // (3 * keys[0].nbytes))  # a torch sort holds ~3 copies of its keys
     values = torch.empty(keys.shape[0], k, dtype=torch.float32, device=keys.device)
     columns = torch.empty(keys.shape[0], k, dtype=torch.int32, device=keys.device)
