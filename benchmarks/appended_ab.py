@@ -1,8 +1,9 @@
-"""The appended schedule's parts under variants (NOTES e31-e34), by device time per kernel
+"""The appended schedule's parts under variants (NOTES e31-e35), by device time per kernel
 (torch.profiler, the median of several calls) and the whole call timed in turn with the bare
-matmul: the CUDA sort (KD_KERNELS_SORT_SELECT: the keys reaching the k-th value selected first, or
-all sorted), the sample's stride (`SAMPLE_STRIDE` with `SAMPLE_COLUMNS_PER_K`: a smaller sample
-matmul and floors kernel, more keys) and margin (`SAMPLE_SIGMAS`). Other switches the variants
+matmul: the CUDA sort (KD_KERNELS_SORT_SELECT: the keys reaching the k-th value selected first,
+or all sorted; `SORT_RAW_KEYS`: the matmul's raw keys, or the key order pass first), the
+sample's stride (`SAMPLE_STRIDE` with `SAMPLE_COLUMNS_PER_K`: a smaller sample matmul and floors
+kernel, more keys) and margin (`SAMPLE_SIGMAS`). Other switches the variants
 can set: KD_KERNELS_SORT_REGISTERS, `STORE_APPENDS_IN_PTX`, `FLOOR_STEPS`, `ROW_WARPS`.
 First, what the matmul alone costs under the same profiler: cuBLAS, the statistics-only
 epilogue matmul, and the appending one with floors no element reaches (its code, no appends).
@@ -35,12 +36,10 @@ SORTED_AS_IS = {"KD_KERNELS_SORT_REGISTERS": "1", "KD_KERNELS_SORT_SELECT": "1"}
 # (the CUDA sort's environment, lm_head_group_maxima settings, topk_from_appended settings)
 # the stride at most SAMPLE_STRIDE where the sample keeps SAMPLE_COLUMNS_PER_K · k columns; before
 # e34 it was 19 with 8 · k columns: 18 at k = 1024 and V = 151,936
-VARIANTS = {"as is (PTX stores, register sort after a selection, 12 steps, 4 warps, stride 50, 5 sigmas)":
-            (SORTED_AS_IS, PTX_STORES, {}),
+VARIANTS = {"as is (PTX stores, raw keys into a register sort after a selection, 12 steps, 4 warps, stride 50, "
+            "5 sigmas)": (SORTED_AS_IS, PTX_STORES, {}),
+            "the key order pass first (before e35)": (SORTED_AS_IS, PTX_STORES, dict(SORT_RAW_KEYS=False)),
             "stride 38": (SORTED_AS_IS, PTX_STORES, dict(SAMPLE_STRIDE=38)),
-            "stride 19 or less (e34's before)": (SORTED_AS_IS, PTX_STORES, dict(SAMPLE_STRIDE=19, SAMPLE_COLUMNS_PER_K=8)),
-            "stride 64": (SORTED_AS_IS, PTX_STORES, dict(SAMPLE_STRIDE=64)),
-            "4 sigmas": (SORTED_AS_IS, PTX_STORES, dict(SAMPLE_SIGMAS=4.0)),
             "register sort of every key": (dict(SORTED_AS_IS, KD_KERNELS_SORT_SELECT="0"), PTX_STORES, {})}
 
 

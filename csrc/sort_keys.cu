@@ -20,7 +20,19 @@ namespace {
 constexpr int kSortThreads = 256;
 constexpr uint64_t kSignBit = 0x8000000000000000ull;
 
+// A stored key as an unsigned key of the sort's order (keys.cuh's candidates): `raw`, the
+// appending matmul's (the float's bits above the column), else kd_kernels/ops/sort_keys.py's
+// signed keys, whose order flipping the sign bit makes unsigned.
+template <bool RAW>
+__device__ __forceinline__ uint64_t sortable_key(int64_t stored) {
+  const uint64_t bits = static_cast<uint64_t>(stored);
+  if (!RAW) return bits ^ kSignBit;
+  return candidate(order_key(__uint_as_float(static_cast<uint32_t>(bits >> 32))),
+                   static_cast<int>(static_cast<uint32_t>(bits)));
+}
+
 // a row's keys in shared memory, every step of the sort through it
+template <bool RAW>
 __global__ void __launch_bounds__(kSortThreads) sort_keys_kernel(const int64_t* keys, const int32_t* counts,
                                                                  int64_t capacity, int k, float* values,
                                                                  int32_t* columns) {
@@ -30,10 +42,9 @@ __global__ void __launch_bounds__(kSortThreads) sort_keys_kernel(const int64_t* 
   int size = 1;
   while (size < count) size <<= 1;
   const int64_t* row_keys = keys + row * capacity;
-  // flipping the sign bit makes the signed order unsigned (keys.cuh's candidates); padding (0)
-  // sorts after every key
+  // padding (0) sorts after every key
   for (int i = threadIdx.x; i < size; i += blockDim.x) {
-    buffer[i] = i < count ? static_cast<uint64_t>(row_keys[i]) ^ kSignBit : 0ull;
+    buffer[i] = i < count ? sortable_key<RAW>(row_keys[i]) : 0ull;
   }
   __syncthreads();
   sort_descending(buffer, size);
@@ -41,14 +52,14 @@ __global__ void __launch_bounds__(kSortThreads) sort_keys_kernel(const int64_t* 
 }
 
 // ITEMS keys a thread in registers (kSortThreads * ITEMS >= the row's count), padded with 0
-template <int ITEMS>
+template <int ITEMS, bool RAW>
 __device__ __forceinline__ void sort_row_in_registers(const int64_t* row_keys, int count, int k, float* values,
                                                       int32_t* columns, uint64_t* shared) {
   uint64_t held[ITEMS];
 #pragma unroll
   for (int r = 0; r < ITEMS; ++r) {
     const int i = threadIdx.x * ITEMS + r;
-    held[r] = i < count ? static_cast<uint64_t>(row_keys[i]) ^ kSignBit : 0ull;
+    held[r] = i < count ? sortable_key<RAW>(row_keys[i]) : 0ull;
   }
   sort_descending_in_registers<kSortThreads, ITEMS>(held, shared);
 #pragma unroll
@@ -82,7 +93,7 @@ __device__ __forceinline__ int block_count(int flags, int (&partial)[2][kSortWar
 // selected[]; returns how many: k, or more where keys of the k-th key's value tie past k. The
 // floor by bisection of the unsigned value bits between the row's smallest and largest (~23
 // block-wide counts for float32 logits), stopping early at a floor exactly k keys reach.
-template <int ITEMS>
+template <int ITEMS, bool RAW>
 __device__ __forceinline__ int select_reaching_kth(const int64_t* row_keys, int count, int k, uint64_t* selected,
                                                   int (&partial)[2][kSortWarps], unsigned int* selected_count) {
   uint32_t value_bits[ITEMS];
@@ -90,7 +101,7 @@ __device__ __forceinline__ int select_reaching_kth(const int64_t* row_keys, int 
 #pragma unroll
   for (int r = 0; r < ITEMS; ++r) {
     const int i = threadIdx.x * ITEMS + r;
-    value_bits[r] = i < count ? static_cast<uint32_t>((static_cast<uint64_t>(row_keys[i]) ^ kSignBit) >> 32) : 0u;
+    value_bits[r] = i < count ? static_cast<uint32_t>(sortable_key<RAW>(row_keys[i]) >> 32) : 0u;
     if (i < count) {
       smallest = min(smallest, value_bits[r]);
       largest = max(largest, value_bits[r]);
@@ -143,6 +154,7 @@ __device__ __forceinline__ int select_reaching_kth(const int64_t* row_keys, int 
   return static_cast<int>(*selected_count);
 }
 
+template <bool RAW>
 __global__ void __launch_bounds__(kSortThreads) sort_keys_in_registers_kernel(const int64_t* keys,
                                                                               const int32_t* counts, int64_t capacity,
                                                                               int k, bool select, float* values,
@@ -157,8 +169,8 @@ __global__ void __launch_bounds__(kSortThreads) sort_keys_in_registers_kernel(co
   if (select && count > k) {
     if (threadIdx.x == 0) selected_count = 0;  // published by the selection's barriers
     with_items_for<kSortThreads>(count, [&](auto items) {
-      sorted_count = select_reaching_kth<decltype(items)::value>(row_keys, count, k, buffer, partial,
-                                                                 &selected_count);
+      sorted_count = select_reaching_kth<decltype(items)::value, RAW>(row_keys, count, k, buffer, partial,
+                                                                      &selected_count);
     });
     row_keys = reinterpret_cast<const int64_t*>(buffer);  // the sort loads them before its first exchange
   }
@@ -166,15 +178,15 @@ __global__ void __launch_bounds__(kSortThreads) sort_keys_in_registers_kernel(co
   int32_t* row_columns = columns + row * k;
   // the same size for the whole block: the count picks it (k <= count but for rows to redo)
   with_items_for<kSortThreads>(max(sorted_count, k), [&](auto items) {
-    sort_row_in_registers<decltype(items)::value>(row_keys, sorted_count, k, row_values, row_columns, buffer);
+    sort_row_in_registers<decltype(items)::value, RAW>(row_keys, sorted_count, k, row_values, row_columns, buffer);
   });
 }
 
 }  // namespace
 
-cudaError_t launch_sort_keys(const int64_t* keys, const int32_t* counts, int64_t rows, int64_t capacity, int64_t k,
-                             float* values, int32_t* columns, cudaStream_t stream) {
-  if (rows == 0) return cudaSuccess;
+template <bool RAW>
+void launch_sorts(const int64_t* keys, const int32_t* counts, int64_t rows, int64_t capacity, int64_t k,
+                  float* values, int32_t* columns, cudaStream_t stream) {
   int size = kSortThreads;  // the register sort exchanges at least a key a thread through shared memory
   while (size < capacity) size <<= 1;
   const size_t shared = static_cast<size_t>(size) * sizeof(uint64_t);  // <= 32 KiB: no opt-in needed
@@ -182,11 +194,21 @@ cudaError_t launch_sort_keys(const int64_t* keys, const int32_t* counts, int64_t
   // every step through shared memory; KD_KERNELS_SORT_SELECT: the register sort selects the keys
   // reaching the k-th value first (0.51 against 0.84 ms at k = 1024, NOTES e34) or sorts them all
   if (switch_on("KD_KERNELS_SORT_REGISTERS", true)) {
-    sort_keys_in_registers_kernel<<<static_cast<unsigned int>(rows), kSortThreads, shared, stream>>>(
+    sort_keys_in_registers_kernel<RAW><<<static_cast<unsigned int>(rows), kSortThreads, shared, stream>>>(
         keys, counts, capacity, static_cast<int>(k), switch_on("KD_KERNELS_SORT_SELECT", true), values, columns);
   } else {
-    sort_keys_kernel<<<static_cast<unsigned int>(rows), kSortThreads, shared, stream>>>(
+    sort_keys_kernel<RAW><<<static_cast<unsigned int>(rows), kSortThreads, shared, stream>>>(
         keys, counts, capacity, static_cast<int>(k), values, columns);
+  }
+}
+
+cudaError_t launch_sort_keys(const int64_t* keys, const int32_t* counts, int64_t rows, int64_t capacity, int64_t k,
+                             bool raw, float* values, int32_t* columns, cudaStream_t stream) {
+  if (rows == 0) return cudaSuccess;
+  if (raw) {
+    launch_sorts<true>(keys, counts, rows, capacity, k, values, columns, stream);
+  } else {
+    launch_sorts<false>(keys, counts, rows, capacity, k, values, columns, stream);
   }
   return cudaGetLastError();
 }

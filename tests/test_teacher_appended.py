@@ -12,7 +12,7 @@ from helpers import (HAS_CUDA, check_teacher_topk,
 from kd_kernels import reference
 from kd_kernels.ops import topk_from_appended
 from kd_kernels.ops.lm_head_group_maxima import Appends, EpilogueMatmul, lm_head_logits_with_summaries
-from kd_kernels.ops.sort_keys import decode_keys
+from kd_kernels.ops.sort_keys import decode_keys, top_of_counted_keys
 from kd_kernels.ops.topk_from_appended import appended_plan, order_appended_keys, sample_floors
 from kd_kernels.teacher_chunked import teacher_topk_appended
 
@@ -128,3 +128,10 @@ def test_the_plan_keeps_a_rows_keys_within_its_slots(width, k):
     # is redone) in well under a millionth of rows
     plan = appended_plan(width, k)
     assert plan.rank * plan.stride + 5 * plan.stride * plan.rank ** 0.5 <= plan.capacity
+
+
+def test_the_torch_order_refuses_raw_keys():
+    keys = torch.zeros(2, 8, dtype=torch.int64)
+    counts = torch.full((2,), 8, dtype=torch.int32)
+    with pytest.raises(ValueError, match="raw: the torch order takes value_column_keys only; got raw=True"):
+        top_of_counted_keys(keys, counts, 4, "torch", raw=True)

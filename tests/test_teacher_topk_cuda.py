@@ -206,7 +206,8 @@ SORTS = {"registers, the keys reaching the k-th value first": ("1", "1"), "regis
 @pytest.mark.parametrize("sort", SORTS)
 @pytest.mark.parametrize("capacity, k", [(2048, 1024), (300, 300), (4096, 7), (100, 60), (4096, 1024), (4096, 2500)])
 @pytest.mark.parametrize("rounded", [True, False])
-def test_sort_keys_orders_each_rows_counted_keys(capacity, k, sort, rounded, monkeypatch):
+@pytest.mark.parametrize("raw", [False, True])
+def test_sort_keys_orders_each_rows_counted_keys(capacity, k, sort, rounded, raw, monkeypatch):
     monkeypatch.setenv("KD_KERNELS_SORT_REGISTERS", SORTS[sort][0])
     monkeypatch.setenv("KD_KERNELS_SORT_SELECT", SORTS[sort][1])
     from kd_kernels.ops.sort_keys import value_column_keys
@@ -221,10 +222,12 @@ def test_sort_keys_orders_each_rows_counted_keys(capacity, k, sort, rounded, mon
         values = values.round(decimals=1)
         values[3] = 1.5
     columns = torch.randperm(200_000, device="cuda", generator=generator)[:capacity].int().expand(rows, -1)
-    keys = value_column_keys(values, columns).contiguous()
+    # raw: as the appending matmul stores them, the column's word, then the float's bits (-0.0 kept)
+    keys = (torch.stack([columns, values.view(torch.int32)], dim=-1).view(torch.int64)[..., 0] if raw
+            else value_column_keys(values, columns)).contiguous()
     counts = torch.randint(0, capacity + 1, (rows,), device="cuda", generator=generator, dtype=torch.int32)
     counts[:3] = torch.tensor([0, capacity, capacity + 50], dtype=torch.int32)  # past capacity reads as capacity
-    got_values, got_columns = (tensor.cpu() for tensor in _extension().sort_keys(keys, counts, k))
+    got_values, got_columns = (tensor.cpu() for tensor in _extension().sort_keys(keys, counts, k, raw))
     values, columns = values.cpu(), columns[0].cpu()
     for row in range(rows):
         count = min(int(counts[row]), capacity)

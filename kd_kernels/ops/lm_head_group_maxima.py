@@ -83,8 +83,9 @@ class RowSummaries:
 class Appends:
     """Where an appending matmul puts each row's elements at or above the row's floor:
     ``floors [R]`` float32 (logits before τ, bias included), ``keys [R, capacity]`` int64
-    (raw: the float's bits above the column, in no order, `order_appended_keys` makes them
-    `value_column_keys`; slots past a row's count are junk), ``counts [R]`` int32
+    (raw: the float's bits above the column, in no order: the extension's sort takes them so,
+    `order_appended_keys` makes them `value_column_keys` for a torch sort; slots past a row's
+    count are junk), ``counts [R]`` int32
     (zero before the matmul; after it, the elements at or above the floor, which may pass the
     capacity: such a row's keys are incomplete)."""
     floors: torch.Tensor
@@ -211,7 +212,7 @@ def _store_appends(grouped, floor, bits, first, column_tile, row_offsets, keys_p
                    BLOCK_N: tl.constexpr, GROUP_COLUMNS: tl.constexpr, IN_PTX: tl.constexpr):
     """Each element of ``grouped`` at or above its row's ``floor`` stored in its slot (`_reserve_slots`'
     ``first`` + a popcount of its group's ``bits`` below it) as one raw key (the float's bits above
-    the column; ops/topk_from_appended.py `order_appended_keys` makes them sort keys); slots past
+    the column; ops/topk_from_appended.py `rank_appended` ranks them); slots past
     ``key_capacity`` dropped (the row's count passes it: the caller redoes the row)."""
     groups: tl.constexpr = grouped.shape[1]
     group = tl.arange(0, groups)[None, :, None]

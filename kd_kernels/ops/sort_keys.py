@@ -33,15 +33,19 @@ def top_of_keys(keys: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]
 _EMPTY_KEY = value_column_keys(torch.tensor([float("-inf")]), torch.tensor([EMPTY_COLUMN])).item()
 
 
-def top_of_counted_keys(keys: torch.Tensor, counts: torch.Tensor, k: int, order: str):
+def top_of_counted_keys(keys: torch.Tensor, counts: torch.Tensor, k: int, order: str, raw: bool = False):
     """The k largest of each row's first ``counts [R]`` int32 keys (``keys [R, C]`` int64,
     contiguous; the slots past a row's count are ignored), decoded: (values ``[R, k]`` float32,
     -inf past the count; columns ``[R, k]`` int32, 0 there). ``order``: "cuda" (a bitonic sort
-    per row in the extension, C <= 4096) or "torch" (one torch.sort)."""
+    per row in the extension, C <= 4096) or "torch" (one torch.sort). ``raw``: the keys as the
+    appending matmul stores them (a float's bits above its column; ops/topk_from_appended.py),
+    made sortable by the extension as it loads them ("cuda" only), else `value_column_keys`."""
     if order == "cuda":
         from .topk_candidates import load_extension
 
-        return load_extension().sort_keys(keys, counts, k)
+        return load_extension().sort_keys(keys, counts, k, raw)
+    if raw:
+        raise ValueError(f"raw: the torch order takes value_column_keys only; got raw=True with order {order!r}")
     filled = torch.arange(keys.shape[1], device=keys.device) < counts.unsqueeze(1)
     values, columns = top_of_keys(torch.where(filled, keys, _EMPTY_KEY), k)
     return values, columns.to(torch.int32)
