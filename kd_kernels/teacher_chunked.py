@@ -1,7 +1,8 @@
 """Teacher top-k on the GPU backends: chunks of rows (never the whole ``[N, V]`` logits), per
 chunk each row's top-k and its logsumexp. Schedules from hidden:
 
-- the epilogue schedule (`teacher_topk_epilogue`; 16-bit inputs, k ≤ 1024): a Triton matmul
+- the epilogue schedule (`teacher_topk_epilogue`; 16-bit inputs, k ≤ 1024; the default past
+  k = 64 without the extension): a Triton matmul
   writes the chunk's float32 logits and, from its accumulator, each row's tile statistics and
   group maxima (ops/lm_head_group_maxima.py); the top-k is then found among the ~k groups
   that can hold it (ops/topk_from_groups.py), without reading the rows back. Rows whose
@@ -19,9 +20,10 @@ bytes, ~1.25 GiB by default). The maxima schedule (`teacher_topk_maxima`; 16-bit
 each 32-column group's maximum, its column and the group's second largest, which give most of
 the top-k directly; the few groups holding two or more top-k elements are computed again.
 Its buffers stay within MAXIMA_BYTES whatever N and V. The appended schedule
-(`teacher_topk_appended`; 16-bit inputs, k ≤ 1024) stores no logits either: floors from a
-strided sample of the columns, then the epilogue matmul appends each element reaching its row's
-floor to the row's keys, one sort per row (ops/topk_from_appended.py); within APPENDED_BYTES.
+(`teacher_topk_appended`; 16-bit inputs, k ≤ 1024; the default past k = 64 with the extension)
+stores no logits either: floors from a strided sample of the columns, then the epilogue matmul
+appends each element reaching its row's floor to the row's keys, one sort per row
+(ops/topk_from_appended.py); within APPENDED_BYTES.
 ``lean=True`` (`teacher_topk_lean`) stays within ~64 MiB: the maxima schedule up to k = 64 (256
 without the extension), the appended one up to k = 1024, else the tiled one
 (`teacher_topk_tiled`: tiles of rows × vocab columns, 48 MiB of float32 logits, each slice's
@@ -52,7 +54,7 @@ EPILOGUE_ROW_MULTIPLE = 1024  # the epilogue matmul's L2 group of row tiles (8 �
 # the maxima schedule: a chunk's summaries with group top-2, candidate keys and recomputed groups
 MAXIMA_BYTES = 56 << 20
 MAXIMA_MAX_K = 256
-MAXIMA_DEFAULT_K = 64  # the default schedule up to here (H200: the epilogue schedule is faster at k = 256)
+MAXIMA_DEFAULT_K = 64  # the default schedule up to here (H200: the appended and epilogue ones are faster at k = 256)
 # the appended schedule: a chunk's sample logits or keys (the same bytes), tile statistics, the sort's outputs
 APPENDED_BYTES = 56 << 20
 APPENDED_MAX_K = 1024  # the keys' slots (~1.5 · r · stride a row) stay within the extension sort's 4096
@@ -116,7 +118,7 @@ def teacher_topk(hidden: torch.Tensor, weight: torch.Tensor, k: int, temperature
     """hidden ``[N, H]``, weight ``[V, H]`` (this rank's shard under ``shard``) -> `TopK`
     float32, chunk by chunk of rows: through the epilogue matmul where it applies
     (`teacher_schedule`), else cuBLAS float32 logits and a full-row selection."""
-    schedule = teacher_schedule(hidden, weight, k)
+    schedule = teacher_schedule(hidden, weight, k, select)
     if schedule == "epilogue":
         return teacher_topk_epilogue(hidden, weight, k, temperature, vocab_size, bias, chunk_rows, shard, select)
     if schedule == "maxima":
@@ -126,20 +128,19 @@ def teacher_topk(hidden: torch.Tensor, weight: torch.Tensor, k: int, temperature
     return teacher_topk_cublas(hidden, weight, k, temperature, vocab_size, bias, chunk_rows, shard, select)
 
 
-def teacher_schedule(hidden: torch.Tensor, weight: torch.Tensor, k: int) -> str:
-    """For 16-bit TMA-aligned inputs: "maxima" for k <= MAXIMA_DEFAULT_K (no logits stored,
-    ~50 MiB beyond the outputs at 8192 rows against ~1.25 GiB for "epilogue", at the same speed
-    within the runs' spread before its epilogue lost its shuffles: H200 k = 64 1.04-1.10x the
-    matmul in blocks, 1.21-1.31x in turn, against 1.01-1.10x / 1.19-1.27x over three runs; 1.08x
-    / 1.15-1.22x after; slower at k = 256, 1.27-1.35x against 1.07-1.16x), "epilogue" (the
-    Triton matmul that also stores the float32 logits and summarizes each row, then ~k groups
-    read per row) for k <= EPILOGUE_MAX_K, else "cublas" (at k = 1024 with the candidates
-    gathered and sorted by the extension 1.15-1.23x the matmul against 1.25-1.34x for cuBLAS +
-    the full-row selection in the same runs; benchmarks/RESULTS.md).
-    ``KD_KERNELS_TEACHER_SCHEDULE=cublas`` / ``=epilogue`` / ``=maxima`` / ``=appended`` forces
-    one (A/B in the benchmark; "appended" is ``lean=True``'s past k = 64: at k = 1024 1.24-1.32x
-    within 64 MiB); the epilogue-matmul schedules where that matmul does not apply (dtype,
-    alignment) are an error."""
+def teacher_schedule(hidden: torch.Tensor, weight: torch.Tensor, k: int, select: str = "triton") -> str:
+    """For 16-bit TMA-aligned inputs, none of which stores a chunk's logits up to k = 1024 with
+    the extension: "maxima" for k <= MAXIMA_DEFAULT_K (each 32-column group's top-2 from the
+    epilogue matmul, ~50 MiB beyond the outputs at 8192 rows); past it, with the extension's
+    sort (``select="cuda"``), "appended" for k <= APPENDED_MAX_K (floors from a sample, the
+    epilogue matmul appends what reaches them: within 56 MiB, at the "epilogue" schedule's speed
+    or better since its sample went to every 50th column: H200 at k = 1024 1.18-1.23x the matmul
+    in blocks against 1.20-1.24x, 1.31-1.38x in turn against 1.33-1.40x; benchmarks/RESULTS.md);
+    on the triton backend, whose torch sort of the appended keys is 2-4x slower, "epilogue"
+    (the epilogue matmul also stores the float32 logits, ~1.25 GiB, then ~k groups are read per
+    row) for k <= EPILOGUE_MAX_K; else "cublas". ``KD_KERNELS_TEACHER_SCHEDULE=cublas`` /
+    ``=epilogue`` / ``=maxima`` / ``=appended`` forces one (the benchmark's A/B); the
+    epilogue-matmul schedules where that matmul does not apply (dtype, alignment) are an error."""
     from .ops.lm_head_group_maxima import epilogue_applies
 
     forced = os.environ.get("KD_KERNELS_TEACHER_SCHEDULE", "")
@@ -154,6 +155,8 @@ def teacher_schedule(hidden: torch.Tensor, weight: torch.Tensor, k: int) -> str:
         return forced
     if applies and k <= MAXIMA_DEFAULT_K:
         return "maxima"
+    if applies and select == "cuda" and k <= APPENDED_MAX_K:
+        return "appended"
     return "epilogue" if applies and k <= EPILOGUE_MAX_K else "cublas"
 
 

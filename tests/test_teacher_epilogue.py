@@ -156,6 +156,10 @@ def test_the_schedule_choice_and_its_switch(monkeypatch):
     assert teacher_schedule(*half, 64) == "maxima"  # up to MAXIMA_DEFAULT_K
     assert teacher_schedule(*half, 65) == "epilogue" and teacher_schedule(*half, 1024) == "epilogue"
     assert teacher_schedule(*half, 1025) == "cublas"  # past EPILOGUE_MAX_K
+    # with the extension's sort: no chunk of logits stored up to APPENDED_MAX_K
+    assert teacher_schedule(*half, 64, "cuda") == "maxima"
+    assert teacher_schedule(*half, 65, "cuda") == "appended" and teacher_schedule(*half, 1024, "cuda") == "appended"
+    assert teacher_schedule(*half, 1025, "cuda") == "cublas" and teacher_schedule(*single, 256, "cuda") == "cublas"
     assert teacher_schedule(*single, 64) == "cublas" and teacher_schedule(*odd, 64) == "cublas"
     monkeypatch.setenv("KD_KERNELS_TEACHER_SCHEDULE", "cublas")
     assert teacher_schedule(*half, 64) == "cublas"
