@@ -385,11 +385,11 @@ def teacher_topk_lean(hidden: torch.Tensor, weight: torch.Tensor, k: int, temper
     """``lean=True``, all within ~64 MiB beyond inputs and outputs: where the epilogue matmul
     takes the inputs, `teacher_topk_maxima` up to MAXIMA_DEFAULT_K (``select="cuda"``) or
     MAXIMA_MAX_K (``"triton"``, whose ranking of the appended keys is a torch sort) and
-    `teacher_topk_appended` up to APPENDED_MAX_K; else `teacher_topk_tiled`. On an H200 at 8192 ×
-    4096 × 151,936: k = 64 1.07-1.11× the bare matmul in blocks (maxima); k = 256 1.22-1.27×
-    appended against 1.30-1.35× maxima on cuda, 1.43× against 1.24× on triton; k = 1024 1.24-1.29×
-    appended (1.24-1.32× over both benchmark shapes) against the tiled schedule's 3.0× on cuda,
-    1.8-2.9× against 6.3× on triton (up to 4.3× on the 16,384 × 4096 × 128,256 shape)."""
+    `teacher_topk_appended` up to APPENDED_MAX_K (on cuda the default's schedules); else
+    `teacher_topk_tiled`. On an H200 in blocks (benchmarks/RESULTS.md, `b32a1d2`, 8192 × 4096 ×
+    151,936 / 16,384 × 4096 × 128,256): k = 256 1.17 / 1.13× the bare matmul appended against
+    1.39 / 1.34× maxima on cuda; k = 1024 1.23 / 1.24× appended against the tiled schedule's
+    3.4 / 3.0× on cuda; on triton (a torch sort of the appended keys) 1.8-4.5× at k = 1024."""
     from .ops.lm_head_group_maxima import epilogue_applies
 
     applies = epilogue_applies(hidden, weight)
