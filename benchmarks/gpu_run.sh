@@ -26,8 +26,9 @@ if [ "${BUILD_CUDA:-1}" = 1 ]; then
   [ -n "$so" ] && cp "$so" kd_kernels/ && echo "built $so"
 fi
 if [ "${RUN_TESTS:-1}" = 1 ]; then
-  timeout "${TESTS_TIMEOUT:-400}" python -m pytest -q -m "${TEST_MARKERS:-gpu}" ${TEST_PATHS:-tests/} \
-    > "$OUT/tests.log" 2>&1
+  # SIGINT at the limit: pytest stops as on Ctrl-C and still prints its summary, failures named (-rf)
+  timeout -s INT -k 30 "${TESTS_TIMEOUT:-400}" python -m pytest -q -rf --tb=short -m "${TEST_MARKERS:-gpu}" \
+    ${TEST_PATHS:-tests/} > "$OUT/tests.log" 2>&1
   tail -4 "$OUT/tests.log"
 fi
 if [ "${RUN_QUALITY:-0}" = 1 ]; then
