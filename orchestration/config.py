@@ -38,6 +38,9 @@ class Config:
     student_hidden: int = _option(64, "student hidden size when built from a config")
     student_layers: int = _option(2, "student layers when built from a config")
     heads: int = _option(4, "attention heads of built models")
+    attention: str = _option("sdpa", "sdpa | eager: the models' attention (eager has a deterministic backward on "
+                                     "GPUs, for runs compared bit for bit; sdpa's fused kernels may accumulate "
+                                     "with atomics)")
     steps: int = _option(100, "student optimizer steps")
     lr: float = _option(3e-3, "AdamW peak learning rate")
     warmup_steps: int = _option(10, "linear warm-up steps, then cosine decay to 10 %")
@@ -73,6 +76,8 @@ class Config:
             raise ValueError("micro_batches, rows_per_micro_batch: expected >= 1; row_tokens: expected >= 2")
         if self.transfer not in ("auto", "object_store", "cuda_ipc", "nccl"):
             raise ValueError(f"transfer: expected auto, object_store, cuda_ipc or nccl, got {self.transfer!r}")
+        if self.attention not in ("sdpa", "eager"):
+            raise ValueError(f"attention: expected sdpa or eager, got {self.attention!r}")
         if self.placement not in ("auto", "colocated", "disaggregated"):
             raise ValueError(f"placement: expected auto, colocated or disaggregated, got {self.placement!r}")
 

@@ -31,13 +31,13 @@ def build_model(path: Optional[str], hidden: int, layers: int, config: Config, v
     from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
     if path:
-        return AutoModelForCausalLM.from_pretrained(path, local_files_only=True)
+        return AutoModelForCausalLM.from_pretrained(path, local_files_only=True, attn_implementation=config.attention)
     torch.manual_seed(seed)
     padded = -(-vocab // LM_HEAD_ROW_MULTIPLE) * LM_HEAD_ROW_MULTIPLE
     model_config = LlamaConfig(vocab_size=padded, hidden_size=hidden, intermediate_size=2 * hidden,
                                num_hidden_layers=layers, num_attention_heads=config.heads,
                                num_key_value_heads=config.heads, max_position_embeddings=config.row_tokens,
-                               tie_word_embeddings=False)
+                               tie_word_embeddings=False, attn_implementation=config.attention)
     return LlamaForCausalLM(model_config)
 
 

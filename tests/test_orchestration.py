@@ -38,6 +38,16 @@ def test_config_defaults_yaml_and_overrides(tmp_path):
     assert all(f"  {name} (" in help_text() for name in ("steps", "output_dir", "transfer", "k"))
 
 
+def test_the_attention_option_builds_that_attention():
+    from orchestration.workers import build_model
+
+    for attention in ("eager", "sdpa"):
+        model = build_model(None, 32, 1, Config(heads=4, attention=attention), 100, seed=0)
+        assert model.config._attn_implementation == attention
+    with pytest.raises(ValueError, match="attention: expected sdpa or eager, got 'flash'"):
+        Config(attention="flash")
+
+
 def test_gpu_defaults_apply_on_cuda_only_where_not_set(monkeypatch):
     from orchestration.config import GPU_DEFAULTS
 

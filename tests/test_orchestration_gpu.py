@@ -27,7 +27,7 @@ def _small(tmp_path, name, **overrides):
     values = dict(output_dir=str(tmp_path / name), device="cuda", max_corpus_bytes=200_000, tokenizer_vocab=1000,
                   row_tokens=128, rows_per_micro_batch=8, micro_batches=2, teacher_hidden=128, teacher_layers=2,
                   teacher_pretrain_steps=20, student_hidden=64, student_layers=2, heads=4, steps=8, k=16,
-                  warmup_steps=2, checkpoint_every=0)
+                  warmup_steps=2, checkpoint_every=0, attention="eager")
     values.update(overrides)
     return Config(**values)
 
@@ -38,7 +38,10 @@ def _losses(summary):
 
 
 def _same_training(reference, other):
-    """Identical teacher top-k in, so the same student out (up to GPU reduction order)."""
+    """Identical teacher top-k in, so the same student out (up to GPU reduction order; eager
+    attention: sdpa's backward on the GPU may accumulate with atomics, and 20 AdamW steps of the
+    teacher then 8 of the student can grow that noise past the tolerance: at `b32a1d2` the
+    offload test failed once after the student tests in the same process and passed alone)."""
     assert torch.allclose(_losses(other), _losses(reference), rtol=1e-4, atol=1e-5)
     expected = reference["student_parameters"][0]
     got = other["student_parameters"][0]
