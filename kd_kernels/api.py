@@ -98,8 +98,8 @@ def teacher_topk(hidden: torch.Tensor, weight: torch.Tensor, k: int = 64, *, tem
             schedules that store logits); None: ~1.25 GiB, or within ~56 MiB for the maxima and
             appended ones.
         lean: ≤ ~64 MiB beyond the inputs and outputs whatever N and V: bf16 / fp16 inputs take
-            the maxima schedule at k <= 64 (k <= 256 on the triton backend, whose torch sort of
-            the appended keys is slower) and the appended one up to k = 1024 (on cuda: the
+            the maxima schedule at k <= 64 (k <= 256 on the triton backend, whose ranking of the
+            appended keys was slower) and the appended one up to k = 1024 (on cuda: the
             default's), others tiles of rows × vocab columns (48 MiB of float32 logits plus
             ~16 MiB for merging; 2.9-3.3× at k = 1024).
         fused: the top-k chosen in the epilogue of a Triton matmul (triton backend): no logits in

@@ -136,9 +136,10 @@ def teacher_schedule(hidden: torch.Tensor, weight: torch.Tensor, k: int, select:
     epilogue matmul appends what reaches them: within 56 MiB, at the "epilogue" schedule's speed
     or better since its sample went to every 50th column: H200 at k = 1024 1.18-1.23x the matmul
     in blocks against 1.20-1.24x, 1.31-1.38x in turn against 1.33-1.40x; benchmarks/RESULTS.md);
-    on the triton backend, whose torch sort of the appended keys is 2-4x slower, "epilogue"
-    (the epilogue matmul also stores the float32 logits, ~1.25 GiB, then ~k groups are read per
-    row) for k <= EPILOGUE_MAX_K; else "cublas". ``KD_KERNELS_TEACHER_SCHEDULE=cublas`` /
+    on the triton backend "epilogue" (the epilogue matmul also stores the float32 logits,
+    ~1.25 GiB, then ~k groups are read per row) for k <= EPILOGUE_MAX_K: there the appended
+    keys' ranking was a torch sort, 2-4x slower, and its replacement, a Triton top-k a row
+    (e36), is not yet timed on a GPU; else "cublas". ``KD_KERNELS_TEACHER_SCHEDULE=cublas`` /
     ``=epilogue`` / ``=maxima`` / ``=appended`` forces one (the benchmark's A/B); the
     epilogue-matmul schedules where that matmul does not apply (dtype, alignment) are an error."""
     from .ops.lm_head_group_maxima import epilogue_applies
@@ -314,7 +315,7 @@ def _appended_chunk(part: torch.Tensor, weight: torch.Tensor, bias, sample_bias,
     summaries = appender(0, width)
     values, indices, lse, overflow = outputs
     tile_logsumexp(summaries.tile_max2, summaries.tile_sum2, lse)
-    chunk_values, indices[:], overflow[:] = rank_appended(keys, counts, k, "cuda" if select == "cuda" else "torch")
+    chunk_values, indices[:], overflow[:] = rank_appended(keys, counts, k, select)
     values.copy_(chunk_values.div_(temperature))
 
 
@@ -384,12 +385,13 @@ def teacher_topk_lean(hidden: torch.Tensor, weight: torch.Tensor, k: int, temper
                       bias: Optional[torch.Tensor] = None, shard=None, select: str = "triton") -> TopK:
     """``lean=True``, all within ~64 MiB beyond inputs and outputs: where the epilogue matmul
     takes the inputs, `teacher_topk_maxima` up to MAXIMA_DEFAULT_K (``select="cuda"``) or
-    MAXIMA_MAX_K (``"triton"``, whose ranking of the appended keys is a torch sort) and
+    MAXIMA_MAX_K (``"triton"``: the appended keys' ranking there was slower) and
     `teacher_topk_appended` up to APPENDED_MAX_K (on cuda the default's schedules); else
     `teacher_topk_tiled`. On an H200 in blocks (benchmarks/RESULTS.md, `b32a1d2`, 8192 × 4096 ×
     151,936 / 16,384 × 4096 × 128,256): k = 256 1.17 / 1.13× the bare matmul appended against
     1.39 / 1.34× maxima on cuda; k = 1024 1.23 / 1.24× appended against the tiled schedule's
-    3.4 / 3.0× on cuda; on triton (a torch sort of the appended keys) 1.8-4.5× at k = 1024."""
+    3.4 / 3.0× on cuda; on triton 1.8-4.5× at k = 1024 while the appended keys' ranking was a
+    torch sort (a Triton top-k a row since e36, not yet timed)."""
     from .ops.lm_head_group_maxima import epilogue_applies
 
     applies = epilogue_applies(hidden, weight)

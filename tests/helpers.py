@@ -89,3 +89,41 @@ def check_schedule_with_ties_and_fewer_columns_than_k(schedule):
         expected = reference.teacher_topk(hidden, weight, k, 0.5, width)
         assert torch.equal(few.indices[:, :width].cpu(), expected.indices[:, :width].to(torch.int32).cpu())
         assert torch.isneginf(few.logprobs[:, width:]).all() and (few.indices[:, width:] == 0).all()
+
+
+def counted_keys_case(capacity: int, k: int, rounded: bool, raw: bool, rows: int, device: str):
+    """Inputs of the per-row key sorts (kd_kernels/ops/sort_keys.py `top_of_counted_keys`):
+    (keys ``[rows, capacity]`` int64, counts ``[rows]`` int32, values ``[rows, capacity]``
+    float32, columns ``[capacity]`` int32). rounded: ties (at the k-th value too; row 3 of one
+    value; -0.0 beside 0.0, equal values whose lower column goes first), else distinct values.
+    raw: keys as the appending matmul stores them (the column's word, then the float's bits),
+    else `value_column_keys`. Counts: 0, capacity, past it (read as capacity), then random."""
+    from kd_kernels.ops.sort_keys import value_column_keys
+
+    generator = torch.Generator(device=device).manual_seed(capacity + k)
+    values = torch.randn(rows, capacity, device=device, generator=generator)
+    if rounded:
+        values = values.round(decimals=1)
+        values[3] = 1.5
+    columns = torch.randperm(200_000, device=device, generator=generator)[:capacity].int()
+    wide = columns.expand(rows, -1)
+    keys = (torch.stack([wide, values.view(torch.int32)], dim=-1).view(torch.int64)[..., 0] if raw
+            else value_column_keys(values, wide)).contiguous()
+    counts = torch.randint(0, capacity + 1, (rows,), device=device, generator=generator, dtype=torch.int32)
+    counts[:3] = torch.tensor([0, capacity, capacity + 50], dtype=torch.int32)
+    return keys, counts, values, columns
+
+
+def check_counted_top(got_values, got_columns, values, columns, counts, k: int) -> None:
+    """Each row's k largest of its first counts[r] (value, column) pairs, in order: value
+    descending, then the lower column; -inf and column 0 past the count."""
+    got_values, got_columns, values, columns = (t.cpu() for t in (got_values, got_columns, values, columns))
+    capacity = values.shape[1]
+    for row in range(values.shape[0]):
+        count = min(int(counts[row]), capacity)
+        by_column = torch.argsort(columns[:count])  # then by value, stably: ties in column order
+        order = by_column[torch.sort(values[row, by_column], descending=True, stable=True).indices][:k]
+        taken = len(order)
+        assert torch.equal(got_values[row, :taken], values[row, order])
+        assert torch.equal(got_columns[row, :taken], columns[order])
+        assert torch.isneginf(got_values[row, taken:]).all() and (got_columns[row, taken:] == 0).all()

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import kd_kernels as kd
-from helpers import HAS_CUDA, check_teacher_topk
+from helpers import HAS_CUDA, check_counted_top, check_teacher_topk, counted_keys_case
 from kd_kernels import reference
 
 pytestmark = [pytest.mark.gpu, pytest.mark.cuda_ext]
@@ -210,33 +210,11 @@ SORTS = {"registers, the keys reaching the k-th value first": ("1", "1"), "regis
 def test_sort_keys_orders_each_rows_counted_keys(capacity, k, sort, rounded, raw, monkeypatch):
     monkeypatch.setenv("KD_KERNELS_SORT_REGISTERS", SORTS[sort][0])
     monkeypatch.setenv("KD_KERNELS_SORT_SELECT", SORTS[sort][1])
-    from kd_kernels.ops.sort_keys import value_column_keys
-
-    generator = torch.Generator(device="cuda").manual_seed(capacity + k)
-    rows = 64
-    # rounded: ties (at the k-th value too, so the selection keeps more than k keys; a row of one
-    # value), -0.0 among them (equal to 0.0: the lower column first); else distinct float32 values,
-    # the selection's bisection running to a floor exactly k keys reach
-    values = torch.randn(rows, capacity, device="cuda", generator=generator)
-    if rounded:
-        values = values.round(decimals=1)
-        values[3] = 1.5
-    columns = torch.randperm(200_000, device="cuda", generator=generator)[:capacity].int().expand(rows, -1)
-    # raw: as the appending matmul stores them, the column's word, then the float's bits (-0.0 kept)
-    keys = (torch.stack([columns, values.view(torch.int32)], dim=-1).view(torch.int64)[..., 0] if raw
-            else value_column_keys(values, columns)).contiguous()
-    counts = torch.randint(0, capacity + 1, (rows,), device="cuda", generator=generator, dtype=torch.int32)
-    counts[:3] = torch.tensor([0, capacity, capacity + 50], dtype=torch.int32)  # past capacity reads as capacity
-    got_values, got_columns = (tensor.cpu() for tensor in _extension().sort_keys(keys, counts, k, raw))
-    values, columns = values.cpu(), columns[0].cpu()
-    for row in range(rows):
-        count = min(int(counts[row]), capacity)
-        by_column = torch.argsort(columns[:count])  # then by value, stably: ties in column order
-        order = by_column[torch.sort(values[row, by_column], descending=True, stable=True).indices][:k]
-        taken = len(order)
-        assert torch.equal(got_values[row, :taken], values[row, order])
-        assert torch.equal(got_columns[row, :taken], columns[order])
-        assert torch.isneginf(got_values[row, taken:]).all() and (got_columns[row, taken:] == 0).all()
+    # rounded: the selection keeps more than k keys where the k-th value ties; distinct values run
+    # its bisection to a floor exactly k keys reach
+    keys, counts, values, columns = counted_keys_case(capacity, k, rounded, raw, rows=64, device="cuda")
+    got_values, got_columns = _extension().sort_keys(keys, counts, k, raw)
+    check_counted_top(got_values, got_columns, values, columns, counts, k)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

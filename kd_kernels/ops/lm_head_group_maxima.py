@@ -83,11 +83,10 @@ class RowSummaries:
 class Appends:
     """Where an appending matmul puts each row's elements at or above the row's floor:
     ``floors [R]`` float32 (logits before τ, bias included), ``keys [R, capacity]`` int64
-    (raw: the float's bits above the column, in no order: the extension's sort takes them so,
-    `order_appended_keys` makes them `value_column_keys` for a torch sort; slots past a row's
-    count are junk), ``counts [R]`` int32
-    (zero before the matmul; after it, the elements at or above the floor, which may pass the
-    capacity: such a row's keys are incomplete)."""
+    (raw: the float's bits above the column, in no order: the row sorts take them so, the A/B's
+    `order_appended_keys` makes them `value_column_keys` first; slots past a row's count are
+    junk), ``counts [R]`` int32 (zero before the matmul; after it, the elements at or above the
+    floor, which may pass the capacity: such a row's keys are incomplete)."""
     floors: torch.Tensor
     keys: torch.Tensor
     counts: torch.Tensor

@@ -6,6 +6,7 @@ import triton
 import triton.language as tl
 
 EMPTY_COLUMN = 2**31 - 1  # an empty slot: after every real column among equal (-inf) values
+_EMPTY_COLUMN = tl.constexpr(EMPTY_COLUMN)  # the same, for kernels
 
 
 def value_column_keys(values: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
@@ -33,22 +34,70 @@ def top_of_keys(keys: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]
 _EMPTY_KEY = value_column_keys(torch.tensor([float("-inf")]), torch.tensor([EMPTY_COLUMN])).item()
 
 
+MAX_TRITON_SLOTS = 4096  # a row's keys in one program's registers: the extension's sort takes as many
+
+
 def top_of_counted_keys(keys: torch.Tensor, counts: torch.Tensor, k: int, order: str, raw: bool = False):
     """The k largest of each row's first ``counts [R]`` int32 keys (``keys [R, C]`` int64,
     contiguous; the slots past a row's count are ignored), decoded: (values ``[R, k]`` float32,
     -inf past the count; columns ``[R, k]`` int32, 0 there). ``order``: "cuda" (a bitonic sort
-    per row in the extension, C <= 4096) or "torch" (one torch.sort). ``raw``: the keys as the
-    appending matmul stores them (a float's bits above its column; ops/topk_from_appended.py),
-    made sortable by the extension as it loads them ("cuda" only), else `value_column_keys`."""
+    per row in the extension, C <= 4096), "triton" (a bitonic top-k per row in one program,
+    C <= MAX_TRITON_SLOTS, `_top_of_counted_keys_kernel`) or "torch" (one torch.sort). ``raw``:
+    the keys as the appending matmul stores them (a float's bits above its column;
+    ops/topk_from_appended.py), made sortable as they are loaded ("cuda" and "triton"), else
+    `value_column_keys`."""
     if order == "cuda":
         from .topk_candidates import load_extension
 
         return load_extension().sort_keys(keys, counts, k, raw)
+    if order == "triton":
+        return _triton_top_of_counted_keys(keys, counts, k, raw)
     if raw:
         raise ValueError(f"raw: the torch order takes value_column_keys only; got raw=True with order {order!r}")
     filled = torch.arange(keys.shape[1], device=keys.device) < counts.unsqueeze(1)
     values, columns = top_of_keys(torch.where(filled, keys, _EMPTY_KEY), k)
     return values, columns.to(torch.int32)
+
+
+def _triton_top_of_counted_keys(keys: torch.Tensor, counts: torch.Tensor, k: int, raw: bool):
+    rows, capacity = keys.shape
+    if not 1 <= k <= capacity <= MAX_TRITON_SLOTS:
+        raise ValueError(f"k, keys: the triton order takes 1 <= k <= slots a row <= {MAX_TRITON_SLOTS}; "
+                         f"got k = {k}, {capacity} slots")
+    if keys.dtype != torch.int64 or not keys.is_contiguous():
+        raise ValueError(f"keys: expected contiguous int64, got {keys.dtype}, contiguous={keys.is_contiguous()}")
+    values = torch.empty(rows, k, dtype=torch.float32, device=keys.device)
+    columns = torch.empty(rows, k, dtype=torch.int32, device=keys.device)
+    if rows:
+        slots = max(2, triton.next_power_of_2(capacity))  # tl.topk of one key reduces to a scalar
+        _top_of_counted_keys_kernel[(rows,)](keys, counts, values, columns, capacity, k, _EMPTY_KEY,
+                                             SLOTS=slots, TOP=max(2, triton.next_power_of_2(k)), RAW=raw,
+                                             num_warps=max(1, min(8, slots // 256)))
+    return values, columns
+
+
+@triton.jit
+def _top_of_counted_keys_kernel(keys, counts, values, columns, capacity, k, empty_key, SLOTS: tl.constexpr,
+                                TOP: tl.constexpr, RAW: tl.constexpr):
+    """One row a program: its first min(count, capacity) keys (``RAW``: a float's bits above its
+    column, made `value_column_key` here), the TOP largest by a bitonic top-k over SLOTS (powers
+    of two, TOP <= SLOTS), the first k decoded."""
+    row = tl.program_id(0).to(tl.int64)
+    slot = tl.arange(0, SLOTS)
+    filled = slot < tl.minimum(tl.load(counts + row), capacity)
+    key = tl.load(keys + row * capacity + slot, mask=filled, other=0)
+    if RAW:
+        bits = (key >> 32).to(tl.int32)
+        key = value_column_key(bits.to(tl.float32, bitcast=True), key & 0xFFFFFFFF)
+    key = tl.where(filled, key, empty_key)
+    if TOP == SLOTS:
+        top = tl.sort(key, descending=True)
+    else:
+        top = tl.topk(key, TOP)
+    rank = tl.arange(0, TOP)
+    column = (0xFFFFFFFF - (top & 0xFFFFFFFF)).to(tl.int32)
+    tl.store(values + row * k + rank, value_of_key(top), mask=rank < k)
+    tl.store(columns + row * k + rank, tl.where(column == _EMPTY_COLUMN, 0, column), mask=rank < k)
 
 
 @triton.jit

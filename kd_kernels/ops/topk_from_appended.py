@@ -38,9 +38,8 @@ SAMPLE_SIGMAS = 5.0  # r over the sample's mean count of top-k elements, in its 
 KEY_SIGMAS = 6.0  # the key slots over the elements a floor keeps on average, in standard deviations
 FLOOR_STEPS = 12  # value-space bisection steps of the floor (a lower bound: more steps, fewer keys)
 MAX_KEYS = 4096  # the extension's sort per row (csrc/sort_keys.cu) takes at most this many slots
-RANK_PIECE_BYTES = 8 << 20  # a torch sort's temporaries (~3 copies of the keys) per piece of rows
 ROW_WARPS = 1 if os.environ.get("TRITON_INTERPRET") == "1" else 4  # the floors, key order and lse: a program a row
-SORT_RAW_KEYS = True  # the extension's sort takes the matmul's raw keys (False: the key order pass first; an A/B)
+SORT_RAW_KEYS = True  # the sorts take the matmul's raw keys (False: the key order pass first; an A/B)
 ORDER_BLOCK = 64 if os.environ.get("TRITON_INTERPRET") == "1" else 1024
 
 
@@ -147,24 +146,16 @@ def tile_logsumexp(tile_max2: torch.Tensor, tile_sum2: torch.Tensor, lse: torch.
 
 
 def rank_appended(keys: torch.Tensor, counts: torch.Tensor, k: int, order: str):
-    """keys ``[R, capacity]`` int64 raw (the appending matmul's; "cuda" sorts them as they are,
-    "torch" orders them in place first), counts ``[R]`` int32 (may pass the capacity) -> (the k
-    largest values ``[R, k]`` float32 in order, -inf past a row's count; columns ``[R, k]``
-    int32; overflow ``[R]`` bool: fewer than k keys or more than the capacity, rows to redo)."""
+    """keys ``[R, capacity]`` int64 raw (the appending matmul's), counts ``[R]`` int32 (may pass
+    the capacity), ``order`` "cuda" (the extension's sort) or "triton" (one Triton program a row)
+    -> (the k largest values ``[R, k]`` float32 in order, -inf past a row's count; columns
+    ``[R, k]`` int32; overflow ``[R]`` bool: fewer than k keys or more than the capacity, rows to
+    redo)."""
     capacity = keys.shape[1]
     overflow = (counts < k) | (counts > capacity)
     kept = counts.clamp(max=capacity)
-    if order == "cuda" and SORT_RAW_KEYS:  # the extension makes them sortable as it loads them
+    if SORT_RAW_KEYS:  # both sorts make the raw keys sortable as they load them
         values, columns = top_of_counted_keys(keys, kept, k, order, raw=True)
-        return values, columns, overflow
-    order_appended_keys(keys, counts)
-    if order == "cuda":
-        values, columns = top_of_counted_keys(keys, kept, k, order)
-        return values, columns, overflow
-    piece = max(1, RANK_PIECE_BYTES // (3 * keys[0].nbytes))  # a torch sort holds ~3 copies of its keys
-    values = torch.empty(keys.shape[0], k, dtype=torch.float32, device=keys.device)
-    columns = torch.empty(keys.shape[0], k, dtype=torch.int32, device=keys.device)
-    for start in range(0, keys.shape[0], piece):
-        part = slice(start, start + piece)
-        values[part], columns[part] = top_of_counted_keys(keys[part], kept[part], k, order)
+    else:
+        values, columns = top_of_counted_keys(order_appended_keys(keys, counts), kept, k, order)
     return values, columns, overflow
