@@ -1,7 +1,7 @@
 """The Triton per-row top-k of counted keys (kd_kernels/ops/sort_keys.py, order "triton": the
 appended schedule's ranking on the triton backend) against a plain stable sort: ties at the
 k-th value, -0.0 beside 0.0, empty rows, counts past the capacity, the appending matmul's raw
-keys; and its input checks. The CUDA sort's twin test is in tests/test_teacher_topk_cuda.py."""
+keys; and the input checks of the Triton and torch orders. The CUDA sort's twin test is in tests/test_teacher_topk_cuda.py."""
 import pytest
 import torch
 
@@ -34,3 +34,10 @@ def test_the_triton_order_refuses_what_it_cannot_rank():
         top_of_counted_keys(wide, counts[:1], 4, "triton")
     with pytest.raises(ValueError, match="keys: expected contiguous int64, got torch.int32"):
         top_of_counted_keys(keys.int(), counts, 4, "triton")
+
+
+def test_the_torch_order_refuses_raw_keys():
+    keys = torch.zeros(2, 8, dtype=torch.int64)
+    counts = torch.full((2,), 8, dtype=torch.int32)
+    with pytest.raises(ValueError, match="raw: the torch order takes value_column_keys only; got raw=True"):
+        top_of_counted_keys(keys, counts, 4, "torch", raw=True)

@@ -12,7 +12,7 @@ from helpers import (HAS_CUDA, check_teacher_topk,
 from kd_kernels import reference
 from kd_kernels.ops import topk_from_appended
 from kd_kernels.ops.lm_head_group_maxima import Appends, EpilogueMatmul, lm_head_logits_with_summaries
-from kd_kernels.ops.sort_keys import decode_keys, top_of_counted_keys
+from kd_kernels.ops.sort_keys import decode_keys
 from kd_kernels.ops.topk_from_appended import appended_plan, order_appended_keys, sample_floors
 from kd_kernels.teacher_chunked import teacher_topk_appended
 
@@ -119,7 +119,6 @@ def test_the_appending_matmul_refuses_strided_floors():
         EpilogueMatmul(hidden, weight, bias, 200, 0.7, None, appends=appends)
 
 
-
 @pytest.mark.parametrize("width", [151_936, 128_256, 32_000, 4_096])
 @pytest.mark.parametrize("k", [1, 64, 256, 1024])
 def test_the_plan_keeps_a_rows_keys_within_its_slots(width, k):
@@ -130,8 +129,12 @@ def test_the_plan_keeps_a_rows_keys_within_its_slots(width, k):
     assert plan.rank * plan.stride + 5 * plan.stride * plan.rank ** 0.5 <= plan.capacity
 
 
-def test_the_torch_order_refuses_raw_keys():
-    keys = torch.zeros(2, 8, dtype=torch.int64)
-    counts = torch.full((2,), 8, dtype=torch.int32)
-    with pytest.raises(ValueError, match="raw: the torch order takes value_column_keys only; got raw=True"):
-        top_of_counted_keys(keys, counts, 4, "torch", raw=True)
+def test_the_key_order_pass_before_the_sort_gives_the_same_top_k(monkeypatch):
+    # SORT_RAW_KEYS = False (the A/B's form): the raw keys made value_column_keys, then sorted as such
+    hidden, weight, bias = small_teacher_problem(11, dtype=torch.float16)
+    raw = teacher_topk_appended(hidden, weight, 9, 1.0, 200, bias, stride=4)
+    monkeypatch.setattr(topk_from_appended, "SORT_RAW_KEYS", False)
+    ordered = teacher_topk_appended(hidden, weight, 9, 1.0, 200, bias, stride=4)
+    assert torch.equal(raw.indices, ordered.indices) and torch.equal(raw.logprobs, ordered.logprobs)
+    logits = reference.lm_head_logits(hidden, weight, bias)
+    check_teacher_topk(ordered, reference.teacher_topk(hidden, weight, 9, 1.0, 200, bias), 1e-5, logits, 1.0, 200)

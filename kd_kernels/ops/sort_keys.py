@@ -87,8 +87,7 @@ def _top_of_counted_keys_kernel(keys, counts, values, columns, capacity, k, empt
     filled = slot < tl.minimum(tl.load(counts + row), capacity)
     key = tl.load(keys + row * capacity + slot, mask=filled, other=0)
     if RAW:
-        bits = (key >> 32).to(tl.int32)
-        key = value_column_key(bits.to(tl.float32, bitcast=True), key & 0xFFFFFFFF)
+        key = key_of_raw(key)
     key = tl.where(filled, key, empty_key)
     if TOP == SLOTS:
         top = tl.sort(key, descending=True)
@@ -111,6 +110,12 @@ def ordered_bits(values):
 def value_column_key(values, columns):
     """`value_column_keys` inside a kernel."""
     return (ordered_bits(values).to(tl.int64) << 32) | (0xFFFFFFFF - columns.to(tl.int64))
+
+
+@triton.jit
+def key_of_raw(raw):
+    """The appending matmul's raw int64 keys (a float's bits above its column) as `value_column_key`s."""
+    return value_column_key((raw >> 32).to(tl.int32).to(tl.float32, bitcast=True), (raw & 0xFFFFFFFF).to(tl.int32))
 
 
 @triton.jit

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .sort_keys import top_of_counted_keys, value_column_key
+from .sort_keys import key_of_raw, top_of_counted_keys
 from .topk_from_groups import row_logsumexp
 from .utils import kth_largest_lower_bound
 
@@ -102,9 +102,7 @@ def _order_keys_kernel(keys_ptr, counts_ptr, capacity, BLOCK: tl.constexpr):
     for start in range(0, count, BLOCK):
         slot = start + tl.arange(0, BLOCK)
         raw = tl.load(keys_ptr + row * capacity + slot, mask=slot < count, other=0)
-        value = (raw >> 32).to(tl.int32).to(tl.float32, bitcast=True)
-        tl.store(keys_ptr + row * capacity + slot, value_column_key(value, (raw & 0xFFFFFFFF).to(tl.int32)),
-                 mask=slot < count)
+        tl.store(keys_ptr + row * capacity + slot, key_of_raw(raw), mask=slot < count)
 
 
 def order_appended_keys(keys: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
