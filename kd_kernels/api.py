@@ -84,11 +84,11 @@ def teacher_topk(hidden: torch.Tensor, weight: torch.Tensor, k: int = 64, *, tem
             logits stored up to k = 1024 on cuda: at k <= 64 the maxima schedule (each 32-column
             group's maximum, its column and its second largest give the top-k, the few groups
             holding two top-k elements computed again; ~50 MiB beyond the outputs at 8192 rows;
-            on an H200 at k = 64 1.07-1.18x the bare matmul in blocks, 1.10-1.15x after idle,
-            1.13-1.22x timed in turn with it, over the last three runs); past it on cuda the
+            on an H200 at k = 64 1.07-1.22x the bare matmul in blocks, 1.10-1.15x after idle,
+            1.09-1.29x timed in turn with it, over the last three runs); past it on cuda the
             appended schedule (floors from every 50th column, the epilogue matmul appending each
             element that reaches its row's floor, one sort per row in the extension; within
-            56 MiB; k = 1024 1.17-1.23x in blocks, 1.22-1.27x after idle, 1.31-1.38x in turn),
+            56 MiB; k = 1024 1.17-1.24x in blocks, 1.22-1.28x after idle, 1.25-1.40x in turn),
             on triton the epilogue schedule (the float32 logits stored, ~1.25 GiB a chunk, then
             ~k groups read per row; benchmarks/RESULTS.md); the backend's own selection then
             only redoes rows of massive ties.

@@ -134,8 +134,9 @@ def teacher_schedule(hidden: torch.Tensor, weight: torch.Tensor, k: int, select:
     epilogue matmul, ~50 MiB beyond the outputs at 8192 rows); past it, with the extension's
     sort (``select="cuda"``), "appended" for k <= APPENDED_MAX_K (floors from a sample, the
     epilogue matmul appends what reaches them: within 56 MiB, at the "epilogue" schedule's speed
-    or better since its sample went to every 50th column: H200 at k = 1024 1.17-1.23x the matmul
-    in blocks against 1.19-1.24x, 1.31-1.38x in turn against 1.33-1.41x; benchmarks/RESULTS.md);
+    or better since its sample went to every 50th column: H200 at k = 1024 1.17-1.24x the matmul
+    in blocks against 1.18-1.24x, 1.25-1.40x in turn against 1.32-1.41x over two runs, and
+    below it pair by pair in each run; benchmarks/RESULTS.md);
     on the triton backend "epilogue" (the epilogue matmul also stores the float32 logits,
     ~1.25 GiB, then ~k groups are read per row) for k <= EPILOGUE_MAX_K: there the appended
     keys' ranking was a torch sort, 2-4x slower, and its replacement, a Triton top-k a row
