@@ -1,11 +1,13 @@
 """The Triton per-row top-k of counted keys (kd_kernels/ops/sort_keys.py, order "triton": the
 appended schedule's ranking on the triton backend) against a plain stable sort: ties at the
 k-th value, -0.0 beside 0.0, empty rows, counts past the capacity, the appending matmul's raw
-keys; and the input checks of the Triton and torch orders. The CUDA sort's twin test is in tests/test_teacher_topk_cuda.py."""
+keys, under both Triton kernels (`TRITON_RANKING`); and the input checks of the Triton and torch
+orders. The CUDA sort's twin test is in tests/test_teacher_topk_cuda.py."""
 import pytest
 import torch
 
 from helpers import HAS_CUDA, check_counted_top, counted_keys_case
+from kd_kernels.ops import sort_keys
 from kd_kernels.ops.sort_keys import MAX_TRITON_SLOTS, top_of_counted_keys
 
 pytestmark = pytest.mark.interpret
@@ -17,7 +19,9 @@ SHAPES = [(8, 1), (100, 60), (300, 300), (512, 7)] + ([(4096, 1024), (2048, 1024
 @pytest.mark.parametrize("capacity, k", SHAPES)
 @pytest.mark.parametrize("rounded", [True, False])
 @pytest.mark.parametrize("raw", [False, True])
-def test_the_triton_order_ranks_each_rows_counted_keys(capacity, k, rounded, raw):
+@pytest.mark.parametrize("ranking", ["select", "topk"])
+def test_the_triton_order_ranks_each_rows_counted_keys(capacity, k, rounded, raw, ranking, monkeypatch):
+    monkeypatch.setattr(sort_keys, "TRITON_RANKING", ranking)
     keys, counts, values, columns = counted_keys_case(capacity, k, rounded, raw, rows=64 if HAS_CUDA else 6,
                                                       device=DEVICE)
     got_values, got_columns = top_of_counted_keys(keys, counts, k, "triton", raw)
