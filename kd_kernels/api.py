@@ -81,26 +81,25 @@ def teacher_topk(hidden: torch.Tensor, weight: torch.Tensor, k: int = 64, *, tem
             cuda (the CUDA top-k kernel, k <= 1024) when built, else triton (a Triton threshold
             select; no compiled extension needed). bf16 / fp16 inputs take, on either GPU
             backend, a Triton matmul whose epilogue also summarizes each row, and no chunk of
-            logits stored up to k = 1024 on cuda: at k <= 64 the maxima schedule (each 32-column
+            logits stored up to k = 1024: at k <= 64 the maxima schedule (each 32-column
             group's maximum, its column and its second largest give the top-k, the few groups
             holding two top-k elements computed again; ~50 MiB beyond the outputs at 8192 rows;
             on an H200 at k = 64 1.07-1.22x the bare matmul in blocks, 1.10-1.15x after idle,
-            1.09-1.29x timed in turn with it, over the last three runs); past it on cuda the
-            appended schedule (floors from every 50th column, the epilogue matmul appending each
-            element that reaches its row's floor, one sort per row in the extension; within
-            56 MiB; k = 1024 1.17-1.24x in blocks, 1.22-1.28x after idle, 1.25-1.40x in turn),
-            on triton the epilogue schedule (the float32 logits stored, ~1.25 GiB a chunk, then
-            ~k groups read per row; benchmarks/RESULTS.md); the backend's own selection then
-            only redoes rows of massive ties.
+            1.09-1.29x timed in turn with it, over the last three runs); past it the appended
+            schedule (floors from every 50th column, the epilogue matmul appending each
+            element that reaches its row's floor, one ranking per row: the extension's sort on
+            cuda, a Triton selection then a sort of k on triton; within 56 MiB; k = 1024 on
+            cuda 1.17-1.24x in blocks, 1.22-1.28x after idle, 1.25-1.40x in turn, on triton
+            1.35 / 1.18x in blocks, Qwen- / Llama-like; benchmarks/RESULTS.md); the backend's
+            own selection then only redoes rows of massive ties.
             ``KD_KERNELS_TEACHER_SCHEDULE=cublas`` forces cuBLAS logits + the full-row selection;
             ``=maxima`` (k <= 256), ``=appended`` or ``=epilogue`` (k <= 1024) one of the above.
         chunk_rows: rows per chunk on the GPU backends (``chunk_rows · V · 4`` bytes for the
             schedules that store logits); None: ~1.25 GiB, or within ~56 MiB for the maxima and
             appended ones.
         lean: ≤ ~64 MiB beyond the inputs and outputs whatever N and V: bf16 / fp16 inputs take
-            the maxima schedule at k <= 64 (k <= 256 on the triton backend, whose ranking of the
-            appended keys was slower) and the appended one up to k = 1024 (on cuda: the
-            default's), others tiles of rows × vocab columns (48 MiB of float32 logits plus
+            the default's schedules (maxima at k <= 64, appended up to k = 1024, on either
+            backend), others tiles of rows × vocab columns (48 MiB of float32 logits plus
             ~16 MiB for merging; 2.9-3.3× at k = 1024).
         fused: the top-k chosen in the epilogue of a Triton matmul (triton backend): no logits in
             memory at all, ``N · S · C · 8`` bytes of candidates (S vocab splits, C ≥ k + 128);

@@ -1,8 +1,8 @@
 """Teacher top-k on the GPU backends: chunks of rows (never the whole ``[N, V]`` logits), per
 chunk each row's top-k and its logsumexp. Schedules from hidden:
 
-- the epilogue schedule (`teacher_topk_epilogue`; 16-bit inputs, k ≤ 1024; the default past
-  k = 64 without the extension): a Triton matmul
+- the epilogue schedule (`teacher_topk_epilogue`; 16-bit inputs, k ≤ 1024; forced only, the
+  default past k = 64 on the triton backend before e37): a Triton matmul
   writes the chunk's float32 logits and, from its accumulator, each row's tile statistics and
   group maxima (ops/lm_head_group_maxima.py); the top-k is then found among the ~k groups
   that can hold it (ops/topk_from_groups.py), without reading the rows back. Rows whose
@@ -20,12 +20,13 @@ bytes, ~1.25 GiB by default). The maxima schedule (`teacher_topk_maxima`; 16-bit
 each 32-column group's maximum, its column and the group's second largest, which give most of
 the top-k directly; the few groups holding two or more top-k elements are computed again.
 Its buffers stay within MAXIMA_BYTES whatever N and V. The appended schedule
-(`teacher_topk_appended`; 16-bit inputs, k ≤ 1024; the default past k = 64 with the extension)
+(`teacher_topk_appended`; 16-bit inputs, k ≤ 1024; the default past k = 64 on both backends)
 stores no logits either: floors from a strided sample of the columns, then the epilogue matmul
-appends each element reaching its row's floor to the row's keys, one sort per row
-(ops/topk_from_appended.py); within APPENDED_BYTES.
-``lean=True`` (`teacher_topk_lean`) stays within ~64 MiB: the maxima schedule up to k = 64 (256
-without the extension), the appended one up to k = 1024, else the tiled one
+appends each element reaching its row's floor to the row's keys, one ranking per row: the
+extension's sort, or a Triton selection of the k-th key then a sort of k
+(ops/topk_from_appended.py, ops/sort_keys.py); within APPENDED_BYTES.
+``lean=True`` (`teacher_topk_lean`) stays within ~64 MiB: the default's schedules (maxima up to
+k = 64, appended up to k = 1024), else the tiled one
 (`teacher_topk_tiled`: tiles of rows × vocab columns, 48 MiB of float32 logits, each slice's
 top-k merged into the row chunk's running one). `teacher_topk_fused` writes no logits at all:
 the top-k is selected in the epilogue of a Triton matmul (ops/lm_head_topk.py), per vocab
@@ -118,7 +119,7 @@ def teacher_topk(hidden: torch.Tensor, weight: torch.Tensor, k: int, temperature
     """hidden ``[N, H]``, weight ``[V, H]`` (this rank's shard under ``shard``) -> `TopK`
     float32, chunk by chunk of rows: through the epilogue matmul where it applies
     (`teacher_schedule`), else cuBLAS float32 logits and a full-row selection."""
-    schedule = teacher_schedule(hidden, weight, k, select)
+    schedule = teacher_schedule(hidden, weight, k)
     if schedule == "epilogue":
         return teacher_topk_epilogue(hidden, weight, k, temperature, vocab_size, bias, chunk_rows, shard, select)
     if schedule == "maxima":
@@ -128,21 +129,19 @@ def teacher_topk(hidden: torch.Tensor, weight: torch.Tensor, k: int, temperature
     return teacher_topk_cublas(hidden, weight, k, temperature, vocab_size, bias, chunk_rows, shard, select)
 
 
-def teacher_schedule(hidden: torch.Tensor, weight: torch.Tensor, k: int, select: str = "triton") -> str:
-    """For 16-bit TMA-aligned inputs, none of which stores a chunk's logits up to k = 1024 with
-    the extension: "maxima" for k <= MAXIMA_DEFAULT_K (each 32-column group's top-2 from the
-    epilogue matmul, ~50 MiB beyond the outputs at 8192 rows); past it, with the extension's
-    sort (``select="cuda"``), "appended" for k <= APPENDED_MAX_K (floors from a sample, the
-    epilogue matmul appends what reaches them: within 56 MiB, at the "epilogue" schedule's speed
-    or better since its sample went to every 50th column: H200 at k = 1024 1.17-1.24x the matmul
-    in blocks against 1.18-1.24x, 1.25-1.40x in turn against 1.32-1.41x over two runs, and
-    below it pair by pair in each run; benchmarks/RESULTS.md);
-    on the triton backend "epilogue" (the epilogue matmul also stores the float32 logits,
-    ~1.25 GiB, then ~k groups are read per row) for k <= EPILOGUE_MAX_K: there the appended
-    keys' ranking was a torch sort, 2-4x slower, and its replacement, a Triton top-k a row
-    (e36), is not yet timed on a GPU; else "cublas". ``KD_KERNELS_TEACHER_SCHEDULE=cublas`` /
-    ``=epilogue`` / ``=maxima`` / ``=appended`` forces one (the benchmark's A/B); the
-    epilogue-matmul schedules where that matmul does not apply (dtype, alignment) are an error."""
+def teacher_schedule(hidden: torch.Tensor, weight: torch.Tensor, k: int) -> str:
+    """For 16-bit TMA-aligned inputs, none of which stores a chunk's logits, on either backend:
+    "maxima" for k <= MAXIMA_DEFAULT_K (each 32-column group's top-2 from the epilogue matmul,
+    ~50 MiB beyond the outputs at 8192 rows); past it "appended" for k <= APPENDED_MAX_K (floors
+    from a sample, the epilogue matmul appends what reaches them, one ranking a row: within 56
+    MiB). H200, k = 1024, in blocks: with the extension's sort 1.17-1.24x the matmul against the
+    "epilogue" schedule's 1.18-1.24x over two runs (1.25-1.40x in turn against 1.32-1.41x); on the
+    triton backend (`_select_then_sort_kernel`) 1.35 / 1.18x against 1.45 / 1.28x, at k = 256
+    1.18 / 1.16x against 1.14 / 1.14x (in turn 1.38 / 1.41x against 1.23 / 1.33x; Qwen- /
+    Llama-like; NOTES e37), at 48-55 MiB against 1.05-1.38 GiB. Else "cublas". ``KD_KERNELS_TEACHER_SCHEDULE=cublas`` / ``=epilogue`` /
+    ``=maxima`` / ``=appended`` forces one (the benchmark's A/B; "epilogue" stores a chunk's
+    float32 logits, ~1.25 GiB, then reads ~k groups a row); the epilogue-matmul schedules where
+    that matmul does not apply (dtype, alignment) are an error."""
     from .ops.lm_head_group_maxima import epilogue_applies
 
     forced = os.environ.get("KD_KERNELS_TEACHER_SCHEDULE", "")
@@ -157,9 +156,7 @@ def teacher_schedule(hidden: torch.Tensor, weight: torch.Tensor, k: int, select:
         return forced
     if applies and k <= MAXIMA_DEFAULT_K:
         return "maxima"
-    if applies and select == "cuda" and k <= APPENDED_MAX_K:
-        return "appended"
-    return "epilogue" if applies and k <= EPILOGUE_MAX_K else "cublas"
+    return "appended" if applies and k <= APPENDED_MAX_K else "cublas"
 
 
 def _chunk_rows(chunk_rows: Optional[int], num_rows: int, columns: int) -> int:
@@ -385,18 +382,16 @@ def _merge_running(running, candidates):
 def teacher_topk_lean(hidden: torch.Tensor, weight: torch.Tensor, k: int, temperature: float, vocab_size: int,
                       bias: Optional[torch.Tensor] = None, shard=None, select: str = "triton") -> TopK:
     """``lean=True``, all within ~64 MiB beyond inputs and outputs: where the epilogue matmul
-    takes the inputs, `teacher_topk_maxima` up to MAXIMA_DEFAULT_K (``select="cuda"``) or
-    MAXIMA_MAX_K (``"triton"``: the appended keys' ranking there was slower) and
-    `teacher_topk_appended` up to APPENDED_MAX_K (on cuda the default's schedules); else
-    `teacher_topk_tiled`. On an H200 in blocks (benchmarks/RESULTS.md, `b32a1d2`, 8192 × 4096 ×
-    151,936 / 16,384 × 4096 × 128,256): k = 256 1.17 / 1.13× the bare matmul appended against
-    1.39 / 1.34× maxima on cuda; k = 1024 1.23 / 1.24× appended against the tiled schedule's
-    3.4 / 3.0× on cuda; on triton 1.8-4.5× at k = 1024 while the appended keys' ranking was a
-    torch sort (a Triton top-k a row since e36, not yet timed)."""
+    takes the inputs, the default's schedules (`teacher_schedule`: `teacher_topk_maxima` up to
+    MAXIMA_DEFAULT_K, `teacher_topk_appended` up to APPENDED_MAX_K), on either backend; else
+    `teacher_topk_tiled`. On an H200 in blocks (benchmarks/RESULTS.md, 8192 × 4096 × 151,936 /
+    16,384 × 4096 × 128,256): k = 256 1.17 / 1.13× the bare matmul appended against 1.39 / 1.34×
+    maxima on cuda (`b32a1d2`); k = 1024 1.23 / 1.24× appended against the tiled schedule's
+    3.4 / 3.0× on cuda, 1.35 / 1.18× appended on triton (`ab394d7`)."""
     from .ops.lm_head_group_maxima import epilogue_applies
 
     applies = epilogue_applies(hidden, weight)
-    if applies and k <= (MAXIMA_DEFAULT_K if select == "cuda" else MAXIMA_MAX_K):
+    if applies and k <= MAXIMA_DEFAULT_K:
         return teacher_topk_maxima(hidden, weight, k, temperature, vocab_size, bias, None, shard, select)
     if applies and k <= APPENDED_MAX_K:
         return teacher_topk_appended(hidden, weight, k, temperature, vocab_size, bias, None, shard, select)

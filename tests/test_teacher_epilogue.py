@@ -153,13 +153,10 @@ def test_the_schedule_choice_and_its_switch(monkeypatch):
     half = torch.zeros(4, 16, dtype=torch.float16), torch.zeros(50, 16, dtype=torch.float16)
     single = torch.zeros(4, 16), torch.zeros(50, 16)
     odd = torch.zeros(4, 12, dtype=torch.float16), torch.zeros(50, 12, dtype=torch.float16)  # 24-byte rows
+    # no chunk of logits stored up to APPENDED_MAX_K, whichever backend ranks
     assert teacher_schedule(*half, 64) == "maxima"  # up to MAXIMA_DEFAULT_K
-    assert teacher_schedule(*half, 65) == "epilogue" and teacher_schedule(*half, 1024) == "epilogue"
-    assert teacher_schedule(*half, 1025) == "cublas"  # past EPILOGUE_MAX_K
-    # with the extension's sort: no chunk of logits stored up to APPENDED_MAX_K
-    assert teacher_schedule(*half, 64, "cuda") == "maxima"
-    assert teacher_schedule(*half, 65, "cuda") == "appended" and teacher_schedule(*half, 1024, "cuda") == "appended"
-    assert teacher_schedule(*half, 1025, "cuda") == "cublas" and teacher_schedule(*single, 256, "cuda") == "cublas"
+    assert teacher_schedule(*half, 65) == "appended" and teacher_schedule(*half, 1024) == "appended"
+    assert teacher_schedule(*half, 1025) == "cublas" and teacher_schedule(*single, 256) == "cublas"
     assert teacher_schedule(*single, 64) == "cublas" and teacher_schedule(*odd, 64) == "cublas"
     monkeypatch.setenv("KD_KERNELS_TEACHER_SCHEDULE", "cublas")
     assert teacher_schedule(*half, 64) == "cublas"
@@ -182,7 +179,7 @@ def test_the_schedules_without_stored_logits_on_ties_fewer_columns_and_their_k_l
         schedule(hidden, weight, most_k + 1, 1.0, 203)
 
 
-@pytest.mark.parametrize("k, function", [(8, "teacher_topk_maxima"), (70, "teacher_topk_epilogue")])
+@pytest.mark.parametrize("k, function", [(8, "teacher_topk_maxima"), (70, "teacher_topk_appended")])
 def test_the_public_function_takes_the_default_schedule_and_agrees_with_cublas(k, function, monkeypatch):
     generator = torch.Generator().manual_seed(9)
     hidden = torch.randn(18, 16, generator=generator).to(DEVICE, torch.float16)
