@@ -40,14 +40,17 @@ MAX_TRITON_SLOTS = 4096  # a row's keys in one program's registers: the extensio
 # `_top_of_counted_keys_kernel`, 1.4-1.9 ms more than the extension's sort over 8192 rows at
 # k = 1024 on an H200, NOTES e37); an A/B switch
 TRITON_RANKING = "select"
+SELECT_ONE_REDUCTION = False  # A/B: the three counts of a 2-bit step in one tl.reduce (slow in the interpreter)
+SELECT_STEP_BITS = 2  # bits of the k-th key found per step of `_select_then_sort_kernel`'s bisection: 1 or 2
 
 
 def top_of_counted_keys(keys: torch.Tensor, counts: torch.Tensor, k: int, order: str, raw: bool = False):
     """The k largest of each row's first ``counts [R]`` int32 keys (``keys [R, C]`` int64,
     contiguous; the slots past a row's count are ignored), decoded: (values ``[R, k]`` float32,
     -inf past the count; columns ``[R, k]`` int32, 0 there). ``order``: "cuda" (a bitonic sort
-    per row in the extension, C <= 4096), "triton" (a bitonic top-k per row in one program,
-    C <= MAX_TRITON_SLOTS, `_top_of_counted_keys_kernel`) or "torch" (one torch.sort). ``raw``:
+    per row in the extension, C <= 4096), "triton" (one program a row, C <= MAX_TRITON_SLOTS:
+    the k-th key found by bisection, then a sort of k, or a top-k network over every slot;
+    `TRITON_RANKING`) or "torch" (one torch.sort). ``raw``:
     the keys as the appending matmul stores them (a float's bits above its column;
     ops/topk_from_appended.py), made sortable as they are loaded ("cuda" and "triton"), else
     `value_column_keys`."""
@@ -79,7 +82,9 @@ def _triton_top_of_counted_keys(keys: torch.Tensor, counts: torch.Tensor, k: int
         if TRITON_RANKING == "select":
             # the outputs hold the selected keys' two words between the kernel's two steps
             _select_then_sort_kernel[(rows,)](keys, counts, values, values.view(torch.int32), columns, capacity, k,
-                                              _EMPTY_KEY, SLOTS=slots, TOP=top, RAW=raw, num_warps=warps)
+                                              _EMPTY_KEY, SLOTS=slots, TOP=top, RAW=raw, STEP_BITS=SELECT_STEP_BITS,
+                                              ONE_REDUCTION=SELECT_ONE_REDUCTION,
+                                              num_warps=warps)
         else:
             _top_of_counted_keys_kernel[(rows,)](keys, counts, values, columns, capacity, k, _EMPTY_KEY,
                                                  SLOTS=slots, TOP=top, RAW=raw, num_warps=warps)
@@ -111,7 +116,8 @@ def _top_of_counted_keys_kernel(keys, counts, values, columns, capacity, k, empt
 
 @triton.jit
 def _select_then_sort_kernel(keys, counts, values, value_words, columns, capacity, k, empty_key,
-                             SLOTS: tl.constexpr, TOP: tl.constexpr, RAW: tl.constexpr):
+                             SLOTS: tl.constexpr, TOP: tl.constexpr, RAW: tl.constexpr, STEP_BITS: tl.constexpr,
+                             ONE_REDUCTION: tl.constexpr):
     """`_top_of_counted_keys_kernel`'s result by less work: the row's k-th largest key is found
     by bisection over its two 32-bit words (each step a count over the row's SLOTS keys: 32
     steps, 64 where values tie at the k-th), the k keys at or above it are written compacted to
@@ -124,15 +130,15 @@ def _select_then_sort_kernel(keys, counts, values, value_words, columns, capacit
     if RAW:
         key = key_of_raw(key)
     key = tl.where(filled, key, empty_key)  # empty slots take part: the k-th may be one where count < k
-    # both words as non-negative int64 whose order is the key's: the high one signed, shifted by 2^31
-    high = (key >> 32) + 0x80000000
-    low = key & 0xFFFFFFFF
-    high_kth = _kth_largest_word(high, high >= 0, k)
+    # both words as uint32 whose order is the key's: the high one signed, its sign bit flipped
+    high = ((key >> 32).to(tl.int32) ^ -2147483648).to(tl.uint32, bitcast=True)
+    low = key.to(tl.int32).to(tl.uint32, bitcast=True)
+    high_kth = _kth_largest_word(high, high == high, k, STEP_BITS, ONE_REDUCTION)
     above = high > high_kth
     tied = high == high_kth
     wanted = k - tl.sum(above.to(tl.int32), axis=0)  # taken from the tied keys, >= 1
     if tl.sum(tied.to(tl.int32), axis=0) > wanted:  # the value ties at the k-th: lower columns first
-        low_kth = _kth_largest_word(low, tied, wanted)
+        low_kth = _kth_largest_word(low, tied, wanted, STEP_BITS, ONE_REDUCTION)
         above = above | (tied & (low > low_kth))
         tied = tied & (low == low_kth)  # one key, or empty slots alike
         wanted = k - tl.sum(above.to(tl.int32), axis=0)
@@ -154,15 +160,35 @@ def _select_then_sort_kernel(keys, counts, values, value_words, columns, capacit
 
 
 @triton.jit
-def _kth_largest_word(words, counted, k):
-    """The k-th largest of ``words`` (int64 in [0, 2^32)) where ``counted``: the largest w with
-    at least k counted words >= w, built from the top bit down."""
-    kth = tl.zeros((), tl.int64)
-    for step in range(32):
-        trial = kth | (tl.full((), 1, tl.int64) << (31 - step))
-        enough = tl.sum((counted & (words >= trial)).to(tl.int32), axis=0) >= k
-        kth = tl.where(enough, trial, kth)
+def _kth_largest_word(words, counted, k, STEP_BITS: tl.constexpr, ONE_REDUCTION: tl.constexpr):
+    """The k-th largest of the uint32 ``words`` where ``counted``: the largest w with at least k
+    counted words >= w, built from the top bit down, STEP_BITS (1 or 2) bits a step: one count
+    over the row a step, or three in one reduction (half the steps, each a block-wide barrier)."""
+    kth = tl.zeros((), tl.uint32)
+    unit = tl.full((), 1 << (32 - STEP_BITS), tl.uint32)  # the lowest bit of this step's digit
+    for _ in range(32 // STEP_BITS):
+        if STEP_BITS == 1:
+            trial = kth | unit
+            enough = tl.sum((counted & (words >= trial)).to(tl.int32), axis=0) >= k
+            kth = tl.where(enough, trial, kth)
+        else:
+            one, two, three = kth | unit, kth | (unit * 2), kth | (unit * 3)
+            if ONE_REDUCTION:
+                at_one, at_two, at_three = tl.reduce(((counted & (words >= one)).to(tl.int32),
+                                                      (counted & (words >= two)).to(tl.int32),
+                                                      (counted & (words >= three)).to(tl.int32)), 0, _add_three)
+            else:
+                at_one = tl.sum((counted & (words >= one)).to(tl.int32), axis=0)
+                at_two = tl.sum((counted & (words >= two)).to(tl.int32), axis=0)
+                at_three = tl.sum((counted & (words >= three)).to(tl.int32), axis=0)
+            kth = tl.where(at_three >= k, three, tl.where(at_two >= k, two, tl.where(at_one >= k, one, kth)))
+        unit = unit >> STEP_BITS
     return kth
+
+
+@triton.jit
+def _add_three(a, b, c, d, e, f):
+    return a + d, b + e, c + f
 
 
 @triton.jit
