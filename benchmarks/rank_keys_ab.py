@@ -1,8 +1,8 @@
 """The appended schedule's per-row ranking (kd_kernels/ops/sort_keys.py `top_of_counted_keys`)
 by order, on the keys a real appending matmul kept (8192 rows, Qwen-like S1, the floors of k):
 the extension's sort ("cuda") against the Triton kernels ("triton" with `TRITON_RANKING`
-"select": bisection to the k-th key, 1 or 2 bits a step, then a sort of k; "topk": a top-k
-network over every slot).
+"select": bisection to the k-th key, then a sort of k; "topk": a top-k network over every
+slot). (At 3b1ca1f it also timed two bits a step, NOTES e37.)
 Device events, median (p20-p80) of 25 calls after 3 warm-ups; every order must give the same
 values and columns bit for bit.
 
@@ -24,14 +24,7 @@ from kd_kernels.ops.lm_head_group_maxima import Appends, EpilogueMatmul  # noqa:
 from kd_kernels.ops.topk_from_appended import appended_plan, sample_floors  # noqa: E402
 
 
-TRITON_VARIANTS = {
-    "triton select, 1 bit a step": dict(TRITON_RANKING="select", SELECT_STEP_BITS=1),
-    "triton select, 2 bits a step, three sums": dict(TRITON_RANKING="select", SELECT_STEP_BITS=2,
-                                                     SELECT_ONE_REDUCTION=False),
-    "triton select, 2 bits a step, one reduction": dict(TRITON_RANKING="select", SELECT_STEP_BITS=2,
-                                                        SELECT_ONE_REDUCTION=True),
-    "triton topk": dict(TRITON_RANKING="topk"),
-}
+TRITON_VARIANTS = {"triton select": dict(TRITON_RANKING="select"), "triton topk": dict(TRITON_RANKING="topk")}
 
 
 def appended_keys(hidden, weight, k):

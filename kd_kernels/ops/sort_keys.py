@@ -37,11 +37,10 @@ _EMPTY_KEY = value_column_keys(torch.tensor([float("-inf")]), torch.tensor([EMPT
 MAX_TRITON_SLOTS = 4096  # a row's keys in one program's registers: the extension's sort takes as many
 # the triton order's kernel: "select" (the k-th largest key by bisection over its bits, then a sort
 # of the k selected: `_select_then_sort_kernel`) or "topk" (a bitonic top-k over every slot:
-# `_top_of_counted_keys_kernel`, 1.4-1.9 ms more than the extension's sort over 8192 rows at
-# k = 1024 on an H200, NOTES e37); an A/B switch
+# `_top_of_counted_keys_kernel`); an A/B switch. H200, 8192 rows of real appended keys, ms at
+# k = 64 / 256 / 1024: select 0.37 / 0.65 / 1.02, topk 0.64 / 2.32 / 3.65, the extension's sort
+# 0.12 / 0.17 / 0.48 (benchmarks/rank_keys_ab.py, NOTES e37)
 TRITON_RANKING = "select"
-SELECT_ONE_REDUCTION = False  # A/B: the three counts of a 2-bit step in one tl.reduce (slow in the interpreter)
-SELECT_STEP_BITS = 2  # bits of the k-th key found per step of `_select_then_sort_kernel`'s bisection: 1 or 2
 
 
 def top_of_counted_keys(keys: torch.Tensor, counts: torch.Tensor, k: int, order: str, raw: bool = False):
@@ -82,9 +81,7 @@ def _triton_top_of_counted_keys(keys: torch.Tensor, counts: torch.Tensor, k: int
         if TRITON_RANKING == "select":
             # the outputs hold the selected keys' two words between the kernel's two steps
             _select_then_sort_kernel[(rows,)](keys, counts, values, values.view(torch.int32), columns, capacity, k,
-                                              _EMPTY_KEY, SLOTS=slots, TOP=top, RAW=raw, STEP_BITS=SELECT_STEP_BITS,
-                                              ONE_REDUCTION=SELECT_ONE_REDUCTION,
-                                              num_warps=warps)
+                                              _EMPTY_KEY, SLOTS=slots, TOP=top, RAW=raw, num_warps=warps)
         else:
             _top_of_counted_keys_kernel[(rows,)](keys, counts, values, columns, capacity, k, _EMPTY_KEY,
                                                  SLOTS=slots, TOP=top, RAW=raw, num_warps=warps)
@@ -116,8 +113,7 @@ def _top_of_counted_keys_kernel(keys, counts, values, columns, capacity, k, empt
 
 @triton.jit
 def _select_then_sort_kernel(keys, counts, values, value_words, columns, capacity, k, empty_key,
-                             SLOTS: tl.constexpr, TOP: tl.constexpr, RAW: tl.constexpr, STEP_BITS: tl.constexpr,
-                             ONE_REDUCTION: tl.constexpr):
+                             SLOTS: tl.constexpr, TOP: tl.constexpr, RAW: tl.constexpr):
     """`_top_of_counted_keys_kernel`'s result by less work: the row's k-th largest key is found
     by bisection over its two 32-bit words (each step a count over the row's SLOTS keys: 32
     steps, 64 where values tie at the k-th), the k keys at or above it are written compacted to
@@ -133,12 +129,12 @@ def _select_then_sort_kernel(keys, counts, values, value_words, columns, capacit
     # both words as uint32 whose order is the key's: the high one signed, its sign bit flipped
     high = ((key >> 32).to(tl.int32) ^ -2147483648).to(tl.uint32, bitcast=True)
     low = key.to(tl.int32).to(tl.uint32, bitcast=True)
-    high_kth = _kth_largest_word(high, high == high, k, STEP_BITS, ONE_REDUCTION)
+    high_kth = _kth_largest_word(high, high == high, k)
     above = high > high_kth
     tied = high == high_kth
     wanted = k - tl.sum(above.to(tl.int32), axis=0)  # taken from the tied keys, >= 1
     if tl.sum(tied.to(tl.int32), axis=0) > wanted:  # the value ties at the k-th: lower columns first
-        low_kth = _kth_largest_word(low, tied, wanted, STEP_BITS, ONE_REDUCTION)
+        low_kth = _kth_largest_word(low, tied, wanted)
         above = above | (tied & (low > low_kth))
         tied = tied & (low == low_kth)  # one key, or empty slots alike
         wanted = k - tl.sum(above.to(tl.int32), axis=0)
@@ -160,35 +156,19 @@ def _select_then_sort_kernel(keys, counts, values, value_words, columns, capacit
 
 
 @triton.jit
-def _kth_largest_word(words, counted, k, STEP_BITS: tl.constexpr, ONE_REDUCTION: tl.constexpr):
+def _kth_largest_word(words, counted, k):
     """The k-th largest of the uint32 ``words`` where ``counted``: the largest w with at least k
-    counted words >= w, built from the top bit down, STEP_BITS (1 or 2) bits a step: one count
-    over the row a step, or three in one reduction (half the steps, each a block-wide barrier)."""
+    counted words >= w, built from the top bit down, one count over the row a bit. (Two bits a
+    step, three counts each, ran slower on an H200: 0.75 against 0.65 ms at k = 256 over 8192
+    rows in three sums, 1.07 in one tl.reduce; NOTES e37.)"""
     kth = tl.zeros((), tl.uint32)
-    unit = tl.full((), 1 << (32 - STEP_BITS), tl.uint32)  # the lowest bit of this step's digit
-    for _ in range(32 // STEP_BITS):
-        if STEP_BITS == 1:
-            trial = kth | unit
-            enough = tl.sum((counted & (words >= trial)).to(tl.int32), axis=0) >= k
-            kth = tl.where(enough, trial, kth)
-        else:
-            one, two, three = kth | unit, kth | (unit * 2), kth | (unit * 3)
-            if ONE_REDUCTION:
-                at_one, at_two, at_three = tl.reduce(((counted & (words >= one)).to(tl.int32),
-                                                      (counted & (words >= two)).to(tl.int32),
-                                                      (counted & (words >= three)).to(tl.int32)), 0, _add_three)
-            else:
-                at_one = tl.sum((counted & (words >= one)).to(tl.int32), axis=0)
-                at_two = tl.sum((counted & (words >= two)).to(tl.int32), axis=0)
-                at_three = tl.sum((counted & (words >= three)).to(tl.int32), axis=0)
-            kth = tl.where(at_three >= k, three, tl.where(at_two >= k, two, tl.where(at_one >= k, one, kth)))
-        unit = unit >> STEP_BITS
+    bit = tl.full((), 1 << 31, tl.uint32)
+    for _ in range(32):
+        trial = kth | bit
+        enough = tl.sum((counted & (words >= trial)).to(tl.int32), axis=0) >= k
+        kth = tl.where(enough, trial, kth)
+        bit = bit >> 1
     return kth
-
-
-@triton.jit
-def _add_three(a, b, c, d, e, f):
-    return a + d, b + e, c + f
 
 
 @triton.jit
