@@ -7,8 +7,7 @@ bound through ``lean=True`` in tests/test_teacher_maxima.py)."""
 import pytest
 import torch
 
-from helpers import (HAS_CUDA, check_teacher_topk,
-                     small_teacher_problem)
+from helpers import FLOAT32_INTERPRETED, HAS_CUDA, check_teacher_topk, small_teacher_problem
 from kd_kernels import reference
 from kd_kernels.ops import topk_from_appended
 from kd_kernels.ops.lm_head_group_maxima import Appends, EpilogueMatmul, lm_head_logits_with_summaries
@@ -78,7 +77,7 @@ def test_sample_floors_are_lower_bounds_within_the_bisection():
     assert torch.equal(sample_floors(sample, 300, torch.empty(6, device=DEVICE)).cpu(), sample.cpu().min(1).values)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype", [FLOAT32_INTERPRETED, torch.float16])
 @pytest.mark.parametrize("k, temperature, stride, chunk_rows", [(1, 1.0, 3, None), (7, 0.7, 5, 16),
                                                                 (40, 2.0, 2, 20)])
 def test_appended_schedule_matches_the_reference(dtype, k, temperature, stride, chunk_rows):

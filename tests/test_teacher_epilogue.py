@@ -8,10 +8,10 @@ import pytest
 import torch
 
 import kd_kernels as kd
-from helpers import (HAS_CUDA, check_schedule_with_ties_and_fewer_columns_than_k, check_teacher_topk as _check,
-                     small_teacher_problem)
+from helpers import (FLOAT32_INTERPRETED, HAS_CUDA, INTERPRETER_ONLY, check_schedule_with_ties_and_fewer_columns_than_k,
+                     check_teacher_topk as _check, small_teacher_problem)
 from kd_kernels import reference
-from kd_kernels.ops.lm_head_group_maxima import default_config, lm_head_logits_with_summaries, padded_width
+from kd_kernels.ops.lm_head_group_maxima import EpilogueMatmul, default_config, lm_head_logits_with_summaries, padded_width
 from kd_kernels.ops import topk_from_groups as groups_module
 from kd_kernels.ops.topk_from_groups import topk_from_group_maxima
 from kd_kernels.teacher_chunked import (MAXIMA_MAX_K, teacher_schedule, teacher_topk_appended, teacher_topk_epilogue,
@@ -26,7 +26,7 @@ def _summaries(hidden, weight, bias, width, temperature):
     return logits, lm_head_logits_with_summaries(hidden, weight, bias, width, temperature, logits)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype", [FLOAT32_INTERPRETED, torch.float16])
 @pytest.mark.parametrize("temperature, with_bias, width", [(1.0, False, 203), (0.5, True, 200), (2.0, True, 77)])
 def test_epilogue_logits_statistics_and_group_maxima(dtype, temperature, with_bias, width):
     generator = torch.Generator().manual_seed(width)
@@ -72,6 +72,15 @@ def _topk(logits_rows, k, temperature, width=None):
     return topk_from_group_maxima(logits, summaries, k, temperature, width)
 
 
+@INTERPRETER_ONLY
+def test_the_epilogue_matmul_refuses_float32_natively(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # read at each construction: the check runs before any launch
+    hidden, weight = torch.zeros(4, 16), torch.zeros(30, 16)
+    with pytest.raises(ValueError, match="hidden: the epilogue matmul takes bf16 / fp16 on a GPU .* got torch.float32"):
+        EpilogueMatmul(hidden, weight, None, 30, 1.0, None)
+
+
+@INTERPRETER_ONLY
 def test_ties_go_to_the_lower_column_across_groups_and_tiles():
     values = torch.randn(6, 300, generator=torch.Generator().manual_seed(5)).round(decimals=1)
     values[0, [150, 3, 77, 40, 9]] = 6.0  # equal maxima in other groups and tiles
@@ -89,6 +98,7 @@ def test_ties_go_to_the_lower_column_across_groups_and_tiles():
     assert _topk(values, 1, 1.0)[1][0].item() == 3
 
 
+@INTERPRETER_ONLY
 def test_fewer_columns_than_k_and_minus_inf_logits():
     values = torch.randn(3, 40, generator=torch.Generator().manual_seed(6))
     got_values, got_columns, lse, overflow = _topk(values, 12, 0.5, width=7)  # 7 existing columns
@@ -100,6 +110,7 @@ def test_fewer_columns_than_k_and_minus_inf_logits():
     assert torch.allclose(lse.double().cpu(), torch.logsumexp(values[:, :7].double() / 0.5, -1), atol=1e-5)
 
 
+@INTERPRETER_ONLY
 @pytest.mark.parametrize("rank_max_k", [1024, 256])
 def test_a_large_k_ranked_in_the_kernel_or_sorted_outside(monkeypatch, rank_max_k):
     # k = 300: ranked in the kernel (RANK_MAX_K 1024), or a torch sort of the candidates' keys
@@ -119,7 +130,7 @@ def test_a_large_k_ranked_in_the_kernel_or_sorted_outside(monkeypatch, rank_max_
     assert torch.allclose(lse.double().cpu(), torch.logsumexp(exact / 2.0, -1).cpu(), atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype", [FLOAT32_INTERPRETED, torch.float16])
 @pytest.mark.parametrize("k, temperature, chunk_rows", [(1, 1.0, None), (6, 0.7, 16), (40, 2.0, 20)])
 def test_the_epilogue_schedule_matches_the_reference(dtype, k, temperature, chunk_rows):
     generator = torch.Generator().manual_seed(k + 300)

@@ -352,6 +352,11 @@ class EpilogueMatmul:
                  logits: torch.Tensor | None, config: GroupMaximaConfig | None = None, group_top2: bool = False,
                  appends: "Appends | None" = None):
         config = config or default_config()
+        if hidden.dtype == torch.float32 and os.environ.get("TRITON_INTERPRET") != "1":
+            # the float32 tiles need ~320 KiB of shared memory, and IEEE products would trail cuBLAS far
+            raise ValueError("hidden: the epilogue matmul takes bf16 / fp16 on a GPU (float32 only under "
+                             "TRITON_INTERPRET=1, for the tests; the schedules send float32 to cuBLAS), got "
+                             f"{hidden.dtype}")
         if appends is not None and (group_top2 or logits is not None):
             raise ValueError("appends: the matmul appends above floors with neither logits stored nor group_top2")
         if appends is not None:
