@@ -19,7 +19,7 @@ PROVIDERS = [
     ("ours from hidden (cuda, appended schedule)", "ours, the appended schedule forced (cuda)"),
     ("ours from hidden (cuda, epilogue schedule)", "ours, the epilogue schedule forced (cuda: a chunk's float32 logits)"),
     ("ours from hidden (cuda, cuBLAS schedule)", "ours, the cuBLAS schedule forced (cuda)"),
-    ("ours from hidden (triton, appended schedule)", "ours, the appended schedule forced (triton: a torch sort of the keys)"),
+    ("ours from hidden (triton, appended schedule)", "ours, the appended schedule forced (triton)"),
     ("ours from hidden, lean tiled schedule (cuda)", "ours, the lean tiled schedule forced"),
     ("ours from hidden (triton fused)", "ours, `fused=True` (triton)"),
     ("eager torch", "eager torch (logits, log_softmax, topk), GiB"),
