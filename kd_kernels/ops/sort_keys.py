@@ -95,20 +95,12 @@ def _top_of_counted_keys_kernel(keys, counts, values, columns, capacity, k, empt
     column, made `value_column_key` here), the TOP largest by a bitonic top-k over SLOTS (powers
     of two, TOP <= SLOTS), the first k decoded."""
     row = tl.program_id(0).to(tl.int64)
-    slot = tl.arange(0, SLOTS)
-    filled = slot < tl.minimum(tl.load(counts + row), capacity)
-    key = tl.load(keys + row * capacity + slot, mask=filled, other=0)
-    if RAW:
-        key = key_of_raw(key)
-    key = tl.where(filled, key, empty_key)
+    key = _row_keys(keys, counts, row, capacity, empty_key, SLOTS, RAW)
     if TOP == SLOTS:
         top = tl.sort(key, descending=True)
     else:
         top = tl.topk(key, TOP)
-    rank = tl.arange(0, TOP)
-    column = (0xFFFFFFFF - (top & 0xFFFFFFFF)).to(tl.int32)
-    tl.store(values + row * k + rank, value_of_key(top), mask=rank < k)
-    tl.store(columns + row * k + rank, tl.where(column == _EMPTY_COLUMN, 0, column), mask=rank < k)
+    _store_top(values, columns, row, k, top, TOP)
 
 
 @triton.jit
@@ -120,12 +112,8 @@ def _select_then_sort_kernel(keys, counts, values, value_words, columns, capacit
     the row's outputs (``value_words``: ``values`` as int32), read back as TOP and sorted there
     (TOP = k rounded up to a power of two, against a top-k network over all SLOTS)."""
     row = tl.program_id(0).to(tl.int64)
-    slot = tl.arange(0, SLOTS)
-    filled = slot < tl.minimum(tl.load(counts + row), capacity)
-    key = tl.load(keys + row * capacity + slot, mask=filled, other=0)
-    if RAW:
-        key = key_of_raw(key)
-    key = tl.where(filled, key, empty_key)  # empty slots take part: the k-th may be one where count < k
+    # empty slots take part (as empty_key): the k-th may be one where count < k
+    key = _row_keys(keys, counts, row, capacity, empty_key, SLOTS, RAW)
     # both words as uint32 whose order is the key's: the high one signed, its sign bit flipped
     high = ((key >> 32).to(tl.int32) ^ -2147483648).to(tl.uint32, bitcast=True)
     low = key.to(tl.int32).to(tl.uint32, bitcast=True)
@@ -150,9 +138,29 @@ def _select_then_sort_kernel(keys, counts, values, value_words, columns, capacit
     low_word = tl.load(columns + row * k + rank, mask=first, other=0).to(tl.int64) & 0xFFFFFFFF
     top = tl.sort(tl.where(first, (high_word << 32) | low_word, empty_key), descending=True)
     tl.debug_barrier()  # every load done before the outputs are overwritten
+    _store_top(values, columns, row, k, top, TOP)
+
+
+@triton.jit
+def _row_keys(keys, counts, row, capacity, empty_key, SLOTS: tl.constexpr, RAW: tl.constexpr):
+    """Row ``row``'s first min(count, capacity) keys as `value_column_key`s (``RAW``: a float's
+    bits above its column, converted here), ``empty_key`` in the other of its SLOTS."""
+    slot = tl.arange(0, SLOTS)
+    filled = slot < tl.minimum(tl.load(counts + row), capacity)
+    key = tl.load(keys + row * capacity + slot, mask=filled, other=0)
+    if RAW:
+        key = key_of_raw(key)
+    return tl.where(filled, key, empty_key)
+
+
+@triton.jit
+def _store_top(values, columns, row, k, top, TOP: tl.constexpr):
+    """The first k of the TOP keys ``top`` (in order) decoded into row ``row`` of the outputs:
+    values, and columns with 0 for an empty slot's."""
+    rank = tl.arange(0, TOP)
     column = (0xFFFFFFFF - (top & 0xFFFFFFFF)).to(tl.int32)
-    tl.store(values + row * k + rank, value_of_key(top), mask=first)
-    tl.store(columns + row * k + rank, tl.where(column == _EMPTY_COLUMN, 0, column), mask=first)
+    tl.store(values + row * k + rank, value_of_key(top), mask=rank < k)
+    tl.store(columns + row * k + rank, tl.where(column == _EMPTY_COLUMN, 0, column), mask=rank < k)
 
 
 @triton.jit
