@@ -40,6 +40,13 @@ def test_the_triton_order_refuses_what_it_cannot_rank():
         top_of_counted_keys(keys.int(), counts, 4, "triton")
 
 
+def test_the_triton_order_refuses_an_unknown_ranking(monkeypatch):
+    monkeypatch.setattr(sort_keys, "TRITON_RANKING", "bitonic")
+    keys = torch.zeros(2, 8, dtype=torch.int64, device=DEVICE)
+    with pytest.raises(ValueError, match="TRITON_RANKING: expected 'select' or 'topk', got 'bitonic'"):
+        top_of_counted_keys(keys, torch.full((2,), 8, dtype=torch.int32, device=DEVICE), 4, "triton")
+
+
 def test_the_torch_order_refuses_raw_keys():
     keys = torch.zeros(2, 8, dtype=torch.int64)
     counts = torch.full((2,), 8, dtype=torch.int32)
