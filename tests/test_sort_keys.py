@@ -40,11 +40,14 @@ def test_the_triton_order_refuses_what_it_cannot_rank():
         top_of_counted_keys(keys.int(), counts, 4, "triton")
 
 
-def test_the_triton_order_refuses_an_unknown_ranking(monkeypatch):
+def test_an_unknown_ranking_or_order_is_refused(monkeypatch):
     monkeypatch.setattr(sort_keys, "TRITON_RANKING", "bitonic")
     keys = torch.zeros(2, 8, dtype=torch.int64, device=DEVICE)
     with pytest.raises(ValueError, match="TRITON_RANKING: expected 'select' or 'topk', got 'bitonic'"):
         top_of_counted_keys(keys, torch.full((2,), 8, dtype=torch.int32, device=DEVICE), 4, "triton")
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match="order: expected 'cuda', 'triton' or 'torch', got 'radix'"):
+        top_of_counted_keys(keys, torch.full((2,), 8, dtype=torch.int32, device=DEVICE), 4, "radix")
 
 
 def test_the_torch_order_refuses_raw_keys():

@@ -53,6 +53,8 @@ def top_of_counted_keys(keys: torch.Tensor, counts: torch.Tensor, k: int, order:
     the keys as the appending matmul stores them (a float's bits above its column;
     ops/topk_from_appended.py), made sortable as they are loaded ("cuda" and "triton"), else
     `value_column_keys`."""
+    if order not in ("cuda", "triton", "torch"):
+        raise ValueError(f"order: expected 'cuda', 'triton' or 'torch', got {order!r}")
     if order == "cuda":
         from .topk_candidates import load_extension
 
