@@ -50,7 +50,6 @@ DEFAULT_CHUNK_BYTES = 5 << 28  # 1.25 GiB of float32 logits per chunk
 LEAN_SLICE_BYTES = 48 << 20  # float32 logits of one lean tile
 LEAN_MERGE_BYTES = 16 << 20  # the lean merge's buffers, about
 LEAN_MAX_ROWS = 1024
-EPILOGUE_MAX_K = 1024  # measured up to here; the CUDA sort's 4096 slots per row would hold k <= 2048
 EPILOGUE_ROW_MULTIPLE = 1024  # the epilogue matmul's L2 group of row tiles (8 × 128 rows)
 # the maxima schedule: a chunk's summaries with group top-2, candidate keys and recomputed groups
 MAXIMA_BYTES = 56 << 20
@@ -138,10 +137,11 @@ def teacher_schedule(hidden: torch.Tensor, weight: torch.Tensor, k: int) -> str:
     "epilogue" schedule's 1.18-1.24x over two runs (1.25-1.40x in turn against 1.32-1.41x); on the
     triton backend (`_select_then_sort_kernel`) 1.35 / 1.18x against 1.45 / 1.28x, at k = 256
     1.18 / 1.16x against 1.14 / 1.14x (in turn 1.38 / 1.41x against 1.23 / 1.33x; Qwen- /
-    Llama-like; NOTES e37), at 48-55 MiB against 1.05-1.38 GiB. Else "cublas". ``KD_KERNELS_TEACHER_SCHEDULE=cublas`` / ``=epilogue`` /
-    ``=maxima`` / ``=appended`` forces one (the benchmark's A/B; "epilogue" stores a chunk's
-    float32 logits, ~1.25 GiB, then reads ~k groups a row); the epilogue-matmul schedules where
-    that matmul does not apply (dtype, alignment) are an error."""
+    Llama-like; NOTES e37), at 48-55 MiB against 1.05-1.38 GiB. Else "cublas".
+    ``KD_KERNELS_TEACHER_SCHEDULE=cublas`` / ``=epilogue`` / ``=maxima`` / ``=appended`` forces
+    one (the benchmark's A/B; "epilogue" stores a chunk's float32 logits, ~1.25 GiB, then reads
+    ~k groups a row); the epilogue-matmul schedules where that matmul does not apply (dtype,
+    alignment) are an error."""
     from .ops.lm_head_group_maxima import epilogue_applies
 
     forced = os.environ.get("KD_KERNELS_TEACHER_SCHEDULE", "")

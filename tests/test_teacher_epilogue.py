@@ -171,7 +171,7 @@ def test_the_schedule_choice_and_its_switch(monkeypatch):
     assert teacher_schedule(*single, 64) == "cublas" and teacher_schedule(*odd, 64) == "cublas"
     monkeypatch.setenv("KD_KERNELS_TEACHER_SCHEDULE", "cublas")
     assert teacher_schedule(*half, 64) == "cublas"
-    # the epilogue-matmul schedules, forced: taken past EPILOGUE_MAX_K, refused where it does not apply
+    # the epilogue-matmul schedules, forced: taken past APPENDED_MAX_K, refused where it does not apply
     for schedule, unfit in (("epilogue", single), ("maxima", odd), ("appended", odd)):
         monkeypatch.setenv("KD_KERNELS_TEACHER_SCHEDULE", schedule)
         assert teacher_schedule(*half, 2048) == schedule

@@ -77,11 +77,11 @@ def _triton_top_of_counted_keys(keys: torch.Tensor, counts: torch.Tensor, k: int
         raise ValueError(f"keys: expected contiguous int64, got {keys.dtype}, contiguous={keys.is_contiguous()}")
     values = torch.empty(rows, k, dtype=torch.float32, device=keys.device)
     columns = torch.empty(rows, k, dtype=torch.int32, device=keys.device)
+    if TRITON_RANKING not in ("select", "topk"):
+        raise ValueError(f"TRITON_RANKING: expected 'select' or 'topk', got {TRITON_RANKING!r}")
     if rows:
         slots = max(2, triton.next_power_of_2(capacity))  # tl.topk of one key reduces to a scalar
         top, warps = max(2, triton.next_power_of_2(k)), max(1, min(8, slots // 256))
-        if TRITON_RANKING not in ("select", "topk"):
-            raise ValueError(f"TRITON_RANKING: expected 'select' or 'topk', got {TRITON_RANKING!r}")
         if TRITON_RANKING == "select":
             # the outputs hold the selected keys' two words between the kernel's two steps
             _select_then_sort_kernel[(rows,)](keys, counts, values, values.view(torch.int32), columns, capacity, k,
