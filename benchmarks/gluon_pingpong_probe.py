@@ -104,7 +104,7 @@ def _top2_epilogue(accumulator, row_tile, column_tile, num_rows, width, log2e_ov
 
 
 @gluon.jit
-def _mma_partition(CONSUMER: gl.constexpr, a_bufs, b_bufs, ready, empty, out_smem, out_desc, tile_max2_ptr,
+def _mma_partition(CONSUMER: gl.constexpr, a_bufs, b_bufs, ready, empty, order, out_smem, out_desc, tile_max2_ptr,
                    tile_sum2_ptr, group_max_ptr, group_arg_ptr, group_second_ptr, num_rows, width, hidden_size,
                    log2e_over_t, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                    GROUP_M: gl.constexpr, STAGES: gl.constexpr, NUM_PROGRAMS: gl.constexpr,
@@ -119,6 +119,9 @@ def _mma_partition(CONSUMER: gl.constexpr, a_bufs, b_bufs, ready, empty, out_sme
     # order, so the two mainloops alternate and one's epilogue runs under the other's mainloop
     for tile in range(gl.program_id(0) + CONSUMER * NUM_PROGRAMS, row_tiles * column_tiles, 2 * NUM_PROGRAMS):
         count = (2 * local + CONSUMER) * steps
+        # the other consumer's mainloop before this one has issued all its steps: without this a
+        # consumer could wait on a ring phase two ahead, whose parity a stale phase also shows
+        mbarrier.wait(order.index(1 - CONSUMER), (local - 1 + CONSUMER) & 1, pred=(CONSUMER == 1) | (local > 0))
         accumulator = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout)
         previous = 0
         for step in range(steps):
@@ -131,6 +134,7 @@ def _mma_partition(CONSUMER: gl.constexpr, a_bufs, b_bufs, ready, empty, out_sme
             mbarrier.arrive(empty.index(previous), count=1, pred=step > 0)
             previous = stage
             count += 1
+        mbarrier.arrive(order.index(CONSUMER), count=1)
         accumulator = warpgroup_mma_wait(num_outstanding=0, deps=(accumulator, ))
         mbarrier.arrive(empty.index(previous), count=1)
         row_tile, column_tile = _tile_position(tile, row_tiles, column_tiles, GROUP_M)
@@ -159,6 +163,9 @@ def _pingpong_kernel(hidden_desc, weight_desc, out_desc, tile_max2_ptr, tile_sum
     b_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_K], weight_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    order = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(order.index(0), count=1)
+    mbarrier.init(order.index(1), count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=1)
@@ -168,16 +175,18 @@ def _pingpong_kernel(hidden_desc, weight_desc, out_desc, tile_max2_ptr, tile_sum
     else:  # no staging: a stand-in the partitions never touch
         out_smem0 = empty
         out_smem1 = empty
+    # the producer is the default partition (4 warps, one thread issuing the copies), the two
+    # consumers are whole warpgroups of their own (the layout a crash-free Hopper Gluon kernel has)
     gl.warp_specialize([
-        (_mma_partition, (0, a_bufs, b_bufs, ready, empty, out_smem0, out_desc, tile_max2_ptr, tile_sum2_ptr,
-                          group_max_ptr, group_arg_ptr, group_second_ptr, num_rows, width, hidden_size, log2e_over_t,
-                          BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, NUM_PROGRAMS, GROUP_COLUMNS, EPILOGUE)),
-        (_mma_partition, (1, a_bufs, b_bufs, ready, empty, out_smem1, out_desc, tile_max2_ptr, tile_sum2_ptr,
-                          group_max_ptr, group_arg_ptr, group_second_ptr, num_rows, width, hidden_size, log2e_over_t,
-                          BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, NUM_PROGRAMS, GROUP_COLUMNS, EPILOGUE)),
         (_load_partition, (hidden_desc, weight_desc, a_bufs, b_bufs, ready, empty, num_rows, width, hidden_size,
                            BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, NUM_PROGRAMS)),
-    ], [4, 1], [CONSUMER_REGISTERS, PRODUCER_REGISTERS])
+        (_mma_partition, (0, a_bufs, b_bufs, ready, empty, order, out_smem0, out_desc, tile_max2_ptr, tile_sum2_ptr,
+                          group_max_ptr, group_arg_ptr, group_second_ptr, num_rows, width, hidden_size, log2e_over_t,
+                          BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, NUM_PROGRAMS, GROUP_COLUMNS, EPILOGUE)),
+        (_mma_partition, (1, a_bufs, b_bufs, ready, empty, order, out_smem1, out_desc, tile_max2_ptr, tile_sum2_ptr,
+                          group_max_ptr, group_arg_ptr, group_second_ptr, num_rows, width, hidden_size, log2e_over_t,
+                          BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, NUM_PROGRAMS, GROUP_COLUMNS, EPILOGUE)),
+    ], [4, 4], [CONSUMER_REGISTERS, CONSUMER_REGISTERS])
 
 
 PROBE_DEFAULTS = dict(BLOCK_M=64, BLOCK_N=256, BLOCK_K=64, GROUP_M=16, STAGES=4, GROUP_COLUMNS=32,
