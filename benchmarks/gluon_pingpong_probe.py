@@ -194,13 +194,13 @@ PROBE_DEFAULTS = dict(BLOCK_M=64, BLOCK_N=256, BLOCK_K=64, GROUP_M=16, STAGES=4,
 
 
 def pingpong_matmul(hidden, weight, epilogue: str, temperature: float = 1.0, stages: int = 4, group_m: int = 16,
-                    block_m: int = 64, block_n: int = 256, registers: tuple = (232, 40)):
+                    block_m: int = 64, block_n: int = 256, block_k: int = 64, registers: tuple = (232, 40)):
     """hidden [R, H] bf16, weight [V, H] bf16 -> ("store") logits [R, V] bf16, or ("top2") the
     group top-2 summaries (tile_max2, tile_sum2, group_max, group_arg, group_second) of the
     Triton epilogue matmul's `group_top2` form (interleaved groups of 32 columns)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    config = dict(PROBE_DEFAULTS, STAGES=stages, GROUP_M=group_m, BLOCK_M=block_m, BLOCK_N=block_n,
+    config = dict(PROBE_DEFAULTS, STAGES=stages, GROUP_M=group_m, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
                   CONSUMER_REGISTERS=registers[0], PRODUCER_REGISTERS=registers[1])
     rows, hidden_size = hidden.shape
     width = weight.shape[0]
@@ -275,6 +275,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--compile-only", action="store_true", help="sm_90 compile on this machine, no GPU")
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--sweep", action="store_true",
+                        help="top-2 only: tile shapes x GROUP_M x stages, then the best two timed in turn")
     args = parser.parse_args()
     if args.compile_only:
         for (block_m, block_n), stages in (((64, 256), 4), ((128, 128), 4), ((128, 128), 5)):
@@ -318,6 +320,8 @@ def run_on_gpu(args) -> None:
         differ = (a[:, :groups].float() != b[:, :groups].float()).float().mean().item()
         print(f"check 128 x 128 {name}: fraction differing from the Triton kernel {differ:.2e}")
     del reference, logits
+    if args.sweep:
+        return sweep(args, hidden, weight, inputs, flops)
     cases = {
         "cuBLAS bf16": lambda h: h @ weight.T,
         "triton statistics only": lambda h: EpilogueMatmul(h, weight, None, vocab, 1.0, None)(0, vocab),
@@ -347,6 +351,46 @@ def run_on_gpu(args) -> None:
     print("| case | ms | TFLOP/s | x cuBLAS |\n| --- | --- | --- | --- |")
     for name, ms in results.items():
         print(f"| {name} | {ms:.3f} | {flops / ms / 1e9:.0f} | {ms / floor:.3f} |")
+
+
+
+SWEEP = [  # (block_m, block_n, block_k, stages, group_m): the ping-pong top-2 forms timed by --sweep
+    (64, 256, 64, 5, 32), (64, 256, 64, 5, 64), (64, 256, 64, 5, 128),
+    (128, 128, 64, 5, 16), (128, 128, 64, 5, 32), (128, 128, 64, 6, 16), (128, 128, 64, 6, 32),
+    (128, 128, 64, 6, 64), (128, 128, 128, 3, 16), (128, 128, 128, 3, 32),
+]
+
+
+def sweep(args, hidden, weight, inputs, flops) -> None:
+    from harness import time_interleaved_ms, time_ms
+
+    from kd_kernels.ops.lm_head_group_maxima import EpilogueMatmul
+
+    vocab = weight.shape[0]
+    cases = {"cuBLAS bf16": lambda h: h @ weight.T,
+             "triton group top-2": lambda h: EpilogueMatmul(h, weight, None, vocab, 1.0, None,
+                                                           group_top2=True)(0, vocab)}
+    for bm, bn, bk, stages, group_m in SWEEP:
+        cases[f"ping-pong top-2 {bm} x {bn} x {bk}, {stages} stages, GROUP_M {group_m}"] = (
+            lambda h, c=(bm, bn, bk, stages, group_m): pingpong_matmul(h, weight, "top2", block_m=c[0], block_n=c[1],
+                                                                       block_k=c[2], stages=c[3], group_m=c[4]))
+    results = {}
+    for name, fn in cases.items():
+        try:
+            results[name] = time_ms(fn, lambda: next(inputs), repeats=args.repeats)[0]
+        except Exception as error:
+            print(f"{name}: {type(error).__name__}: {str(error)[:300]}")
+    floor = results["cuBLAS bf16"]
+    print("| case (in blocks) | ms | TFLOP/s | x cuBLAS |\n| --- | --- | --- | --- |")
+    for name, ms in results.items():
+        print(f"| {name} | {ms:.3f} | {flops / ms / 1e9:.0f} | {ms / floor:.3f} |")
+    pingpong = sorted((ms, name) for name, ms in results.items() if name.startswith("ping-pong"))[:2]
+    chosen = ["cuBLAS bf16", "triton group top-2"] + [name for _, name in pingpong]
+    hidden_b = next(inputs)[0]
+    in_turn, ratios = time_interleaved_ms({name: (cases[name], lambda: (hidden_b,)) for name in chosen})
+    print("| case (in turn) | ms | median ratio to cuBLAS |\n| --- | --- | --- |")
+    for name in chosen:
+        print(f"| {name} | {in_turn[name][0]:.3f} | {ratios[name]:.3f} |")
 
 
 if __name__ == "__main__":
