@@ -50,8 +50,8 @@ FORCED_SCHEDULES = [("cuda", "epilogue", "", {}), ("cuda", "maxima", "", {}), ("
 
 
 # timed again each after 200 ms idle with --after-idle (the floor first)
-AFTER_IDLE = ("floor: lm_head matmul", "ours from hidden (cuda)", "ours from hidden (triton)",
-              "ours from hidden, lean (cuda)")
+AFTER_IDLE = ("floor: lm_head matmul", "ours from hidden (cuda)", "ours from hidden (cuda, triton top-2 matmul)",
+              "ours from hidden (triton)", "ours from hidden, lean (cuda)")
 
 
 def _print_ratios(rows, key, protocol, title):
@@ -79,6 +79,10 @@ def bench_shape(name, n, h, v, ks, only=None, fused_sweep=False, interleave=Fals
             "floor: lm_head matmul": lambda: hidden @ weight.T,
             "ours from hidden (cuda)": lambda: kd.teacher_topk(hidden, weight, k=k, temperature=TEMPERATURE,
                                                                backend="cuda"),
+            # the maxima schedule's matmul as before the Hopper ping-pong kernel (NOTES e38)
+            "ours from hidden (cuda, triton top-2 matmul)": lambda: with_env(
+                "KD_KERNELS_TOP2_MATMUL", "triton",
+                lambda: kd.teacher_topk(hidden, weight, k=k, temperature=TEMPERATURE, backend="cuda")),
             # past RANK_MAX_K (a sort orders the candidates): the candidates gathered by the Triton
             # selection and sorted by the extension, as before GATHER_IN_CUDA
             "ours from hidden (cuda, candidates gathered in Triton)": lambda: with_attributes(

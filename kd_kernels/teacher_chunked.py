@@ -202,12 +202,13 @@ def _rows_in_quarter_groups(rows: int, num_rows: int) -> int:
 
 def maxima_chunk_rows(num_rows: int, width: int, k: int, group_columns: int = 32) -> int:
     """Rows per chunk of the maxima schedule: its buffers within MAXIMA_BYTES, in quarters of the
-    matmul's L2 group of row tiles. A row holds its tile statistics (8 · V / 256 bytes), each
-    group's maximum, column and second largest (9 · V / group_columns) and 12 bytes per
-    candidate slot (capacity_for(k): keys, group ids)."""
+    matmul's L2 group of row tiles. A row holds its tile statistics (8 · V / 128 bytes: the
+    Hopper kernel's tiles; the Triton kernel's 256-column tiles hold half), each group's maximum,
+    column and second largest (9 · V / group_columns) and 12 bytes per candidate slot
+    (capacity_for(k): keys, group ids)."""
     from .ops.topk_from_groups import capacity_for
 
-    per_row = 8 * width // 256 + 9 * width // group_columns + 12 * capacity_for(k)
+    per_row = 8 * width // 128 + 9 * width // group_columns + 12 * capacity_for(k)
     return _rows_in_quarter_groups(MAXIMA_BYTES // per_row, num_rows)
 
 

@@ -41,8 +41,9 @@ def test_group_top2_is_each_groups_maximum_column_and_second_largest():
     logits = torch.empty(37, padded_width(width), dtype=torch.float32, device=DEVICE)
     stored = lm_head_logits_with_summaries(hidden, weight, bias, width, 0.7, logits)
     summaries = lm_head_logits_with_summaries(hidden, weight, bias, width, 0.7, None, group_top2=True)
-    for name in ("tile_max2", "tile_sum2"):  # the top-2 changes neither
-        assert torch.equal(getattr(stored, name), getattr(summaries, name)), name
+    if summaries.tile_max2.shape == stored.tile_max2.shape:  # the Triton kernel (on sm_90 the Hopper one,
+        for name in ("tile_max2", "tile_sum2"):  # 128-column tiles: tests/test_teacher_top2_hopper.py)
+            assert torch.equal(getattr(stored, name), getattr(summaries, name)), name  # the top-2 changes neither
     groups = summaries.group_max.shape[1]
     # against the kernel's own float32 logits: maximum, second and the maximum's column exact
     mine = _top2_groups(logits[:, :width].double().cpu(), groups, summaries.group_columns)

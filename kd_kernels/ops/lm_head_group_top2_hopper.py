@@ -1,0 +1,108 @@
+"""The maxima schedule's lm_head matmul as a Hopper ping-pong kernel (Gluon): the same group top-2
+summaries as the Triton epilogue matmul's ``group_top2`` form (ops/lm_head_group_maxima.py),
+with the epilogue off the tensor cores' critical path.
+
+The Triton kernel is cooperative: 8 warps share one 128 × 256 accumulator, so while a tile's
+epilogue (Σ exp, each interleaved group's maximum, its lane and second largest) runs, the tensor
+cores idle: 1.034-1.058× cuBLAS on an H200. Here two 4-warp consumers each own a 128 × 128 tile
+and take every other tile of the program's sequence; a producer partition feeds both from one
+TMA ring in tile order, and an order barrier pair makes the mainloops alternate, so one
+consumer's epilogue runs under the other's mainloop: 1.015× cuBLAS in blocks, 0.98× timed in
+turn, at 8192 × 4096 × 151,936 bf16 (benchmarks/gluon_pingpong_probe.py, NOTES e38). Its
+outputs are bit-identical to the Triton kernel's groups (same wgmma steps over the hidden size,
+same reductions); its tile statistics are per 128 columns instead of 256 (the selection reads
+the tile width from the summaries' shapes).
+
+Hopper (sm_90) only: Gluon's warpgroup MMA and register reallocation are that architecture's.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from .buffers import empty_parts
+from .launch import multiprocessor_count
+from .lm_head_group_maxima import RowSummaries
+from .tma import tma_rows
+
+BLOCK_M, BLOCK_N, BLOCK_K = 128, 128, 64
+GROUP_COLUMNS = 32
+# H200, 8192 rows (probe --sweep): 5 stages 1.015× cuBLAS, 6 stages 1.036; GROUP_M 16 row tiles per
+# weight tile 1.015, 32 1.084, 64 1.371 (the L2 working set of the 264 tiles in flight)
+STAGES = 5
+GROUP_M = 16
+# each consumer holds a 128-register accumulator and the epilogue's temporaries; the producer
+# partition gives its registers back
+CONSUMER_REGISTERS = 232
+
+TOP2_MATMULS = ("auto", "pingpong", "triton")
+
+
+@functools.lru_cache(maxsize=None)
+def _gluon_importable() -> bool:
+    try:
+        from triton.experimental.gluon.language.nvidia import hopper  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def top2_matmul_choice(hidden: torch.Tensor, weight: torch.Tensor) -> str:
+    """"pingpong" (this kernel) or "triton" (the epilogue matmul) for the group top-2 summaries of
+    ``hidden @ weight.T``. ``KD_KERNELS_TOP2_MATMUL=auto`` (default): this kernel on sm_90 with
+    Gluon, 16-bit inputs and TMA-movable rows, the Triton one otherwise; ``=pingpong`` insists
+    (an error where it cannot run), ``=triton`` forces the Triton kernel."""
+    requested = os.environ.get("KD_KERNELS_TOP2_MATMUL", "auto")
+    if requested not in TOP2_MATMULS:
+        raise ValueError(f"KD_KERNELS_TOP2_MATMUL: expected one of {TOP2_MATMULS}, got {requested!r}")
+    if requested == "triton":
+        return "triton"
+    reason = _pingpong_unusable(hidden, weight)
+    if reason and requested == "pingpong":
+        raise ValueError(f"KD_KERNELS_TOP2_MATMUL=pingpong: {reason}")
+    return "triton" if reason else "pingpong"
+
+
+def _pingpong_unusable(hidden: torch.Tensor, weight: torch.Tensor) -> str:
+    """Why this kernel cannot take these inputs ("" where it can)."""
+    if hidden.device.type != "cuda":
+        return f"needs CUDA tensors, got {hidden.device}"
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return "the Triton interpreter runs no Gluon kernels"
+    if torch.cuda.get_device_capability(hidden.device) != (9, 0):
+        major, minor = torch.cuda.get_device_capability(hidden.device)
+        return f"needs an sm_90 GPU (Hopper), got sm_{major}{minor}"
+    if not _gluon_importable():
+        return "needs triton.experimental.gluon with its Hopper module (triton >= 3.6)"
+    if hidden.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != hidden.dtype:
+        return f"needs bf16 / fp16 hidden and weight of one dtype, got {hidden.dtype} and {weight.dtype}"
+    if not (tma_rows(hidden) and tma_rows(weight)):
+        return "needs rows TMA can move (contiguous, 16-byte aligned: a hidden size that is a multiple of 8)"
+    return ""
+
+
+def group_top2_summaries(hidden: torch.Tensor, weight: torch.Tensor, bias, width: int, temperature: float,
+                         column_start: int = 0) -> RowSummaries:
+    """hidden ``[R, H]``, weight ``[≥ column_start + width, H]`` (bf16 / fp16, one dtype, on an
+    sm_90 GPU), bias ``[≥ column_start + width]`` or None -> the `RowSummaries` of the columns
+    ``column_start … column_start + width`` of ``hidden @ weight.T + bias`` in the
+    ``group_top2`` form (interleaved groups of 32 columns, `top2_group_columns`), with tile
+    statistics per 128 columns. No logits are stored."""
+    from .lm_head_group_top2_pingpong import launch_group_top2_pingpong
+
+    reason = _pingpong_unusable(hidden, weight)
+    if reason:
+        raise ValueError(f"hidden, weight: the Hopper group top-2 matmul {reason}")
+    rows = hidden.shape[0]
+    column_tiles = -(-width // BLOCK_N)
+    groups = column_tiles * (BLOCK_N // GROUP_COLUMNS)
+    tile_max2, tile_sum2, group_max, group_arg, group_second = empty_parts(
+        hidden.device, ((rows, column_tiles), torch.float32), ((rows, column_tiles), torch.float32),
+        ((rows, groups), torch.float32), ((rows, groups), torch.int8), ((rows, groups), torch.float32))
+    summaries = RowSummaries(tile_max2, tile_sum2, group_max, GROUP_COLUMNS, group_arg, group_second)
+    if rows:
+        launch_group_top2_pingpong(hidden, weight, bias, summaries, width, column_start,
+                                   1.4426950408889634 / temperature, multiprocessor_count(hidden.device))
+    return summaries
