@@ -41,9 +41,8 @@ def test_group_top2_is_each_groups_maximum_column_and_second_largest():
     logits = torch.empty(37, padded_width(width), dtype=torch.float32, device=DEVICE)
     stored = lm_head_logits_with_summaries(hidden, weight, bias, width, 0.7, logits)
     summaries = lm_head_logits_with_summaries(hidden, weight, bias, width, 0.7, None, group_top2=True)
-    if summaries.tile_max2.shape == stored.tile_max2.shape:  # the Triton kernel (on sm_90 the Hopper one,
-        for name in ("tile_max2", "tile_sum2"):  # 128-column tiles: tests/test_teacher_top2_hopper.py)
-            assert torch.equal(getattr(stored, name), getattr(summaries, name)), name  # the top-2 changes neither
+    for name in ("tile_max2", "tile_sum2"):  # the top-2 changes neither
+        assert torch.equal(getattr(stored, name), getattr(summaries, name)), name
     groups = summaries.group_max.shape[1]
     # against the kernel's own float32 logits: maximum, second and the maximum's column exact
     mine = _top2_groups(logits[:, :width].double().cpu(), groups, summaries.group_columns)
@@ -108,7 +107,9 @@ def test_maxima_schedule_matches_the_reference(k, temperature, scale, chunk_rows
 def test_thresholds_below_the_exact_ones_give_the_same_top_k(k, listing_steps, kth_steps, monkeypatch):
     """LISTING_STEPS, KTH_STEPS: the listing's threshold and T from a few value-space bisection
     steps (lower bounds: more groups listed, more single keys and groups computed again) leave
-    the result as the exact thresholds give it."""
+    the result as the exact thresholds give it: the same ids, and the same values but where a
+    value now comes from a group computed again (another dot shape: under the interpreter the
+    host BLAS may round its last bit differently from the matmul's epilogue)."""
     from kd_kernels.ops import topk_from_group_top2 as top2_module
 
     hidden, weight, bias = small_teacher_problem(k + 30, rows=37, columns=1000, dtype=torch.float16, scale=2.0)
@@ -118,7 +119,10 @@ def test_thresholds_below_the_exact_ones_give_the_same_top_k(k, listing_steps, k
     monkeypatch.setattr(top2_module, "LISTING_STEPS", listing_steps)
     monkeypatch.setattr(top2_module, "KTH_STEPS", kth_steps)
     below = teacher_topk_maxima(hidden, weight, k, 1.0, 1000, bias)
-    assert torch.equal(below.indices, exact.indices) and torch.equal(below.logprobs, exact.logprobs)
+    assert torch.equal(below.indices, exact.indices)
+    logits = exact.logprobs + exact.lse[:, None]  # τ = 1: the values' own scale, their ulps
+    ulps = (below.logprobs - exact.logprobs).abs() / (torch.finfo(torch.float32).eps * logits.abs())
+    assert ulps.max() <= 2 and (ulps > 0).float().mean() < 0.02
     check_teacher_topk(below, reference.teacher_topk(hidden, weight, k, 1.0, 1000, bias), 2e-5,
                        reference.lm_head_logits(hidden, weight, bias), 1.0, 1000)
 

@@ -18,13 +18,13 @@ needs_sm90 = pytest.mark.skipif(not SM90, reason="the ping-pong kernel runs on s
 def test_an_unknown_choice_is_an_error(monkeypatch):
     monkeypatch.setenv("KD_KERNELS_TOP2_MATMUL", "fastest")
     tensor = torch.zeros(4, 8, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match=r"KD_KERNELS_TOP2_MATMUL: expected one of \('auto', 'pingpong', 'triton'\)"):
+    with pytest.raises(ValueError, match=r"KD_KERNELS_TOP2_MATMUL: expected one of \('triton', 'pingpong'\)"):
         hopper.top2_matmul_choice(tensor, tensor)
 
 
-def test_the_choice_falls_back_only_when_not_insisted_on(monkeypatch):
+def test_the_triton_kernel_is_the_default_and_the_ping_pong_refuses_what_it_cannot_run(monkeypatch):
     tensor = torch.zeros(4, 8, dtype=torch.bfloat16)  # on the CPU: no ping-pong kernel
-    monkeypatch.setenv("KD_KERNELS_TOP2_MATMUL", "auto")
+    monkeypatch.delenv("KD_KERNELS_TOP2_MATMUL", raising=False)
     assert hopper.top2_matmul_choice(tensor, tensor) == "triton"
     monkeypatch.setenv("KD_KERNELS_TOP2_MATMUL", "pingpong")
     with pytest.raises(ValueError, match="KD_KERNELS_TOP2_MATMUL=pingpong: needs CUDA tensors"):

@@ -8,6 +8,7 @@ teacher TP ≠ student TP.
 import os
 import sys
 
+import numpy
 import pytest
 import torch
 import torch.distributed as dist
@@ -20,6 +21,9 @@ from kd_kernels.options import DIVERGENCES
 
 pytestmark = pytest.mark.interpret
 N, H, V, VOCAB, K = 13, 8, 50, 47, 5
+# the workers run the interpreter even where a GPU is: the Triton 3.6 interpreter fails on numpy >= 2.4
+# (it makes ints of 1-element arrays), which the test extra keeps out and the GPU image has
+NUMPY_BREAKS_INTERPRETER = tuple(int(part) for part in numpy.__version__.split(".")[:2]) >= (2, 4)
 
 
 def _global_problem(world):
@@ -161,6 +165,8 @@ def _worker(rank, world, init_file):
         dist.destroy_process_group()
 
 
+@pytest.mark.skipif(NUMPY_BREAKS_INTERPRETER, reason=f"the Triton 3.6 interpreter fails on numpy "
+                    f"{numpy.__version__} (>= 2.4); pyproject's test extra pins numpy<2.4")
 @pytest.mark.parametrize("world", [2, 4])
 def test_vocab_parallel_matches_unsharded_reference(world):
     spawn_ranks(_worker, world)

@@ -337,10 +337,9 @@ def lm_head_logits_with_summaries(hidden: torch.Tensor, weight: torch.Tensor, bi
     ``hidden @ weight[:width].T + bias`` written into ``logits [R, ≥ width]`` (rows 16-byte
     aligned: `padded_width`), and the rows' `RowSummaries`. ``logits=None``: the summaries
     only, no logits stored (the maxima schedule recomputes the few groups it needs).
-    ``group_top2``: each group's maximum column and second largest too (`RowSummaries`); on an
-    sm_90 GPU those come from the Hopper ping-pong kernel (ops/lm_head_group_top2_hopper.py,
-    tile statistics per 128 columns) unless ``config`` is given or ``KD_KERNELS_TOP2_MATMUL``
-    says otherwise."""
+    ``group_top2``: each group's maximum column and second largest too (`RowSummaries`); with
+    ``KD_KERNELS_TOP2_MATMUL=pingpong`` (and no ``config``) those come from the Hopper ping-pong
+    kernel (ops/lm_head_group_top2_hopper.py, tile statistics per 128 columns)."""
     if group_top2 and logits is None and config is None:
         from .lm_head_group_top2_hopper import group_top2_summaries, top2_matmul_choice
 

@@ -7,8 +7,10 @@ epilogue (Σ exp, each interleaved group's maximum, its lane and second largest)
 cores idle: 1.034-1.058× cuBLAS on an H200. Here two 4-warp consumers each own a 128 × 128 tile
 and take every other tile of the program's sequence; a producer partition feeds both from one
 TMA ring in tile order, and an order barrier pair makes the mainloops alternate, so one
-consumer's epilogue runs under the other's mainloop: 1.015× cuBLAS in blocks, 0.98× timed in
-turn, at 8192 × 4096 × 151,936 bf16 (benchmarks/gluon_pingpong_probe.py, NOTES e38). Its
+consumer's epilogue runs under the other's mainloop: 1.015-1.034× cuBLAS in blocks (the Triton
+kernel 1.034-1.037 in the same runs), 0.988× timed in turn (1.058-1.069), at 8192 × 4096 ×
+151,936 bf16 in one launch (benchmarks/gluon_pingpong_probe.py, NOTES e38). Opt-in
+(`top2_matmul_choice`): in the maxima schedule it wins only timed in turn. Its
 outputs are bit-identical to the Triton kernel's groups (same wgmma steps over the hidden size,
 same reductions); its tile statistics are per 128 columns instead of 256 (the selection reads
 the tile width from the summaries' shapes).
@@ -37,7 +39,23 @@ GROUP_M = 16
 # partition gives its registers back
 CONSUMER_REGISTERS = 232
 
-TOP2_MATMULS = ("auto", "pingpong", "triton")
+TOP2_MATMULS = ("triton", "pingpong")
+
+
+def top2_matmul_choice(hidden: torch.Tensor, weight: torch.Tensor) -> str:
+    """"triton" (the epilogue matmul, the default) or "pingpong" (this kernel) for the group top-2
+    summaries of ``hidden @ weight.T``, from ``KD_KERNELS_TOP2_MATMUL``. This kernel is opt-in:
+    timed in turn with the bare matmul the schedule is faster with it (k = 64: 1.121 against
+    1.162× the matmul), back to back it is slower (its 128 × 128 tiles move a third more bytes
+    from L2 at the card's power limit, and its 128-column tile statistics cost the selection
+    ~0.15 ms: NOTES e38). Asking for it where it cannot run is an error naming why."""
+    requested = os.environ.get("KD_KERNELS_TOP2_MATMUL", "triton")
+    if requested not in TOP2_MATMULS:
+        raise ValueError(f"KD_KERNELS_TOP2_MATMUL: expected one of {TOP2_MATMULS}, got {requested!r}")
+    reason = _pingpong_unusable(hidden, weight) if requested == "pingpong" else ""
+    if reason:
+        raise ValueError(f"KD_KERNELS_TOP2_MATMUL=pingpong: {reason}")
+    return requested
 
 
 @functools.lru_cache(maxsize=None)
@@ -47,22 +65,6 @@ def _gluon_importable() -> bool:
     except ImportError:
         return False
     return True
-
-
-def top2_matmul_choice(hidden: torch.Tensor, weight: torch.Tensor) -> str:
-    """"pingpong" (this kernel) or "triton" (the epilogue matmul) for the group top-2 summaries of
-    ``hidden @ weight.T``. ``KD_KERNELS_TOP2_MATMUL=auto`` (default): this kernel on sm_90 with
-    Gluon, 16-bit inputs and TMA-movable rows, the Triton one otherwise; ``=pingpong`` insists
-    (an error where it cannot run), ``=triton`` forces the Triton kernel."""
-    requested = os.environ.get("KD_KERNELS_TOP2_MATMUL", "auto")
-    if requested not in TOP2_MATMULS:
-        raise ValueError(f"KD_KERNELS_TOP2_MATMUL: expected one of {TOP2_MATMULS}, got {requested!r}")
-    if requested == "triton":
-        return "triton"
-    reason = _pingpong_unusable(hidden, weight)
-    if reason and requested == "pingpong":
-        raise ValueError(f"KD_KERNELS_TOP2_MATMUL=pingpong: {reason}")
-    return "triton" if reason else "pingpong"
 
 
 def _pingpong_unusable(hidden: torch.Tensor, weight: torch.Tensor) -> str:
