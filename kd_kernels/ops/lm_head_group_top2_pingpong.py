@@ -14,24 +14,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .lm_head_group_maxima import RowSummaries
-
-
-@gluon.jit
-def _tile_position(tile, row_tiles, column_tiles, GROUP_M: gl.constexpr):
-    """(row tile, column tile) of the ``tile``-th output tile: GROUP_M row tiles share each column
-    tile in turn (the Triton epilogue matmul's order)."""
-    in_group = GROUP_M * column_tiles
-    first_row_tile = (tile // in_group) * GROUP_M
-    group_rows = min(row_tiles - first_row_tile, GROUP_M)
-    return first_row_tile + tile % group_rows, (tile % in_group) // group_rows
-
-
-@gluon.jit
-def _combine_top2(max_a, arg_a, second_a, max_b, arg_b, second_b):
-    # (maximum, its lane, second largest) of two parts: on a tie the second equals the maximum
-    return (gl.maximum(max_a, max_b), gl.where(max_b > max_a, arg_b, arg_a),
-            gl.maximum(gl.minimum(max_a, max_b), gl.maximum(second_a, second_b)))
+from .lm_head_group_maxima import RowSummaries, _combine_top2, _tile_position
 
 
 @gluon.jit
