@@ -200,15 +200,15 @@ def _rows_in_quarter_groups(rows: int, num_rows: int) -> int:
     return num_rows if rows >= num_rows else max(quarter, rows // quarter * quarter)
 
 
-def maxima_chunk_rows(num_rows: int, width: int, k: int, group_columns: int = 32) -> int:
+def maxima_chunk_rows(num_rows: int, width: int, k: int, group_columns: int = 32, tile_columns: int = 256) -> int:
     """Rows per chunk of the maxima schedule: its buffers within MAXIMA_BYTES, in quarters of the
-    matmul's L2 group of row tiles. A row holds its tile statistics (8 · V / 128 bytes: the
-    Hopper kernel's tiles; the Triton kernel's 256-column tiles hold half), each group's maximum,
+    matmul's L2 group of row tiles. A row holds its tile statistics (8 · V / tile_columns bytes:
+    256-column tiles of the Triton matmul, 128 of the Hopper ping-pong one), each group's maximum,
     column and second largest (9 · V / group_columns) and 12 bytes per candidate slot
     (capacity_for(k): keys, group ids)."""
     from .ops.topk_from_groups import capacity_for
 
-    per_row = 8 * width // 128 + 9 * width // group_columns + 12 * capacity_for(k)
+    per_row = 8 * width // tile_columns + 9 * width // group_columns + 12 * capacity_for(k)
     return _rows_in_quarter_groups(MAXIMA_BYTES // per_row, num_rows)
 
 
@@ -224,6 +224,7 @@ def teacher_topk_maxima(hidden: torch.Tensor, weight: torch.Tensor, k: int, temp
     second reaches T too are computed again from hidden × weight and their elements ≥ T join
     the keys. Rows that overflow (massive ties) are redone by cuBLAS logits and the full-row
     selection ``select``."""
+    from .ops import lm_head_group_top2_hopper as hopper
     from .ops.lm_head_group_maxima import default_config, lm_head_logits_with_summaries
     from .ops.topk_from_group_top2 import topk_from_group_top2
 
@@ -231,7 +232,9 @@ def teacher_topk_maxima(hidden: torch.Tensor, weight: torch.Tensor, k: int, temp
         raise ValueError(f"k: the maxima schedule takes 1 <= k <= {MAXIMA_MAX_K}, got {k}")
     num_rows = hidden.shape[0]
     width = vocab_size if shard is None else shard.existing
-    chunk_rows = chunk_rows or maxima_chunk_rows(num_rows, width, k, default_config().group_columns)
+    pingpong = hopper.top2_matmul_choice(hidden, weight) == "pingpong"
+    tile_columns = hopper.BLOCK_N if pingpong else default_config().block_n
+    chunk_rows = chunk_rows or maxima_chunk_rows(num_rows, width, k, default_config().group_columns, tile_columns)
     values, indices, lse, overflow = _outputs(num_rows, k, hidden.device, with_overflow=True)
     for start in range(0, num_rows, chunk_rows):
         rows = slice(start, min(start + chunk_rows, num_rows))
