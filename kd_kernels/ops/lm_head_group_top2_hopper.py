@@ -31,8 +31,9 @@ from .tma import tma_rows
 
 BLOCK_M, BLOCK_N, BLOCK_K = 128, 128, 64
 GROUP_COLUMNS = 32
-# H200, 8192 rows (benchmarks/gluon_pingpong_probe.py): 5 stages 1.015× cuBLAS, 6 stages 1.036; GROUP_M 16 row tiles per
-# weight tile 1.015, 32 1.084, 64 1.371 (the L2 working set of the 264 tiles in flight)
+# H200, 8192 rows (benchmarks/gluon_pingpong_probe.py): 5 stages 1.015× cuBLAS, 6 stages 1.036;
+# GROUP_M 16 row tiles per weight tile 1.015, 32 1.084, 64 1.371 (the L2 working set of the 264
+# tiles in flight)
 STAGES = 5
 GROUP_M = 16
 # each consumer holds a 128-register accumulator and the epilogue's temporaries; the producer
