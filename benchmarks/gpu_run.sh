@@ -5,8 +5,9 @@
 # Put KD_KERNELS_GIT_SHA=<this checkout's short sha> among the FLAGS: the device copy's .git can be
 # stale, and the JSON and logs name their commit from it otherwise.
 #   BUILD_CUDA=1   build kd_kernels._C with the documented command and use it in place
-#   RUN_TESTS=1    pytest -m "$TEST_MARKERS" (default "gpu") $TEST_PATHS (default tests/); not "interpret":
-#                  the image's numpy 2.4 breaks the Triton 3.6 interpreter (CI pins numpy<2.4). The whole
+#   RUN_TESTS=1    pytest -m "$TEST_MARKERS" (default "gpu") $TEST_PATHS (default tests/); "gpu or interpret"
+#                  also runs the interpreter-marked tests natively (the image's numpy 2.4 breaks the Triton 3.6
+#                  interpreter, so the one test that forces it, test_vocab_parallel's workers, skips). The whole
 #                  GPU suite outlasts TESTS_TIMEOUT=420 (cut after ~130 tests at 4ecfbc3): give it a call
 #                  of its own (TESTS_TIMEOUT=530 after the ~55 s build) or split it by TEST_PATHS
 #   RUN_QUALITY=0  benchmarks/bench_e2e.py: distilled vs CE-only student at the GPU defaults
