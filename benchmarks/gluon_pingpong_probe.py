@@ -29,6 +29,7 @@ import triton
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from kd_kernels.ops import lm_head_group_top2_hopper as hopper  # noqa: E402
+from kd_kernels.ops.launch import multiprocessor_count  # noqa: E402
 from kd_kernels.ops.lm_head_group_maxima import EpilogueMatmul, RowSummaries  # noqa: E402
 
 SWEEP = [  # (block_m, block_n, block_k, stages, group_m)
@@ -41,15 +42,11 @@ def pingpong_summaries(hidden, weight, block_shape, stages, group_m) -> RowSumma
     """The kernel's summaries with its constants overridden (tiles of ``block_shape[1]`` columns)."""
     from kd_kernels.ops.lm_head_group_top2_pingpong import launch_group_top2_pingpong
 
-    rows, width = hidden.shape[0], weight.shape[0]
-    tiles = -(-width // block_shape[1])
-    groups = tiles * block_shape[1] // hopper.GROUP_COLUMNS
-    parts = [torch.empty(rows, tiles, device="cuda"), torch.empty(rows, tiles, device="cuda"),
-             torch.empty(rows, groups, device="cuda"), torch.empty(rows, groups, device="cuda", dtype=torch.int8),
-             torch.empty(rows, groups, device="cuda")]
-    summaries = RowSummaries(parts[0], parts[1], parts[2], hopper.GROUP_COLUMNS, parts[3], parts[4])
-    launch_group_top2_pingpong(hidden, weight, None, summaries, width, 0, 1.4426950408889634, 132,
-                               block_shape=block_shape, stages=stages, group_m=group_m)
+    width = weight.shape[0]
+    summaries = hopper.empty_top2_summaries(hidden.shape[0], width, block_shape[1], hidden.device)
+    launch_group_top2_pingpong(hidden, weight, None, summaries, width, 0, 1.4426950408889634,
+                               multiprocessor_count(hidden.device), block_shape=block_shape, stages=stages,
+                               group_m=group_m)
     return summaries
 
 

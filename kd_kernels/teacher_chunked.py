@@ -36,6 +36,7 @@ with a running k-th value, 1.31× at k = 64 and 1.61× at k = 256; benchmarks/NO
 """
 from __future__ import annotations
 
+import functools
 import math
 import os
 from typing import Optional
@@ -232,14 +233,17 @@ def teacher_topk_maxima(hidden: torch.Tensor, weight: torch.Tensor, k: int, temp
         raise ValueError(f"k: the maxima schedule takes 1 <= k <= {MAXIMA_MAX_K}, got {k}")
     num_rows = hidden.shape[0]
     width = vocab_size if shard is None else shard.existing
-    pingpong = hopper.top2_matmul_choice(hidden, weight) == "pingpong"
-    tile_columns = hopper.BLOCK_N if pingpong else default_config().block_n
+    # the group top-2 matmul, chosen once a call (KD_KERNELS_TOP2_MATMUL)
+    if hopper.top2_matmul_choice(hidden, weight) == "pingpong":
+        summarize, tile_columns = hopper.group_top2_summaries, hopper.BLOCK_N
+    else:
+        summarize = functools.partial(lm_head_logits_with_summaries, logits=None, group_top2=True)
+        tile_columns = default_config().block_n
     chunk_rows = chunk_rows or maxima_chunk_rows(num_rows, width, k, default_config().group_columns, tile_columns)
     values, indices, lse, overflow = _outputs(num_rows, k, hidden.device, with_overflow=True)
     for start in range(0, num_rows, chunk_rows):
         rows = slice(start, min(start + chunk_rows, num_rows))
-        summaries = lm_head_logits_with_summaries(hidden[rows], weight, bias, width, temperature, None,
-                                                  group_top2=True)
+        summaries = summarize(hidden[rows], weight, bias, width, temperature)
         topk_from_group_top2(hidden[rows], weight, bias, summaries, k, temperature, width,
                              (values[rows], indices[rows], lse[rows], overflow[rows]),
                              order="cuda" if select == "cuda" else "torch")

@@ -31,6 +31,8 @@ def test_the_triton_kernel_is_the_default_and_the_ping_pong_refuses_what_it_cann
         hopper.top2_matmul_choice(tensor, tensor)
     with pytest.raises(ValueError, match="hidden, weight: the Hopper group top-2 matmul needs CUDA tensors"):
         hopper.group_top2_summaries(tensor, tensor, None, 4, 1.0)
+    with pytest.raises(ValueError, match="KD_KERNELS_TOP2_MATMUL=pingpong: needs CUDA tensors"):
+        teacher_topk_maxima(tensor, tensor, 1, 1.0, 4)  # the schedule asks before its first chunk
 
 
 @pytest.mark.gpu

@@ -337,14 +337,8 @@ def lm_head_logits_with_summaries(hidden: torch.Tensor, weight: torch.Tensor, bi
     ``hidden @ weight[:width].T + bias`` written into ``logits [R, ≥ width]`` (rows 16-byte
     aligned: `padded_width`), and the rows' `RowSummaries`. ``logits=None``: the summaries
     only, no logits stored (the maxima schedule recomputes the few groups it needs).
-    ``group_top2``: each group's maximum column and second largest too (`RowSummaries`); with
-    ``KD_KERNELS_TOP2_MATMUL=pingpong`` (and no ``config``) those come from the Hopper ping-pong
-    kernel (ops/lm_head_group_top2_hopper.py, tile statistics per 128 columns)."""
-    if group_top2 and logits is None and config is None:
-        from .lm_head_group_top2_hopper import group_top2_summaries, top2_matmul_choice
-
-        if top2_matmul_choice(hidden, weight) == "pingpong":
-            return group_top2_summaries(hidden, weight, bias, width, temperature)
+    ``group_top2``: each group's maximum column and second largest too (`RowSummaries`; the
+    Hopper ping-pong kernel's form of them: ops/lm_head_group_top2_hopper.py)."""
     return EpilogueMatmul(hidden, weight, bias, width, temperature, logits, config, group_top2)(0, width)
 
 

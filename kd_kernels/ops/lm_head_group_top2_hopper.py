@@ -32,8 +32,8 @@ from .tma import tma_rows
 BLOCK_M, BLOCK_N, BLOCK_K = 128, 128, 64
 GROUP_COLUMNS = 32
 # H200, 8192 rows (benchmarks/gluon_pingpong_probe.py): 5 stages 1.015× cuBLAS, 6 stages 1.036;
-# GROUP_M 16 row tiles per weight tile 1.015, 32 1.084, 64 1.371 (the L2 working set of the 264
-# tiles in flight)
+# GROUP_M 16 row tiles per weight tile 1.015, 32 1.084 (64 at 6 stages: 1.371; the L2 working set
+# of the 264 tiles in flight)
 STAGES = 5
 GROUP_M = 16
 # each consumer holds a 128-register accumulator and the epilogue's temporaries; the producer
@@ -86,6 +86,17 @@ def _pingpong_unusable(hidden: torch.Tensor, weight: torch.Tensor) -> str:
     return ""
 
 
+def empty_top2_summaries(rows: int, width: int, tile_columns: int, device) -> RowSummaries:
+    """Unfilled `RowSummaries` of the group top-2 form for ``rows`` rows of ``width`` columns in
+    tiles of ``tile_columns`` (a multiple of 4 · GROUP_COLUMNS)."""
+    column_tiles = -(-width // tile_columns)
+    groups = column_tiles * (tile_columns // GROUP_COLUMNS)
+    tile_max2, tile_sum2, group_max, group_arg, group_second = empty_parts(
+        device, ((rows, column_tiles), torch.float32), ((rows, column_tiles), torch.float32),
+        ((rows, groups), torch.float32), ((rows, groups), torch.int8), ((rows, groups), torch.float32))
+    return RowSummaries(tile_max2, tile_sum2, group_max, GROUP_COLUMNS, group_arg, group_second)
+
+
 def group_top2_summaries(hidden: torch.Tensor, weight: torch.Tensor, bias, width: int, temperature: float,
                          column_start: int = 0) -> RowSummaries:
     """hidden ``[R, H]``, weight ``[≥ column_start + width, H]`` (bf16 / fp16, one dtype, on an
@@ -99,12 +110,7 @@ def group_top2_summaries(hidden: torch.Tensor, weight: torch.Tensor, bias, width
     if reason:
         raise ValueError(f"hidden, weight: the Hopper group top-2 matmul {reason}")
     rows = hidden.shape[0]
-    column_tiles = -(-width // BLOCK_N)
-    groups = column_tiles * (BLOCK_N // GROUP_COLUMNS)
-    tile_max2, tile_sum2, group_max, group_arg, group_second = empty_parts(
-        hidden.device, ((rows, column_tiles), torch.float32), ((rows, column_tiles), torch.float32),
-        ((rows, groups), torch.float32), ((rows, groups), torch.int8), ((rows, groups), torch.float32))
-    summaries = RowSummaries(tile_max2, tile_sum2, group_max, GROUP_COLUMNS, group_arg, group_second)
+    summaries = empty_top2_summaries(rows, width, BLOCK_N, hidden.device)
     if rows:
         launch_group_top2_pingpong(hidden, weight, bias, summaries, width, column_start,
                                    1.4426950408889634 / temperature, multiprocessor_count(hidden.device))
