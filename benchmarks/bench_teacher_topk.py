@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import kd_kernels as kd  # noqa: E402
 from harness import (environment, llm_like_hidden, peak_extra_gib, time_after_idle_ms,  # noqa: E402
-                     time_interleaved_ms, time_ms, with_attributes, with_env, write_json)
+                     time_interleaved_ms, time_ms, time_sustained_ms, with_attributes, with_env, write_json)
 from kd_kernels.ops import topk_from_groups  # noqa: E402
 from kd_kernels.teacher_chunked import teacher_topk_tiled  # noqa: E402
 from shapes import TEACHER_SHAPES  # noqa: E402
@@ -50,7 +50,7 @@ FORCED_SCHEDULES = [("cuda", "epilogue", "", {}), ("cuda", "maxima", "", {}), ("
 
 
 # timed again each after 200 ms idle with --after-idle (the floor first)
-AFTER_IDLE = ("floor: lm_head matmul", "ours from hidden (cuda)", "ours from hidden (cuda, triton top-2 matmul)",
+AFTER_IDLE = ("floor: lm_head matmul", "ours from hidden (cuda)", "ours from hidden (cuda, ping-pong top-2 matmul)",
               "ours from hidden (triton)", "ours from hidden, lean (cuda)")
 
 
@@ -63,7 +63,8 @@ def _print_ratios(rows, key, protocol, title):
             print(f"| {row['provider']} | {row['k']} | {row[key]:.3f} |")
 
 
-def bench_shape(name, n, h, v, ks, only=None, fused_sweep=False, interleave=False, after_idle=False):
+def bench_shape(name, n, h, v, ks, only=None, fused_sweep=False, interleave=False, after_idle=False,
+                sustained=False):
     weight = (torch.randn(v, h, device="cuda") * 0.02).to(torch.bfloat16)
     hidden, entropy, scale = llm_like_hidden(n, h, weight)
     logits_bf16 = hidden @ weight.T
@@ -79,9 +80,9 @@ def bench_shape(name, n, h, v, ks, only=None, fused_sweep=False, interleave=Fals
             "floor: lm_head matmul": lambda: hidden @ weight.T,
             "ours from hidden (cuda)": lambda: kd.teacher_topk(hidden, weight, k=k, temperature=TEMPERATURE,
                                                                backend="cuda"),
-            # the maxima schedule's matmul as before the Hopper ping-pong kernel (NOTES e38)
-            "ours from hidden (cuda, triton top-2 matmul)": lambda: with_env(
-                "KD_KERNELS_TOP2_MATMUL", "triton",
+            # the maxima schedule's matmul as the opt-in Hopper ping-pong kernel (NOTES e38)
+            "ours from hidden (cuda, ping-pong top-2 matmul)": lambda: with_env(
+                "KD_KERNELS_TOP2_MATMUL", "pingpong",
                 lambda: kd.teacher_topk(hidden, weight, k=k, temperature=TEMPERATURE, backend="cuda")),
             # past RANK_MAX_K (a sort orders the candidates): the candidates gathered by the Triton
             # selection and sorted by the extension, as before GATHER_IN_CUDA
@@ -156,6 +157,13 @@ def bench_shape(name, n, h, v, ks, only=None, fused_sweep=False, interleave=Fals
                 if row["k"] == k and row["provider"] in idle:
                     row["ms_after_idle"] = idle[row["provider"]]
                     row["ratio_after_idle"] = idle[row["provider"]] / idle[AFTER_IDLE[0]]
+        if sustained:  # the default paths again, each in blocks of ~1 s back to back at the power limit, in turn
+            steady, ratios = time_sustained_ms({label: providers[label] for label in AFTER_IDLE
+                                                if any(row["k"] == k and row["provider"] == label for row in rows)})
+            for row in rows:
+                if row["k"] == k and row["provider"] in ratios:
+                    row["ms_sustained"] = steady[row["provider"]]
+                    row["ratio_sustained"] = ratios[row["provider"]]
     floor = {r["k"]: r["ms"] for r in rows if r["provider"].startswith("floor")}
     print("| provider | k | ms (p20–p80) | × matmul | TFLOP/s or GB/s | peak extra GiB beyond the top-k |")
     print("| --- | --- | --- | --- | --- | --- |")
@@ -167,6 +175,10 @@ def bench_shape(name, n, h, v, ks, only=None, fused_sweep=False, interleave=Fals
     if after_idle:
         _print_ratios(rows, "ratio_after_idle", "after idle",
                       "Each call after 200 ms idle (both at boost clock; median of 10):")
+    if sustained:
+        _print_ratios(rows, "ratio_sustained", "sustained",
+                      "Sustained (each call back to back for 1 s after 1 s untimed, the calls in turn, 3 rounds; "
+                      "median of the per-round ratio):")
     if interleave:
         _print_ratios(rows, "ratio_in_turn", "in turn",
                       "Timed in turn (each repetition: the floor, then every provider; median of the per-repetition "
@@ -184,6 +196,8 @@ def main():
     parser.add_argument("--fused-sweep", action="store_true", help="also time the fused kernel's tile sweep")
     parser.add_argument("--after-idle", action="store_true",
                         help="also time the floor and the default paths each after 200 ms idle")
+    parser.add_argument("--sustained", action="store_true",
+                        help="also time the floor and the default paths in blocks of 1 s back to back, in turn")
     parser.add_argument("--interleave", action="store_true",
                         help="also time the from-hidden providers in turn with the floor (ratios per repetition)")
     args = parser.parse_args()
@@ -196,7 +210,8 @@ def main():
     print(f"environment: {env}")
     ks = [int(k) for k in args.k.split(",")]
     only = [part for part in args.providers.split(",") if part]
-    results = [bench_shape(name, n, h, v, ks, only, args.fused_sweep, args.interleave, args.after_idle)
+    results = [bench_shape(name, n, h, v, ks, only, args.fused_sweep, args.interleave, args.after_idle,
+                           args.sustained)
                for name, n, h, v in shapes]
     if args.out:
         write_json(args.out, dict(environment=env, results=results))

@@ -88,6 +88,34 @@ def time_interleaved_ms(calls, warmup=2, repeats=15):
     return summary, ratios
 
 
+def time_sustained_ms(calls, seconds=1.0, rounds=3):
+    """``{name: fn}`` each run back to back for ``seconds`` at a time, after as long again to bring
+    the card to that call's steady power state (a teacher forward over a dataset: the H200 then
+    sits at its power limit, and ~100-call blocks catch the card between states), the names in
+    turn, ``rounds`` times -> ``{name: median ms per call}``, ``{name: median over the rounds of
+    its ms per call / the first name's in the same round}``."""
+    times = {name: [] for name in calls}
+    calls_per_block = {name: max(3, round(seconds * 1e3 / elapsed_ms(fn))) for name, fn in calls.items()}
+
+    def block_ms(fn, count):
+        torch.cuda.synchronize()
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(count):
+            fn()
+        stop.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(stop) / count
+
+    for _ in range(rounds):
+        for name, fn in calls.items():
+            block_ms(fn, calls_per_block[name])  # to the steady state, untimed
+            times[name].append(block_ms(fn, calls_per_block[name]))
+    first = next(iter(calls))
+    ratios = {name: statistics.median(t / f for t, f in zip(times[name], times[first])) for name in calls}
+    return {name: statistics.median(values) for name, values in times.items()}, ratios
+
+
 def time_after_idle_ms(fn, setup=None, idle_s=0.2, repeats=10):
     """Median of ``fn()`` in ms, each run after ``idle_s`` of host sleep (the card back at its
     boost clock, whatever ran before: the protocol that compares calls at equal clocks)."""
