@@ -55,12 +55,14 @@ AFTER_IDLE = ("floor: lm_head matmul", "ours from hidden (cuda)", "ours from hid
 
 
 def _print_ratios(rows, key, protocol, title):
+    """The ``ratio_<protocol>`` column of ``rows`` beside its ``ms_<protocol>`` (median ms a call)."""
     print(f"\n{title}")
-    print(f"| provider | k | × matmul, {protocol} |")
-    print("| --- | --- | --- |")
+    print(f"| provider | k | ms, {protocol} | × matmul, {protocol} |")
+    print("| --- | --- | --- | --- |")
+    ms_key = key.replace("ratio_", "ms_")
     for row in rows:
         if key in row:
-            print(f"| {row['provider']} | {row['k']} | {row[key]:.3f} |")
+            print(f"| {row['provider']} | {row['k']} | {row[ms_key]:.2f} | {row[key]:.3f} |")
 
 
 def bench_shape(name, n, h, v, ks, only=None, fused_sweep=False, interleave=False, after_idle=False,
@@ -146,9 +148,10 @@ def bench_shape(name, n, h, v, ks, only=None, fused_sweep=False, interleave=Fals
         if interleave:  # the from-hidden providers again, each repetition timing them in turn after the floor
             timed = [row["provider"] for row in rows if row["k"] == k and "logits" not in row["provider"]
                      and "torch" not in row["provider"]]
-            _, ratios = time_interleaved_ms({label: (providers[label], None) for label in timed})
+            in_turn, ratios = time_interleaved_ms({label: (providers[label], None) for label in timed})
             for row in rows:
                 if row["k"] == k and row["provider"] in ratios:
+                    row["ms_in_turn"] = in_turn[row["provider"]][0]
                     row["ratio_in_turn"] = ratios[row["provider"]]
         if after_idle:  # the default paths again, each call after 200 ms idle (every call at boost clock)
             idle = {label: time_after_idle_ms(providers[label]) for label in AFTER_IDLE

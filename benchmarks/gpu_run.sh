@@ -9,7 +9,8 @@
 #                  also runs the interpreter-marked tests natively (the image's numpy 2.4 breaks the Triton 3.6
 #                  interpreter, so the one test that forces it, test_vocab_parallel's workers, skips). The whole
 #                  GPU suite outlasts TESTS_TIMEOUT=420 (cut after ~130 tests at 4ecfbc3): give it a call
-#                  of its own (TESTS_TIMEOUT=530 after the ~55 s build) or split it by TEST_PATHS
+#                  of its own (TESTS_TIMEOUT=530 after the ~55 s build) or split it by TEST_PATHS, or set
+#                  TEST_GROUPS="paths;paths;..." to run each group in its own concurrent pytest (logs tests_N.log)
 #   RUN_QUALITY=0  benchmarks/bench_e2e.py: distilled vs CE-only student at the GPU defaults
 #   RUN_BENCH=1    benchmarks/bench_topk_divergence.py $BENCH_ARGS (the student)
 #   RUN_TEACHER=0  benchmarks/bench_teacher_topk.py $TEACHER_ARGS
@@ -26,7 +27,19 @@ if [ "${BUILD_CUDA:-1}" = 1 ]; then
   so=$(cd /tmp && python -c "import importlib.util as u; print(u.find_spec('kd_kernels._C').origin)" 2>/dev/null)
   [ -n "$so" ] && cp "$so" kd_kernels/ && echo "built $so"
 fi
-if [ "${RUN_TESTS:-1}" = 1 ]; then
+if [ "${RUN_TESTS:-1}" = 1 ] && [ -n "${TEST_GROUPS:-}" ]; then
+  # the groups (';'-separated lists of test paths) in concurrent pytest processes on the one GPU: correctness
+  # tests only (nothing here is timed), each process its own peak-memory counters
+  index=0
+  IFS=';' read -ra groups <<< "$TEST_GROUPS"
+  for group in "${groups[@]}"; do
+    index=$((index + 1))
+    timeout -s INT -k 30 "${TESTS_TIMEOUT:-400}" python -m pytest -q -rf --tb=short -m "${TEST_MARKERS:-gpu}" \
+      $group > "$OUT/tests_$index.log" 2>&1 &
+  done
+  wait
+  for log in "$OUT"/tests_*.log; do echo "$log: $(tail -1 "$log")"; grep "^FAILED\|^ERROR" "$log" | head -20; done
+elif [ "${RUN_TESTS:-1}" = 1 ]; then
   # SIGINT at the limit: pytest stops as on Ctrl-C and still prints its summary, failures named (-rf)
   timeout -s INT -k 30 "${TESTS_TIMEOUT:-400}" python -m pytest -q -rf --tb=short -m "${TEST_MARKERS:-gpu}" \
     ${TEST_PATHS:-tests/} > "$OUT/tests.log" 2>&1
