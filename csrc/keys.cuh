@@ -29,16 +29,22 @@ __device__ __forceinline__ int candidate_column(uint64_t entry) {
   return static_cast<int>(~static_cast<uint32_t>(entry & 0xFFFFFFFFull));
 }
 
-// Appends (key, column) to buffer[count++] when `take`, one shared atomic per warp.
-__device__ __forceinline__ void append_if(bool take, uint32_t key, int column, uint64_t* buffer,
-                                          unsigned int* count, int capacity) {
+// Appends `entry` to buffer[count++] when `take`, one shared atomic per warp: entries past
+// `capacity` are counted, not stored.
+__device__ __forceinline__ void append_entry_if(bool take, uint64_t entry, uint64_t* buffer, unsigned int* count,
+                                                unsigned int capacity) {
   if (!take) return;
   cooperative_groups::coalesced_group taking = cooperative_groups::coalesced_threads();
   unsigned int base = 0;
   if (taking.thread_rank() == 0) base = atomicAdd(count, taking.size());
-  base = taking.shfl(base, 0);
-  const unsigned int slot = base + taking.thread_rank();
-  if (slot < static_cast<unsigned int>(capacity)) buffer[slot] = candidate(key, column);
+  const unsigned int slot = taking.shfl(base, 0) + taking.thread_rank();
+  if (slot < capacity) buffer[slot] = entry;
+}
+
+// Appends (key, column) to buffer[count++] when `take` (append_entry_if).
+__device__ __forceinline__ void append_if(bool take, uint32_t key, int column, uint64_t* buffer,
+                                          unsigned int* count, int capacity) {
+  append_entry_if(take, candidate(key, column), buffer, count, static_cast<unsigned int>(capacity));
 }
 
 // The first k of the sorted buffer[0, count) decoded into values (float32) and columns (int32);

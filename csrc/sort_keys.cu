@@ -139,16 +139,13 @@ __device__ __forceinline__ int select_reaching_kth(const int64_t* row_keys, int 
       high = middle;
     }
   }
-  // one shared atomic per warp and key position
+  // at most `count` reach `low`: the buffer holds them all
 #pragma unroll
   for (int r = 0; r < ITEMS; ++r) {
     const int i = threadIdx.x * ITEMS + r;
-    if (i < count && value_bits[r] >= low) {
-      cooperative_groups::coalesced_group taking = cooperative_groups::coalesced_threads();
-      unsigned int base = 0;
-      if (taking.thread_rank() == 0) base = atomicAdd(selected_count, taking.size());
-      selected[taking.shfl(base, 0) + taking.thread_rank()] = static_cast<uint64_t>(row_keys[i]);
-    }
+    const bool take = i < count && value_bits[r] >= low;
+    append_entry_if(take, take ? static_cast<uint64_t>(row_keys[i]) : 0, selected, selected_count,
+                    static_cast<unsigned int>(count));
   }
   __syncthreads();
   return static_cast<int>(*selected_count);
