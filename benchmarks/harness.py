@@ -95,6 +95,8 @@ def time_sustained_ms(calls, seconds=1.0, rounds=3):
     turn, ``rounds`` times -> ``{name: median ms per call}``, ``{name: median over the rounds of
     its ms per call / the first name's in the same round}``."""
     times = {name: [] for name in calls}
+    for fn in calls.values():
+        elapsed_ms(fn)  # compiled and allocated before a call is used to size its blocks
     calls_per_block = {name: max(3, round(seconds * 1e3 / elapsed_ms(fn))) for name, fn in calls.items()}
 
     def block_ms(fn, count):

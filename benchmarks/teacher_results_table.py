@@ -1,5 +1,5 @@
 """The teacher benchmark's JSON (bench_teacher_topk.py --out) as the RESULTS.md tables: one per
-shape, a column per k; ratios to the bare matmul in blocks (default paths: also sustained, after
+shape, a column per k; ratios (×) to the bare matmul in blocks (default paths: also sustained, after
 idle and in turn, "—" where the run did not time that protocol), peak extra GiB, and the from-logits kernels' share of the measured copy bandwidth.
 
 usage: python benchmarks/teacher_results_table.py results/bench_teacher_topk_<sha>.json
@@ -54,7 +54,7 @@ def cell(shape: dict, provider: str, k: int) -> str:
         bold = "**" if default else ""
         rate = f", {100 * floor['ms'] / row['ms']:.0f} %" if default else ""
         return (f"{bold}{ratio:.3f} / {_number(row, 'ratio_sustained')} / {_number(row, 'ratio_after_idle')}{bold} / "
-                f"{_number(row, 'ratio_in_turn')}×{rate}, {row['peak_extra_gib']:.3f}")
+                f"{_number(row, 'ratio_in_turn')}{rate}, {row['peak_extra_gib']:.3f}")
     if "logits" in provider:
         copy = f"{row['ms']:.2f} ms, {100 * row['of_copy']:.0f} % of copy"
         if provider == BASELINE or "cuda" not in provider or "bf16" not in provider:
@@ -62,7 +62,7 @@ def cell(shape: dict, provider: str, k: int) -> str:
         return f"{copy} ({find(shape, BASELINE, k)['ms'] / row['ms']:.1f}× `torch.topk`)"
     if provider in ("eager torch", "torch.compile"):
         return f"{ratio:.3f}×, {row['peak_extra_gib']:.2f}"
-    return f"{ratio:.3f} / {_number(row, 'ratio_in_turn')}×, {row['peak_extra_gib']:.3f}"
+    return f"{ratio:.3f} / {_number(row, 'ratio_in_turn')}, {row['peak_extra_gib']:.3f}"
 
 
 def main():
