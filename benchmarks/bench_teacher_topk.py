@@ -49,8 +49,8 @@ FORCED_SCHEDULES = [("cuda", "epilogue", "", {}), ("cuda", "maxima", "", {}), ("
                     ("triton", "appended", "", {}), ("cuda", "cuBLAS", "", {}), ("triton", "cuBLAS", "", {})]
 
 
-# timed again each after 200 ms idle with --after-idle (the floor first)
-AFTER_IDLE = ("floor: lm_head matmul", "ours from hidden (cuda)", "ours from hidden (cuda, ping-pong top-2 matmul)",
+# timed again by --after-idle (each call after 200 ms idle) and --sustained (1 s blocks), the floor first
+RETIMED = ("floor: lm_head matmul", "ours from hidden (cuda)", "ours from hidden (cuda, ping-pong top-2 matmul)",
               "ours from hidden (triton)", "ours from hidden, lean (cuda)")
 
 
@@ -153,16 +153,15 @@ def bench_shape(name, n, h, v, ks, only=None, fused_sweep=False, interleave=Fals
                 if row["k"] == k and row["provider"] in ratios:
                     row["ms_in_turn"] = in_turn[row["provider"]][0]
                     row["ratio_in_turn"] = ratios[row["provider"]]
-        if after_idle:  # the default paths again, each call after 200 ms idle (every call at boost clock)
-            idle = {label: time_after_idle_ms(providers[label]) for label in AFTER_IDLE
-                    if any(row["k"] == k and row["provider"] == label for row in rows)}
+        retimed = [label for label in RETIMED if any(row["k"] == k and row["provider"] == label for row in rows)]
+        if after_idle:  # each call after 200 ms idle (every call at boost clock)
+            idle = {label: time_after_idle_ms(providers[label]) for label in retimed}
             for row in rows:
                 if row["k"] == k and row["provider"] in idle:
                     row["ms_after_idle"] = idle[row["provider"]]
-                    row["ratio_after_idle"] = idle[row["provider"]] / idle[AFTER_IDLE[0]]
-        if sustained:  # the default paths again, each in blocks of ~1 s back to back at the power limit, in turn
-            steady, ratios = time_sustained_ms({label: providers[label] for label in AFTER_IDLE
-                                                if any(row["k"] == k and row["provider"] == label for row in rows)})
+                    row["ratio_after_idle"] = idle[row["provider"]] / idle[RETIMED[0]]
+        if sustained:  # each in blocks of ~1 s back to back at the power limit, in turn
+            steady, ratios = time_sustained_ms({label: providers[label] for label in retimed})
             for row in rows:
                 if row["k"] == k and row["provider"] in ratios:
                     row["ms_sustained"] = steady[row["provider"]]

@@ -99,20 +99,14 @@ def time_sustained_ms(calls, seconds=1.0, rounds=3):
         elapsed_ms(fn)  # compiled and allocated before a call is used to size its blocks
     calls_per_block = {name: max(3, round(seconds * 1e3 / elapsed_ms(fn))) for name, fn in calls.items()}
 
-    def block_ms(fn, count):
-        torch.cuda.synchronize()
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+    def block(fn, count):
         for _ in range(count):
             fn()
-        stop.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(stop) / count
 
     for _ in range(rounds):
         for name, fn in calls.items():
-            block_ms(fn, calls_per_block[name])  # to the steady state, untimed
-            times[name].append(block_ms(fn, calls_per_block[name]))
+            block(fn, calls_per_block[name])  # to the steady state, untimed
+            times[name].append(elapsed_ms(block, (fn, calls_per_block[name])) / calls_per_block[name])
     first = next(iter(calls))
     ratios = {name: statistics.median(t / f for t, f in zip(times[name], times[first])) for name in calls}
     return {name: statistics.median(values) for name, values in times.items()}, ratios

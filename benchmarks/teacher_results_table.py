@@ -1,6 +1,7 @@
 """The teacher benchmark's JSON (bench_teacher_topk.py --out) as the RESULTS.md tables: one per
-shape, a column per k; ratios (×) to the bare matmul in blocks (default paths: also sustained, after
-idle and in turn, "—" where the run did not time that protocol), peak extra GiB, and the from-logits kernels' share of the measured copy bandwidth.
+shape, a column per k; ratios (×) to the bare matmul in blocks (default paths: also sustained,
+after idle and in turn, "—" where the run did not time that protocol), peak extra GiB, and the
+from-logits kernels' share of the measured copy bandwidth.
 
 usage: python benchmarks/teacher_results_table.py results/bench_teacher_topk_<sha>.json
 """

@@ -105,6 +105,7 @@ def group_top2_summaries(hidden: torch.Tensor, weight: torch.Tensor, bias, width
     ``group_top2`` form (interleaved groups of 32 columns, `top2_group_columns`), with tile
     statistics per 128 columns. No logits are stored."""
     from .lm_head_group_top2_pingpong import launch_group_top2_pingpong
+    from .topk_from_groups import LOG2E
 
     reason = _pingpong_unusable(hidden, weight)
     if reason:
@@ -113,5 +114,5 @@ def group_top2_summaries(hidden: torch.Tensor, weight: torch.Tensor, bias, width
     summaries = empty_top2_summaries(rows, width, BLOCK_N, hidden.device)
     if rows:
         launch_group_top2_pingpong(hidden, weight, bias, summaries, width, column_start,
-                                   1.4426950408889634 / temperature, multiprocessor_count(hidden.device))
+                                   LOG2E / temperature, multiprocessor_count(hidden.device))
     return summaries
