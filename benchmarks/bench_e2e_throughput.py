@@ -1,17 +1,21 @@
-"""Throughput of the Ray driver on GPUs against a single-process baseline.
+"""Throughput of the Ray driver on GPUs against one process doing the same work in PyTorch.
 
-Layouts: colocated (teacher and student on one GPU, CUDA IPC), colocated with overlap off,
-and disaggregated (a GPU each, NCCL, the teacher scoring step i + 1 while the student
-trains step i) when two GPUs are there. Baseline: one process, the same teacher and student,
-teacher forward + full-logits KD (KL over the whole vocab at τ) + CE in plain PyTorch.
-All at the GPU default sizes (orchestration.config.GPU_DEFAULTS). Reports median tokens/s
-over the steps after warm-up and the mean seconds a step spends in teacher / transfer /
-student, waiting for the teacher and in Ray's dispatch of the student's call (arguments
-and reply); "teacher hidden" = 1 − wait / teacher time: the share of
-the teacher's time that the student did not wait for.
+Providers (protocol "median step": the median over the steps after 5 of warm-up):
+  single process, full-logits KD (PyTorch)   the floor: the same teacher and student in one
+      process, teacher forward, KL over the whole vocab at the temperature + CE, student step
+  colocated                 teacher and student workers on one GPU, top-k through CUDA IPC,
+                            the teacher scoring step i + 1 while the student trains step i
+  colocated, no overlap     the same, one after the other
+  disaggregated             a GPU each, top-k through NCCL (when two GPUs are there)
+Rows: ``ms`` a step, ``tokens_per_s``, and for the driver the mean seconds a step spends in
+the teacher, waiting for it, in the transfer, in the student and in Ray's dispatch;
+``teacher_hidden`` = 1 − wait / teacher time, the share of the teacher's time the student did
+not wait for. All at the driver's GPU default sizes. Default: 40 steps, ~4 minutes on one H200.
 
-usage: python benchmarks/bench_e2e_throughput.py [--steps 40] [--out results.json]
+usage: python benchmarks/bench_e2e_throughput.py [--steps 40] [--set key=value ...]
 """
+from __future__ import annotations
+
 import argparse
 import json
 import os
@@ -22,32 +26,36 @@ import time
 import torch
 import torch.nn.functional as F
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from harness import add_results_arguments, append_rows, environment, print_table, result_row  # noqa: E402
 from orchestration.config import load_config  # noqa: E402
 from orchestration.driver import run  # noqa: E402
 from orchestration.workers import build_model  # noqa: E402
 
+BENCHMARK = "bench_e2e_throughput"
+FLOOR = "single process, full-logits KD (PyTorch)"
 WARMUP = 5
+PARTS = ("teacher_seconds", "wait_seconds", "transfer_seconds", "student_seconds", "dispatch_seconds")
 
 
-def driver_row(name, steps, output_dir, extra, *overrides):
+def driver_measurement(name, steps, output_dir, extra, *overrides) -> dict:
     # throughput does not depend on how much text the tokenizer and rows come from: 4 MB is quicker
     config = load_config(None, [f"output_dir={output_dir}/{name}", f"steps={steps}", "teacher_pretrain_steps=20",
                                 "checkpoint_every=0", "max_corpus_bytes=4000000", *extra, *overrides])
     summary = run(config, progress=False)
     with open(summary["metrics"]) as handle:
         records = [json.loads(line) for line in handle][WARMUP:]
-    mean = {key: statistics.mean(r[key] for r in records) for key in ("teacher_seconds", "wait_seconds",
-                                                                      "transfer_seconds", "student_seconds",
-                                                                      "dispatch_seconds")}
-    step_seconds = statistics.median(r["tokens"] / r["tokens_per_s"] for r in records)
-    hidden = 1.0 - mean["wait_seconds"] / max(mean["teacher_seconds"], 1e-9)
-    return dict(layout=name, placement=summary["placement"], transfer=summary["transfer"],
-                tokens_per_s=statistics.median(r["tokens_per_s"] for r in records), step_seconds=step_seconds,
-                teacher_hidden=min(max(hidden, 0.0), 1.0), **mean)
+    mean = {key: statistics.mean(r[key] for r in records) for key in PARTS}
+    return dict(provider=name, ms=1e3 * statistics.median(r["tokens"] / r["tokens_per_s"] for r in records),
+                tokens_per_s=statistics.median(r["tokens_per_s"] for r in records), placement=summary["placement"],
+                transfer=summary["transfer"],
+                teacher_hidden=min(max(1.0 - mean["wait_seconds"] / max(mean["teacher_seconds"], 1e-9), 0.0), 1.0),
+                **mean)
 
 
-def baseline_row(steps, extra):
+def baseline_measurement(steps, extra) -> dict:
     """One process: teacher forward, full logits, KL + CE, student backward and step."""
     config = load_config(None, ["device=cuda", *extra])
     vocab = config.tokenizer_vocab
@@ -56,6 +64,7 @@ def baseline_row(steps, extra):
     optimizer = torch.optim.AdamW(student.parameters(), lr=config.lr)
     rows = config.rows_per_micro_batch * config.micro_batches
     times = []
+    torch.cuda.reset_peak_memory_stats()
     for step in range(steps):
         tokens = torch.randint(0, vocab, (rows, config.row_tokens), device="cuda")
         torch.cuda.synchronize()
@@ -77,78 +86,48 @@ def baseline_row(steps, extra):
         if step >= WARMUP:
             times.append(time.perf_counter() - start)
     step_seconds = statistics.median(times)
-    return dict(layout="single process, full-logits KD (PyTorch)", placement="one GPU", transfer="none",
-                tokens_per_s=rows * config.row_tokens / step_seconds, step_seconds=step_seconds)
-
-
-def profile_student_step(extra, steps=6):
-    """In this process (no Ray actor): a teacher's top-k and the student worker's train_step,
-    under torch.profiler; prints where a step's wall time goes (CPU launch vs GPU kernels)."""
-    import ray
-
-    from orchestration.workers import StudentWorker, TeacherWorker
-
-    config = load_config(None, ["device=cuda", "checkpoint_every=0", *extra])
-    vocab = config.tokenizer_vocab
-    teacher, student = TeacherWorker(config, vocab), StudentWorker(config, vocab)
-    rows = config.rows_per_micro_batch
-    micro = []
-    for _ in range(config.micro_batches):
-        tokens = torch.randint(0, vocab, (rows, config.row_tokens))
-        micro.append((tokens, torch.roll(tokens, -1, 1)))
-    refs = [ray.put(teacher.score(tokens)) for tokens, _ in micro]
-    for step in range(2):
-        student.train_step(step, micro, refs, rows * config.row_tokens * len(micro))
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                            torch.profiler.ProfilerActivity.CUDA]) as profiler:
-        start = time.perf_counter()
-        for step in range(2, 2 + steps):
-            student.train_step(step, micro, refs, rows * config.row_tokens * len(micro))
-        torch.cuda.synchronize()
-        wall = (time.perf_counter() - start) / steps
-    events = profiler.key_averages()
-    gpu_busy = sum(e.self_device_time_total for e in events
-                   if e.device_type == torch.autograd.DeviceType.CUDA) / 1e6 / steps  # kernels only
-    print(f"student step in-process: {wall * 1e3:.1f} ms wall, {gpu_busy * 1e3:.1f} ms of GPU kernels")
-    print(events.table(sort_by="self_device_time_total", row_limit=12, max_name_column_width=60))
-    print(events.table(sort_by="cpu_time_total", row_limit=12, max_name_column_width=60))
+    return dict(provider=FLOOR, ms=1e3 * step_seconds, tokens_per_s=rows * config.row_tokens / step_seconds,
+                placement="one GPU", transfer="none", peak_allocated_gib=torch.cuda.max_memory_allocated() / 2**30)
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--output-dir", default="runs/bench_e2e_throughput")
-    parser.add_argument("--out", default=None)
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="driver option for all runs")
-    parser.add_argument("--profile", action="store_true", help="also profile one student step in-process")
+    parser.add_argument("--steps", type=int, default=40, help="steps a layout (the first 5 are warm-up)")
+    parser.add_argument("--output-dir", default="runs/bench_e2e_throughput", help="the driver's runs go here")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a driver option for every run (python orchestrate.py --help lists them)")
+    add_results_arguments(parser, BENCHMARK)
     args = parser.parse_args()
-    extra = args.set
-    if args.profile:
-        import ray
-
-        ray.init(num_cpus=4, num_gpus=torch.cuda.device_count(), include_dashboard=False, log_to_driver=False,
-                 configure_logging=False, ignore_reinit_error=True)
-        profile_student_step(extra)
-    rows = [baseline_row(args.steps, extra),
-            driver_row("colocated", args.steps, args.output_dir, extra, "placement=colocated"),
-            driver_row("colocated, no overlap", args.steps, args.output_dir, extra, "placement=colocated",
-                       "overlap=false")]
+    if args.steps <= WARMUP:
+        parser.error(f"--steps: expected more than the {WARMUP} warm-up steps, got {args.steps}")
+    if not torch.cuda.is_available():
+        sys.exit("bench_e2e_throughput: needs a CUDA device")
+    env = environment(args.commit)
+    config = load_config(None, ["device=cuda", *args.set])
+    shape = dict(name="driver, GPU default", tokens_per_step=config.row_tokens * config.rows_per_micro_batch
+                 * config.micro_batches, vocab=config.tokenizer_vocab, k=config.k,
+                 teacher=f"{config.teacher_layers} x {config.teacher_hidden}",
+                 student=f"{config.student_layers} x {config.student_hidden}", gpus=torch.cuda.device_count())
+    measurements = [baseline_measurement(args.steps, args.set),
+                    driver_measurement("colocated", args.steps, args.output_dir, args.set, "placement=colocated"),
+                    driver_measurement("colocated, no overlap", args.steps, args.output_dir, args.set,
+                                       "placement=colocated", "overlap=false")]
     if torch.cuda.device_count() >= 2:
-        rows.append(driver_row("disaggregated", args.steps, args.output_dir, extra, "placement=disaggregated"))
-    print(f"GPU {torch.cuda.get_device_name()} × {torch.cuda.device_count()}; torch {torch.__version__}")
-    print("| layout | transfer | tokens/s | step s | teacher s | waited s | transfer s | student s | Ray dispatch s "
-          "| teacher hidden |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    for row in rows:
-        print(f"| {row['layout']} | {row['transfer']} | {row['tokens_per_s']:,.0f} | {row['step_seconds']:.3f} | "
-              f"{row.get('teacher_seconds', float('nan')):.3f} | {row.get('wait_seconds', float('nan')):.3f} | "
-              f"{row.get('transfer_seconds', float('nan')):.4f} | "
-              f"{row.get('student_seconds', float('nan')):.3f} | {row.get('dispatch_seconds', float('nan')):.3f} | "
-              f"{100 * row.get('teacher_hidden', 0):.0f} % |")
-    if args.out:
-        with open(args.out, "w") as handle:
-            json.dump(rows, handle, indent=2)
+        measurements.append(driver_measurement("disaggregated", args.steps, args.output_dir, args.set,
+                                               "placement=disaggregated"))
+    floor_ms = measurements[0]["ms"]
+    rows = []
+    for m in measurements:
+        provider, ms = m.pop("provider"), m.pop("ms")
+        rows.append(result_row(env, BENCHMARK, shape, provider, "median step", ms, FLOOR, ms / floor_ms, None, **m))
+    print(f"environment: {env}")
+    append_rows(args.results, rows)
+    print()
+    print_table(rows, {"layout": lambda row: row["provider"], "transfer": lambda row: row["transfer"],
+                       "tokens/s": lambda row: row["tokens_per_s"], "step ms": lambda row: row["ms"],
+                       "× floor (time)": lambda row: row["ratio"],
+                       **{part.replace("_seconds", " s"): (lambda row, part=part: row.get(part)) for part in PARTS},
+                       "teacher hidden": lambda row: row.get("teacher_hidden")})
 
 
 if __name__ == "__main__":
