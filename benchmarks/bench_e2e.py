@@ -61,10 +61,9 @@ def main():
     print(f"environment: {env}")
     append_rows(args.results, rows)
     print()
-    print_table(rows, {"student": lambda row: row["provider"], "held-out CE": lambda row: row["held_out_ce"],
-                       "× CE alone": lambda row: row["ratio"], "teacher held-out CE": lambda row: row["teacher_held_out_ce"],
-                       "train CE first": lambda row: row["train_ce_first"], "last": lambda row: row["train_ce_last"],
-                       "tokens/s": lambda row: row["tokens_per_s"]})
+    print_table(rows, {"student": "provider", "held-out CE": "held_out_ce", "× CE alone": "ratio",
+                       "teacher held-out CE": "teacher_held_out_ce", "train CE first": "train_ce_first",
+                       "last": "train_ce_last", "tokens/s": "tokens_per_s"})
     if measured["distilled"]["held_out_ce"] >= floor:
         sys.exit("distillation did not beat CE alone")
 

@@ -123,11 +123,9 @@ def main():
     print(f"environment: {env}")
     append_rows(args.results, rows)
     print()
-    print_table(rows, {"layout": lambda row: row["provider"], "transfer": lambda row: row["transfer"],
-                       "tokens/s": lambda row: row["tokens_per_s"], "step ms": lambda row: row["ms"],
-                       "× floor (time)": lambda row: row["ratio"],
-                       **{part.replace("_seconds", " s"): (lambda row, part=part: row.get(part)) for part in PARTS},
-                       "teacher hidden": lambda row: row.get("teacher_hidden")})
+    print_table(rows, {"layout": "provider", "transfer": "transfer", "tokens/s": "tokens_per_s", "step ms": "ms",
+                       "× floor (time)": "ratio", **{part.replace("_seconds", " s"): part for part in PARTS},
+                       "teacher hidden": "teacher_hidden"})
 
 
 if __name__ == "__main__":

@@ -199,7 +199,7 @@ def main():
     rows = [row for shape in shapes for k in args.k for row in bench_shape(shape, k, divergences, env)]
     append_rows(args.results, rows)
     print()
-    print_table(rows, {**TIMING_COLUMNS, "forward ms": lambda row: row["forward_ms"]})
+    print_table(rows, {**TIMING_COLUMNS, "forward ms": "forward_ms"})
 
 
 if __name__ == "__main__":
