@@ -265,21 +265,21 @@ class WeightSender:
     def _sent_dtype(self, tensor: torch.Tensor) -> torch.dtype:
         return self._dtype if self._dtype is not None and tensor.is_floating_point() else tensor.dtype
 
-    def _bucket_tensors(self) -> Iterator[tuple[Bucket, list[torch.Tensor]]]:
-        current = dict(self._named_tensors())
+    def _current(self) -> dict[str, torch.Tensor]:
+        """The source's tensors now, by name; raises if they are not the planned ones."""
+        current = {name: tensor.detach() for name, tensor in self._named_tensors()}
         planned = [name for bucket in self.buckets for name in bucket.names]
         if list(current) != planned:
             raise RuntimeError(f"source: its names changed since the bucket plan ({len(current)} tensors now, "
                                f"{len(planned)} planned)")
-        for bucket in self.buckets:
-            yield bucket, [current[name].detach() for name in bucket.names]
+        return current
 
-    def _bucket(self, index: int) -> tuple[Bucket, list[torch.Tensor]]:
+    def _bucket(self, index: int, current: Optional[dict] = None) -> tuple[Bucket, list[torch.Tensor]]:
         if not isinstance(index, int) or not 0 <= index < len(self.buckets):
             raise ValueError(f"index: expected a bucket index in [0, {len(self.buckets)}), got {index!r}")
-        current = dict(self._named_tensors())
+        current = self._current() if current is None else current
         bucket = self.buckets[index]
-        return bucket, [current[name].detach() for name in bucket.names]
+        return bucket, [current[name] for name in bucket.names]
 
     def pack(self, index: int, device: Union[str, torch.device] = "cpu") -> torch.Tensor:
         """Bucket ``index`` packed on ``device`` (`pack_bucket`): the payload of
@@ -315,8 +315,9 @@ class WeightSender:
         with self._lock:
             self._next_version(weight_version)
             start = time.perf_counter()
-            total, pending = 0, None
-            for bucket, tensors in self._bucket_tensors():
+            total, pending, current = 0, None, self._current()
+            for index in range(len(self.buckets)):
+                bucket, tensors = self._bucket(index, current)
                 buffer = pack_bucket(bucket, tensors, self._group.device)
                 work = self._group.broadcast(buffer, wait=False)
                 if pending is not None:
