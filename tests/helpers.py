@@ -133,3 +133,23 @@ def check_counted_top(got_values, got_columns, values, columns, counts, k: int) 
         assert torch.equal(got_values[row, :taken], values[row, order])
         assert torch.equal(got_columns[row, :taken], columns[order])
         assert torch.isneginf(got_values[row, taken:]).all() and (got_columns[row, taken:] == 0).all()
+
+
+def tiny_llama(seed: int, vocab: int = 96, hidden: int = 32, layers: int = 2):
+    """A small fp32 Llama (transformers' LlamaForCausalLM) initialized from ``seed``."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                         tie_word_embeddings=False)
+    return LlamaForCausalLM(config).eval()
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 at the time of the call."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]

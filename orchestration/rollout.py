@@ -1,0 +1,187 @@
+"""A rollout worker: a copy of the student that samples completions of prompts, and takes weight
+updates from the trainer with the method names of SGLang's engines.
+
+`RolloutWorker` is a plain class; the driver wraps it with ``ray.remote`` (with
+``max_concurrency`` >= 2, so that `pause_generation` can arrive while `generate` runs). The
+weight-update protocol, as SGLang's ``Engine`` spells it, so that an external engine can take the
+worker's place through an adapter:
+
+- ``init_weights_update_group(master_address, master_port, rank_offset, world_size, group_name,
+  backend)``: joins the weight group (`weight_sync.WeightGroup`) as rank ``rank_offset``;
+- ``update_weights_from_distributed(names, dtypes, shapes, group_name, weight_version)``: one
+  bucket broadcast by the trainer (SGLang's ``load_format="flattened_bucket"``: one flat buffer
+  per call, offsets from `weight_sync.bucket_layout`);
+- ``update_weights_from_tensor(names, dtypes, shapes, payload, weight_version)``: one bucket as
+  a packed buffer or a CUDA IPC handle of it (a worker on the trainer's GPU);
+- ``pause_generation()`` → ``flush_cache()`` → updates → ``continue_generation()``;
+- ``destroy_weights_update_group(group_name)``.
+
+Generation is Hugging Face ``generate`` (KV-cached, batched with left padding and an attention
+mask). A generation and an update never overlap (`weight_sync.WeightReceiver`): a generation
+requested during an update waits for ``continue_generation`` and runs on the whole new model.
+"""
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Optional, Sequence, Union
+
+import torch
+
+from .weight_sync import UpdateMetrics, WeightReceiver
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How completions are sampled. ``temperature`` 0 is greedy (``top_p`` / ``top_k`` unused);
+    ``top_k`` 0 and ``top_p`` 1 switch those filters off. A completion ends after its first token
+    in ``stop_token_ids`` (that token is part of the response) or after ``max_new_tokens``.
+    ``seed``: the sampling of a call is a function of (seed, weights, prompts); None draws from
+    the process's generator."""
+    max_new_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    seed: Optional[int] = None
+
+    def __post_init__(self):
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens: expected an int >= 1, got {self.max_new_tokens!r}")
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature: expected >= 0 (0 = greedy), got {self.temperature!r}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p: expected a value in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k: expected an int >= 0 (0 = off), got {self.top_k!r}")
+        if not all(isinstance(token, int) and token >= 0 for token in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids: expected token ids (ints >= 0), got {self.stop_token_ids!r}")
+
+
+@dataclass
+class Rollout:
+    """Completions of a batch of prompts. ``response_ids`` ``[B, N]`` int64, right-padded with the
+    worker's ``pad_token_id``; ``response_mask`` ``[B, N]`` bool, True up to and including the
+    first stop token; ``lengths`` ``[B]`` int64 (the mask's row sums); ``weight_version`` of the
+    weights that generated every sample of the batch."""
+    response_ids: torch.Tensor
+    response_mask: torch.Tensor
+    lengths: torch.Tensor
+    weight_version: int
+    seconds: float
+
+    def responses(self) -> list[list[int]]:
+        """Each prompt's response token ids, without padding."""
+        return [row[:length].tolist() for row, length in zip(self.response_ids, self.lengths.tolist())]
+
+
+def response_mask(tokens: torch.Tensor, stop_token_ids: Sequence[int]) -> torch.Tensor:
+    """``[B, N]`` bool: True at each position up to and including the row's first stop token
+    (every position when the row has none)."""
+    if not stop_token_ids:
+        return torch.ones_like(tokens, dtype=torch.bool)
+    is_stop = torch.isin(tokens, torch.tensor(list(stop_token_ids), device=tokens.device))
+    stops_before = torch.cumsum(is_stop.long(), dim=1) - is_stop.long()
+    return stops_before == 0
+
+
+class RolloutWorker:
+    """Holds a copy of the student (``model``: a Hugging Face causal LM, or a callable returning
+    one) on ``device``, in ``dtype`` (None keeps the model's), and generates completions with it.
+    ``pad_token_id`` pads prompts (left) and responses (right)."""
+
+    def __init__(self, model: Union[torch.nn.Module, Callable[[], torch.nn.Module]], *, pad_token_id: int,
+                 device: Union[str, torch.device] = "cpu", dtype: Optional[torch.dtype] = None):
+        if not isinstance(pad_token_id, int) or pad_token_id < 0:
+            raise ValueError(f"pad_token_id: expected a token id (int >= 0), got {pad_token_id!r}")
+        self.device = torch.device(device)
+        built = model if isinstance(model, torch.nn.Module) else model()
+        self.model = built.to(device=self.device, dtype=dtype).eval()
+        self.model.requires_grad_(False)
+        self.pad_token_id = pad_token_id
+        self._receiver = WeightReceiver(self.model)
+
+    @property
+    def weight_version(self) -> int:
+        return self._receiver.weight_version
+
+    def get_weight_version(self) -> int:
+        return self._receiver.weight_version
+
+    @torch.no_grad()
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams = SamplingParams()) -> Rollout:
+        """Completions of ``prompts`` (token id lists, each non-empty), batched. Waits while the
+        worker is paused; the weights cannot change while it runs."""
+        if not prompts or any(len(prompt) == 0 for prompt in prompts):
+            raise ValueError("prompts: expected a non-empty list of non-empty token id lists")
+        width = max(len(prompt) for prompt in prompts)
+        input_ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for row, prompt in enumerate(prompts):
+            input_ids[row, width - len(prompt):] = torch.as_tensor(prompt, dtype=torch.long)
+            attention_mask[row, width - len(prompt):] = 1
+        options: dict[str, Any] = dict(max_new_tokens=sampling.max_new_tokens, pad_token_id=self.pad_token_id,
+                                       eos_token_id=list(sampling.stop_token_ids) or None, use_cache=True)
+        if sampling.temperature > 0:
+            options.update(do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p,
+                           top_k=sampling.top_k)
+        else:
+            options.update(do_sample=False)
+        with self._receiver.generation() as weight_version:
+            start = time.perf_counter()
+            with self._seeded(sampling.seed):
+                output = self.model.generate(input_ids=input_ids.to(self.device),
+                                             attention_mask=attention_mask.to(self.device), **options)
+            seconds = time.perf_counter() - start
+        tokens = output[:, width:].cpu()
+        if tokens.shape[1] < sampling.max_new_tokens:  # every row stopped early
+            padding = torch.full((tokens.shape[0], sampling.max_new_tokens - tokens.shape[1]), self.pad_token_id)
+            tokens = torch.cat([tokens, padding], dim=1)
+        mask = response_mask(tokens, sampling.stop_token_ids)
+        tokens = tokens.masked_fill(~mask, self.pad_token_id)
+        return Rollout(tokens, mask, mask.sum(dim=1), weight_version, seconds)
+
+    @contextmanager
+    def _seeded(self, seed: Optional[int]) -> Iterator[None]:
+        """With a seed: the global generators seeded with it, restored afterwards; else untouched."""
+        if seed is None:
+            yield
+            return
+        devices = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(seed)
+            yield
+
+    # ---- the weight-update protocol (SGLang's names) ----
+
+    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                  group_name: str, backend: str = "gloo") -> None:
+        """Joins the trainer's weight group as rank ``rank_offset`` (>= 1; the trainer is 0)."""
+        self._receiver.join_group(master_address, master_port, rank_offset, world_size, group_name, backend)
+
+    def update_weights_from_distributed(self, names: Sequence[str], dtypes: Sequence, shapes: Sequence[Sequence[int]],
+                                        group_name: str, weight_version: int) -> dict:
+        """The trainer's next broadcast bucket into the weights (between pause and continue)."""
+        return self._receiver.receive_broadcast(names, dtypes, shapes, group_name, weight_version)
+
+    def update_weights_from_tensor(self, names: Sequence[str], dtypes: Sequence, shapes: Sequence[Sequence[int]],
+                                   payload: Any, weight_version: int) -> dict:
+        """A packed bucket (a ``uint8`` buffer, or a CUDA IPC handle of one) into the weights."""
+        return self._receiver.receive_buffer(names, dtypes, shapes, payload, weight_version)
+
+    def pause_generation(self) -> None:
+        """Blocks new generations and returns once the running one has finished."""
+        self._receiver.pause()
+
+    def flush_cache(self) -> bool:
+        """Nothing to flush: the KV cache lives within one `generate` call. True, as SGLang's."""
+        return True
+
+    def continue_generation(self) -> Optional[dict]:
+        """Resumes generation, on the update received during the pause if any (its metrics)."""
+        metrics: Optional[UpdateMetrics] = self._receiver.resume()
+        return None if metrics is None else metrics.as_dict()
+
+    def destroy_weights_update_group(self, group_name: str) -> None:
+        self._receiver.leave_group(group_name)

@@ -1,0 +1,521 @@
+"""Trainer → rollout weight updates: the student's parameters streamed in size-bounded buckets.
+
+A bucket is one flat ``uint8`` buffer holding several tensors of any dtypes back to back, each
+at an offset aligned to `ALIGNMENT` bytes (so that a byte slice can be viewed as the tensor's
+dtype). Its metadata is (names, dtypes, shapes); the offsets follow from the dtypes and shapes
+alone (`bucket_layout`), so the sender and the receiver agree on them without sending them.
+`plan_buckets` fills buckets greedily in the parameters' own order up to ``bucket_bytes``; a
+tensor larger than that travels alone. Every tensor is in exactly one bucket.
+
+Three ways a bucket travels, one receiver (`WeightReceiver`) for all:
+
+- ``distributed``: `WeightSender.send` broadcasts every bucket from rank 0 of a *weight group*
+  that joins trainer rank 0 and every rollout worker (gloo on CPU, NCCL on GPUs); each receiver
+  takes each bucket with `WeightReceiver.receive_broadcast(names, dtypes, shapes, version)`.
+- ``cuda_ipc``: a rollout worker on the trainer's GPU. `WeightSender.share` packs one bucket on
+  the GPU and returns a CUDA IPC handle of it (torch's multiprocessing reduction); the receiver
+  maps that memory and copies out of it (`receive_buffer`): one device-to-device copy into its
+  parameters, no host round trip. The sender keeps the buffer until `release_shared`.
+- a plain tensor (the Ray object store, or tests in one process): `receive_buffer` with the
+  packed buffer itself.
+
+The weight group is a *stateless* process group: a ``TCPStore`` hosted by the sender, a
+``PrefixStore`` named after the group, and a ``ProcessGroupGloo`` / ``ProcessGroupNCCL``
+constructed directly on it, its collectives called on that object. Nothing is registered in
+``torch.distributed``'s global state, so the trainer may already belong to its own default group
+(the students' data-parallel group) and the rollout workers need none. ``dist.new_group`` would
+instead need every process of one default world (trainers, teachers and rollouts) to create the
+group together and to agree on every later group creation; slime's copy of
+``_new_process_group_helper`` registers a second "main" group through a private helper whose
+signature changes between torch releases. The objects used here are the documented classes that
+vLLM's stateless groups use too.
+
+Locking: the receiver owns one lock. A generation holds it for its whole duration
+(`WeightReceiver.generation`); `pause` takes it (so it waits for a running generation) and marks
+the receiver paused, which keeps new generations waiting; bucket calls are refused unless paused
+and take the lock too; `resume` refuses while an update is incomplete (a half-updated model never
+generates), then publishes the new ``weight_version`` and wakes the waiting generations. The
+sender has its own lock so that two updates from one trainer never interleave.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, Union
+
+import torch
+
+ALIGNMENT = 64  # bytes: every tensor of a bucket starts at a multiple of this
+DEFAULT_BUCKET_BYTES = 512 * 2**20
+
+NamedTensors = Callable[[], Iterable[tuple[str, torch.Tensor]]]
+
+
+# ---- buckets: pure functions ----------------------------------------------------------------
+
+def as_dtype(value: Union[str, torch.dtype]) -> torch.dtype:
+    """A ``torch.dtype`` from itself or its name (``"bfloat16"``, ``"torch.bfloat16"``)."""
+    if isinstance(value, torch.dtype):
+        return value
+    if isinstance(value, str):
+        candidate = getattr(torch, value.removeprefix("torch."), None)
+        if isinstance(candidate, torch.dtype):
+            return candidate
+    raise ValueError(f"dtype: expected a torch.dtype or its name, got {value!r}")
+
+
+def _aligned(offset: int) -> int:
+    return -(-offset // ALIGNMENT) * ALIGNMENT
+
+
+def _nbytes(dtype: torch.dtype, shape: Sequence[int]) -> int:
+    numel = 1
+    for size in shape:
+        numel *= int(size)
+    return numel * dtype.itemsize
+
+
+def bucket_layout(dtypes: Sequence[Union[str, torch.dtype]], shapes: Sequence[Sequence[int]]
+                  ) -> tuple[tuple[int, ...], int]:
+    """(byte offset of each tensor, total bytes) of a bucket holding tensors of these dtypes and
+    shapes in this order: each offset is the end of the previous tensor rounded up to
+    `ALIGNMENT`; the total is the end of the last tensor."""
+    if len(dtypes) != len(shapes):
+        raise ValueError(f"dtypes, shapes: expected equal lengths, got {len(dtypes)} and {len(shapes)}")
+    offsets, end = [], 0
+    for dtype, shape in zip(dtypes, shapes):
+        start = _aligned(end)
+        offsets.append(start)
+        end = start + _nbytes(as_dtype(dtype), shape)
+    return tuple(offsets), end
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """Metadata of one bucket: the tensors' names, dtypes (as sent) and shapes, in buffer order."""
+    names: tuple[str, ...]
+    dtypes: tuple[torch.dtype, ...]
+    shapes: tuple[tuple[int, ...], ...]
+
+    @property
+    def offsets(self) -> tuple[int, ...]:
+        return bucket_layout(self.dtypes, self.shapes)[0]
+
+    @property
+    def nbytes(self) -> int:
+        return bucket_layout(self.dtypes, self.shapes)[1]
+
+
+def plan_buckets(specs: Iterable[tuple[str, Union[str, torch.dtype], Sequence[int]]], bucket_bytes: int
+                 ) -> list[Bucket]:
+    """``(name, dtype, shape)`` of every tensor, in order → buckets of at most ``bucket_bytes``
+    (`bucket_layout` bytes, alignment included), filled greedily in that order; a tensor larger
+    than ``bucket_bytes`` gets a bucket of its own. Raises on a repeated name."""
+    if not isinstance(bucket_bytes, int) or isinstance(bucket_bytes, bool) or bucket_bytes < 1:
+        raise ValueError(f"bucket_bytes: expected an int >= 1, got {bucket_bytes!r}")
+    buckets: list[Bucket] = []
+    names: list[str] = []
+    dtypes: list[torch.dtype] = []
+    shapes: list[tuple[int, ...]] = []
+    seen: set[str] = set()
+    end = 0
+    for name, dtype, shape in specs:
+        if name in seen:
+            raise ValueError(f"specs: the name {name!r} appears twice")
+        seen.add(name)
+        dtype, shape = as_dtype(dtype), tuple(int(size) for size in shape)
+        grown = _aligned(end) + _nbytes(dtype, shape)
+        if names and grown > bucket_bytes:
+            buckets.append(Bucket(tuple(names), tuple(dtypes), tuple(shapes)))
+            names, dtypes, shapes = [], [], []
+            grown = _nbytes(dtype, shape)
+        names.append(name)
+        dtypes.append(dtype)
+        shapes.append(shape)
+        end = grown
+    if names:
+        buckets.append(Bucket(tuple(names), tuple(dtypes), tuple(shapes)))
+    return buckets
+
+
+def _view(buffer: torch.Tensor, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    return buffer[offset:offset + _nbytes(dtype, shape)].view(dtype).view(shape)
+
+
+def bucket_views(buffer: torch.Tensor, bucket: Bucket) -> list[torch.Tensor]:
+    """The tensors of a packed bucket as views of ``buffer`` (``uint8``, ``[bucket.nbytes]``)."""
+    if buffer.dtype != torch.uint8 or buffer.dim() != 1 or buffer.numel() != bucket.nbytes:
+        raise ValueError(f"buffer: expected a 1-D uint8 tensor of {bucket.nbytes} bytes, got {buffer.dtype} "
+                         f"{tuple(buffer.shape)}")
+    return [_view(buffer, offset, dtype, shape)
+            for offset, dtype, shape in zip(bucket.offsets, bucket.dtypes, bucket.shapes)]
+
+
+def pack_bucket(bucket: Bucket, tensors: Sequence[torch.Tensor], device: Union[str, torch.device] = "cpu"
+                ) -> torch.Tensor:
+    """One ``uint8`` buffer ``[bucket.nbytes]`` on ``device`` holding ``tensors`` (in the bucket's
+    order, each cast to the bucket's dtype for it). Alignment padding is left uninitialized."""
+    if len(tensors) != len(bucket.names):
+        raise ValueError(f"tensors: expected {len(bucket.names)} for the bucket, got {len(tensors)}")
+    buffer = torch.empty(bucket.nbytes, dtype=torch.uint8, device=device)
+    with torch.no_grad():
+        for name, view, tensor in zip(bucket.names, bucket_views(buffer, bucket), tensors):
+            if tuple(tensor.shape) != tuple(view.shape):
+                raise ValueError(f"tensors: {name!r} has shape {tuple(tensor.shape)}, the bucket expects "
+                                 f"{tuple(view.shape)}")
+            view.copy_(tensor)
+    return buffer
+
+
+# ---- the weight group ---------------------------------------------------------------------
+
+class WeightGroup:
+    """A stateless process group of ``world_size`` ranks (the module docstring says why):
+    rank 0 hosts the ``TCPStore`` at ``master_address:master_port`` and is the broadcast source.
+    Every rank must construct it at the same time (it is a rendezvous). ``backend``: ``gloo``
+    (CPU buffers) or ``nccl`` (buffers on the current CUDA device)."""
+
+    def __init__(self, master_address: str, master_port: int, rank: int, world_size: int, group_name: str,
+                 backend: str = "gloo", timeout: timedelta = timedelta(minutes=30)):
+        import torch.distributed as dist
+
+        if backend not in ("gloo", "nccl"):
+            raise ValueError(f"backend: expected gloo or nccl, got {backend!r}")
+        if not isinstance(world_size, int) or world_size < 2:
+            raise ValueError(f"world_size: expected an int >= 2 (the sender and at least one receiver), "
+                             f"got {world_size!r}")
+        if not isinstance(rank, int) or not 0 <= rank < world_size:
+            raise ValueError(f"rank: expected an int in [0, {world_size}), got {rank!r}")
+        if not group_name:
+            raise ValueError("group_name: expected a non-empty name")
+        self.rank, self.world_size, self.group_name, self.backend = rank, world_size, group_name, backend
+        self._store = dist.TCPStore(master_address, master_port, world_size, is_master=rank == 0, timeout=timeout,
+                                    wait_for_workers=False)
+        prefixed = dist.PrefixStore(group_name, self._store)
+        if backend == "gloo":
+            self._group = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
+            self.device = torch.device("cpu")
+        else:
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = timeout
+            self._group = dist.ProcessGroupNCCL(prefixed, rank, world_size, options)
+            self.device = torch.device("cuda", torch.cuda.current_device())
+
+    def broadcast(self, tensor: torch.Tensor, wait: bool = True):
+        """Broadcast of ``tensor`` from rank 0 into every rank's ``tensor`` (in place); returns the
+        work handle when not ``wait``-ing (the tensor must stay alive until its ``wait()``)."""
+        import torch.distributed as dist
+
+        options = dist.BroadcastOptions()
+        options.rootRank, options.rootTensor = 0, 0
+        work = self._group.broadcast([tensor], options)
+        if wait:
+            work.wait()
+            return None
+        return work
+
+    def destroy(self) -> None:
+        self._group.shutdown()
+        self._group = self._store = None
+
+
+# ---- metrics ------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class UpdateMetrics:
+    """One weight update: bytes moved (bucket bytes, alignment included), buckets, seconds."""
+    weight_version: int
+    bytes: int
+    buckets: int
+    seconds: float
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else float("inf")
+
+    def as_dict(self) -> dict:
+        return dict(asdict(self), gb_per_s=self.gb_per_s)
+
+
+# ---- sender -------------------------------------------------------------------------------
+
+class WeightSender:
+    """Trainer rank 0's side. ``source``: a module (its ``named_parameters()``) or a callable
+    returning ``(name, tensor)`` pairs (full tensors: gather sharded ones inside it), the same
+    names, shapes and order on every call. ``dtype``: floating tensors are sent in it (e.g.
+    ``torch.bfloat16`` for a bf16 rollout of an fp32-master trainer); None sends each tensor's
+    own dtype. The bucket plan (`buckets`) is fixed at construction."""
+
+    def __init__(self, source: Union[torch.nn.Module, NamedTensors], *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 dtype: Optional[torch.dtype] = None):
+        self._named_tensors: NamedTensors = source.named_parameters if isinstance(source, torch.nn.Module) else source
+        self._dtype = dtype
+        self.buckets = plan_buckets(((name, self._sent_dtype(tensor), tensor.shape)
+                                     for name, tensor in self._named_tensors()), bucket_bytes)
+        self.weight_version = 0
+        self.last_update: Optional[UpdateMetrics] = None
+        self._lock = threading.Lock()
+        self._group: Optional[WeightGroup] = None
+        self._shared: list[torch.Tensor] = []
+        self._sharing: Optional[tuple[int, int, float]] = None  # (weight_version, next bucket, start)
+
+    def _sent_dtype(self, tensor: torch.Tensor) -> torch.dtype:
+        return self._dtype if self._dtype is not None and tensor.is_floating_point() else tensor.dtype
+
+    def _current(self) -> dict[str, torch.Tensor]:
+        """The source's tensors now, by name; raises if they are not the planned ones."""
+        current = {name: tensor.detach() for name, tensor in self._named_tensors()}
+        planned = [name for bucket in self.buckets for name in bucket.names]
+        if list(current) != planned:
+            raise RuntimeError(f"source: its names changed since the bucket plan ({len(current)} tensors now, "
+                               f"{len(planned)} planned)")
+        return current
+
+    def _bucket(self, index: int, current: Optional[dict] = None) -> tuple[Bucket, list[torch.Tensor]]:
+        if not isinstance(index, int) or not 0 <= index < len(self.buckets):
+            raise ValueError(f"index: expected a bucket index in [0, {len(self.buckets)}), got {index!r}")
+        current = self._current() if current is None else current
+        bucket = self.buckets[index]
+        return bucket, [current[name] for name in bucket.names]
+
+    def pack(self, index: int, device: Union[str, torch.device] = "cpu") -> torch.Tensor:
+        """Bucket ``index`` packed on ``device`` (`pack_bucket`): the payload of
+        `WeightReceiver.receive_buffer` when it travels as a tensor (Ray's object store)."""
+        bucket, tensors = self._bucket(index)
+        return pack_bucket(bucket, tensors, device)
+
+    def _next_version(self, weight_version: int) -> None:
+        if not isinstance(weight_version, int) or weight_version <= self.weight_version:
+            raise ValueError(f"weight_version: expected an int > {self.weight_version} (the last one sent), "
+                             f"got {weight_version!r}")
+
+    def init_group(self, master_address: str, master_port: int, world_size: int, group_name: str,
+                   backend: str = "gloo", timeout: timedelta = timedelta(minutes=30)) -> None:
+        """Joins the weight group as rank 0 (host of its store); the receivers join at the same time."""
+        if self._group is not None:
+            raise RuntimeError(f"init_group: already in the weight group {self._group.group_name!r}")
+        self._group = WeightGroup(master_address, master_port, 0, world_size, group_name, backend, timeout)
+
+    def destroy_group(self) -> None:
+        if self._group is None:
+            raise RuntimeError("destroy_group: not in a weight group")
+        self._group.destroy()
+        self._group = None
+
+    def send(self, weight_version: int) -> UpdateMetrics:
+        """Broadcasts every bucket, in plan order, over the weight group; each receiver must call
+        `WeightReceiver.receive_broadcast` once per bucket in the same order (concurrently: the
+        broadcasts block until every rank is in). Two buckets are in flight at a time (one packs
+        while the previous one travels)."""
+        if self._group is None:
+            raise RuntimeError("send: call init_group first")
+        with self._lock:
+            self._next_version(weight_version)
+            start = time.perf_counter()
+            total, pending, current = 0, None, self._current()
+            for index in range(len(self.buckets)):
+                bucket, tensors = self._bucket(index, current)
+                buffer = pack_bucket(bucket, tensors, self._group.device)
+                work = self._group.broadcast(buffer, wait=False)
+                if pending is not None:
+                    pending[0].wait()
+                pending = (work, buffer)
+                total += buffer.numel()
+            if pending is not None:
+                pending[0].wait()
+            if self._group.device.type == "cuda":
+                torch.cuda.synchronize(self._group.device)
+            return self._finish(weight_version, total, time.perf_counter() - start)
+
+    def _finish(self, weight_version: int, total: int, seconds: float) -> UpdateMetrics:
+        self.weight_version = weight_version
+        self.last_update = UpdateMetrics(weight_version, total, len(self.buckets), seconds)
+        return self.last_update
+
+    def share(self, index: int, weight_version: int) -> tuple:
+        """Bucket ``index`` (0, 1, ... in order within an update) packed on the tensors' CUDA device,
+        as the arguments of `WeightReceiver.receive_buffer`: ``(names, dtypes, shapes, (rebuild,
+        args), weight_version)`` with a CUDA IPC handle of the buffer. The buffer stays alive until
+        `release_shared`, to be called once the receivers of the bucket have returned (they copy
+        out of it before returning)."""
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        with self._lock:
+            self._next_version(weight_version)
+            expected = 0 if self._sharing is None else self._sharing[1]
+            if index != expected:
+                raise ValueError(f"index: expected bucket {expected} of the update, got {index!r}")
+            if index == 0:
+                self._sharing = (weight_version, 0, time.perf_counter())
+            elif weight_version != self._sharing[0]:
+                raise ValueError(f"weight_version: the update in progress is {self._sharing[0]}, got {weight_version}")
+            bucket, tensors = self._bucket(index)
+            if not tensors[0].is_cuda:
+                raise RuntimeError(f"share: CUDA IPC needs CUDA tensors, the source's are on {tensors[0].device}")
+            buffer = pack_bucket(bucket, tensors, tensors[0].device)
+            torch.cuda.current_stream(buffer.device).synchronize()  # another process reads it next
+            self._shared.append(buffer)
+            self._sharing = (weight_version, index + 1, self._sharing[2])
+            return bucket.names, bucket.dtypes, bucket.shapes, reduce_tensor(buffer), weight_version
+
+    def release_shared(self) -> Optional[UpdateMetrics]:
+        """Frees the buffers handed out by `share` (their receivers have returned). After the last
+        bucket of an update, ends it and returns its metrics (seconds from the first `share`)."""
+        with self._lock:
+            self._shared.clear()
+            if self._sharing is None or self._sharing[1] < len(self.buckets):
+                return None
+            weight_version, _, start = self._sharing
+            self._sharing = None
+            total = sum(bucket.nbytes for bucket in self.buckets)
+            return self._finish(weight_version, total, time.perf_counter() - start)
+
+
+# ---- receiver -----------------------------------------------------------------------------
+
+@dataclass
+class _PendingUpdate:
+    weight_version: int
+    received: set
+    bytes: int = 0
+    buckets: int = 0
+    seconds: float = 0.0
+
+
+class WeightReceiver:
+    """A rollout worker's side: writes received buckets into ``model``'s parameters in place
+    (``param.data.copy_``, casting from the sent dtype) and guards generation (module docstring).
+    One update = the buckets of one ``weight_version`` between `pause` and `resume`; it must
+    cover every parameter exactly once."""
+
+    def __init__(self, model: torch.nn.Module):
+        self._parameters = dict(model.named_parameters())
+        self._condition = threading.Condition(threading.Lock())
+        self._paused = False
+        self._pending: Optional[_PendingUpdate] = None
+        self._group: Optional[WeightGroup] = None
+        self.weight_version = 0
+        self.last_update: Optional[UpdateMetrics] = None
+
+    # -- generation side --
+    @contextmanager
+    def generation(self) -> Iterator[int]:
+        """Holds the lock for a generation: waits while paused; yields the weight_version."""
+        with self._condition:
+            while self._paused:
+                self._condition.wait()
+            yield self.weight_version
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    def pause(self) -> None:
+        """Blocks new generations; returns once the running one (if any) has finished."""
+        with self._condition:
+            self._paused = True
+
+    def resume(self) -> Optional[UpdateMetrics]:
+        """Ends the pause. An update received during it becomes the model's ``weight_version``
+        (its metrics are returned); raises, staying paused, if that update missed parameters."""
+        with self._condition:
+            pending, metrics = self._pending, None
+            if pending is not None:
+                missing = [name for name in self._parameters if name not in pending.received]
+                if missing:
+                    raise RuntimeError(f"resume: the update to weight_version {pending.weight_version} is incomplete: "
+                                       f"{len(missing)} parameters not received (first: {missing[:3]}); the worker "
+                                       "stays paused")
+                metrics = UpdateMetrics(pending.weight_version, pending.bytes, pending.buckets, pending.seconds)
+                self.weight_version, self.last_update, self._pending = pending.weight_version, metrics, None
+            self._paused = False
+            self._condition.notify_all()
+            return metrics
+
+    # -- update side --
+    def join_group(self, master_address: str, master_port: int, rank: int, world_size: int, group_name: str,
+                   backend: str = "gloo", timeout: timedelta = timedelta(minutes=30)) -> None:
+        if self._group is not None:
+            raise RuntimeError(f"join_group: already in the weight group {self._group.group_name!r}")
+        if rank == 0:
+            raise ValueError("rank: 0 is the sender's; a receiver's rank is 1 or more")
+        self._group = WeightGroup(master_address, master_port, rank, world_size, group_name, backend, timeout)
+
+    def leave_group(self, group_name: str) -> None:
+        self._check_group(group_name)
+        self._group.destroy()
+        self._group = None
+
+    def _check_group(self, group_name: str) -> None:
+        if self._group is None or self._group.group_name != group_name:
+            joined = None if self._group is None else self._group.group_name
+            raise RuntimeError(f"group_name: {group_name!r} is not this worker's weight group (joined: {joined!r})")
+
+    def receive_broadcast(self, names: Sequence[str], dtypes: Sequence, shapes: Sequence[Sequence[int]],
+                          group_name: str, weight_version: int) -> dict:
+        """The next bucket of `WeightSender.send` (same order) into the parameters."""
+        self._check_group(group_name)
+
+        def fetch(bucket: Bucket) -> torch.Tensor:
+            buffer = torch.empty(bucket.nbytes, dtype=torch.uint8, device=self._group.device)
+            self._group.broadcast(buffer)
+            return buffer
+
+        return self._receive(names, dtypes, shapes, weight_version, fetch)
+
+    def receive_buffer(self, names: Sequence[str], dtypes: Sequence, shapes: Sequence[Sequence[int]],
+                       payload: Any, weight_version: int) -> dict:
+        """A bucket packed by `pack_bucket` into the parameters. ``payload``: that ``uint8`` buffer,
+        or ``(rebuild, args)`` of a CUDA IPC handle (`WeightSender.share`), copied out of before
+        this returns."""
+        def fetch(bucket: Bucket) -> torch.Tensor:
+            if isinstance(payload, torch.Tensor):
+                return payload
+            rebuild, arguments = payload
+            return rebuild(*arguments)
+
+        return self._receive(names, dtypes, shapes, weight_version, fetch)
+
+    def _receive(self, names, dtypes, shapes, weight_version: int, fetch: Callable[[Bucket], torch.Tensor]) -> dict:
+        bucket = Bucket(tuple(names), tuple(as_dtype(d) for d in dtypes), tuple(tuple(int(s) for s in shape)
+                                                                                for shape in shapes))
+        with self._condition:
+            if not self._paused:
+                raise RuntimeError("update: call pause_generation before updating weights (a generation could "
+                                   "otherwise see a half-updated model)")
+            pending = self._start(weight_version)
+            for name, shape in zip(bucket.names, bucket.shapes):
+                parameter = self._parameters.get(name)
+                if parameter is None:
+                    raise ValueError(f"names: {name!r} is not a parameter of this model")
+                if tuple(parameter.shape) != shape:
+                    raise ValueError(f"shapes: {name!r} is {shape} in the update, {tuple(parameter.shape)} here")
+                if name in pending.received:
+                    raise ValueError(f"names: {name!r} came twice in the update to weight_version {weight_version}")
+            start = time.perf_counter()
+            buffer = fetch(bucket)
+            with torch.no_grad():
+                for name, view in zip(bucket.names, bucket_views(buffer, bucket)):
+                    self._parameters[name].data.copy_(view)
+            if buffer.is_cuda:
+                torch.cuda.current_stream(buffer.device).synchronize()  # the sender may free or reuse it now
+            seconds = time.perf_counter() - start
+            pending.received.update(bucket.names)
+            pending.bytes += bucket.nbytes
+            pending.buckets += 1
+            pending.seconds += seconds
+            return dict(bytes=bucket.nbytes, seconds=seconds, weight_version=weight_version)
+
+    def _start(self, weight_version: int) -> _PendingUpdate:
+        if self._pending is None:
+            if not isinstance(weight_version, int) or weight_version <= self.weight_version:
+                raise ValueError(f"weight_version: expected an int > {self.weight_version} (this worker's), "
+                                 f"got {weight_version!r}")
+            self._pending = _PendingUpdate(weight_version, set())
+        elif self._pending.weight_version != weight_version:
+            raise RuntimeError(f"weight_version: a bucket of {weight_version} arrived while the update to "
+                               f"{self._pending.weight_version} is incomplete (two updates may not interleave)")
+        return self._pending

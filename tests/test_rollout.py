@@ -1,0 +1,136 @@
+"""The rollout worker: batched KV-cached generation against a full-recompute loop, stop tokens and
+masks, seeded sampling, and generation against weight updates (threads in one process)."""
+import threading
+import time
+
+import pytest
+import torch
+
+from helpers import tiny_llama
+from orchestration.rollout import RolloutWorker, SamplingParams, response_mask
+from orchestration.weight_sync import WeightSender
+
+PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12], [13]]
+GREEDY = SamplingParams(max_new_tokens=6, temperature=0.0)
+
+
+@torch.no_grad()
+def _greedy_by_recompute(model, prompt, steps):
+    tokens = list(prompt)
+    for _ in range(steps):
+        tokens.append(int(model(torch.tensor([tokens])).logits[0, -1].argmax()))
+    return tokens[len(prompt):]
+
+
+def test_greedy_generation_equals_a_full_recompute_loop():
+    model = tiny_llama(3)
+    rollout = RolloutWorker(model, pad_token_id=0).generate(PROMPTS, GREEDY)
+    assert rollout.response_ids.shape == (3, 6) and rollout.response_ids.dtype == torch.long
+    assert rollout.lengths.tolist() == [6, 6, 6] and bool(rollout.response_mask.all())
+    assert rollout.responses() == [_greedy_by_recompute(model, prompt, 6) for prompt in PROMPTS]
+    assert rollout.weight_version == 0
+
+
+def test_a_stop_token_ends_the_response_and_masks_the_rest():
+    worker = RolloutWorker(tiny_llama(3), pad_token_id=0)
+    unstopped = worker.generate(PROMPTS, GREEDY).response_ids
+    stop = int(unstopped[0, 2])
+    rollout = worker.generate(PROMPTS, SamplingParams(max_new_tokens=6, temperature=0.0, stop_token_ids=(stop,)))
+    for row, full in enumerate(unstopped.tolist()):
+        length = full.index(stop) + 1 if stop in full else 6
+        assert rollout.lengths[row] == length
+        assert rollout.response_ids[row].tolist() == full[:length] + [0] * (6 - length)
+        assert rollout.response_mask[row].tolist() == [True] * length + [False] * (6 - length)
+    assert rollout.lengths[0] <= 3
+    tokens = torch.tensor([[4, 9, 4, 9], [1, 2, 3, 4]])
+    assert response_mask(tokens, [9]).tolist() == [[True, True, False, False], [True] * 4]
+    assert response_mask(tokens, []).all()
+
+
+def test_sampling_is_reproducible_from_its_seed_and_leaves_the_global_generator_alone():
+    worker = RolloutWorker(tiny_llama(3), pad_token_id=0)
+    sampled = SamplingParams(max_new_tokens=8, temperature=1.0, seed=7)
+    state = torch.get_rng_state()
+    first = worker.generate(PROMPTS, sampled).response_ids
+    assert torch.equal(torch.get_rng_state(), state)
+    assert torch.equal(worker.generate(PROMPTS, sampled).response_ids, first)
+    assert not torch.equal(worker.generate(PROMPTS, SamplingParams(max_new_tokens=8, seed=8)).response_ids, first)
+    top_one = worker.generate(PROMPTS, SamplingParams(max_new_tokens=8, temperature=1.5, top_k=1, seed=3))
+    assert torch.equal(top_one.response_ids, worker.generate(PROMPTS, SamplingParams(max_new_tokens=8, temperature=0.0)).response_ids)
+
+
+@pytest.mark.parametrize("field, value, message", [("max_new_tokens", 0, "max_new_tokens: expected an int >= 1"),
+                                                   ("temperature", -1.0, "temperature: expected >= 0"),
+                                                   ("top_p", 0.0, "top_p: expected a value in \\(0, 1\\]"),
+                                                   ("top_k", -2, "top_k: expected an int >= 0"),
+                                                   ("stop_token_ids", (-1,), "stop_token_ids: expected token ids")])
+def test_sampling_params_refuse_bad_values(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**{field: value})
+
+
+def _slow_update(worker, sender, weight_version, requested, log):
+    """pause → flush → every bucket, each after a delay → continue, logging the times."""
+    worker.pause_generation()
+    worker.flush_cache()
+    log["paused"] = time.perf_counter()
+    requested.wait()
+    time.sleep(0.1)  # the generation request is now waiting inside generate
+    for index, bucket in enumerate(sender.buckets):
+        time.sleep(0.02)
+        worker.update_weights_from_tensor(bucket.names, bucket.dtypes, bucket.shapes, sender.pack(index),
+                                          weight_version)
+    log["updated"] = time.perf_counter()
+    worker.continue_generation()
+
+
+def test_a_generation_requested_during_an_update_waits_and_sees_the_whole_new_model():
+    trainer = tiny_llama(1)
+    worker = RolloutWorker(tiny_llama(2), pad_token_id=0)
+    sender = WeightSender(trainer, bucket_bytes=4096)
+    assert len(sender.buckets) > 5
+    before = worker.generate(PROMPTS, GREEDY).responses()
+    expected = RolloutWorker(tiny_llama(1), pad_token_id=0).generate(PROMPTS, GREEDY).responses()
+    assert before != expected
+    requested, log, results = threading.Event(), {}, {}
+
+    def generation():
+        log["requested"] = time.perf_counter()
+        requested.set()
+        results["rollout"] = worker.generate(PROMPTS, GREEDY)
+        log["generated"] = time.perf_counter()
+
+    updater = threading.Thread(target=_slow_update, args=(worker, sender, 1, requested, log))
+    updater.start()
+    while "paused" not in log:
+        time.sleep(0.005)
+    generator = threading.Thread(target=generation)
+    generator.start()
+    updater.join()
+    generator.join()
+    assert log["paused"] < log["requested"] < log["updated"] < log["generated"]
+    assert results["rollout"].weight_version == 1
+    assert results["rollout"].responses() == expected
+
+
+def test_pause_waits_for_the_running_generation():
+    worker = RolloutWorker(tiny_llama(2), pad_token_id=0)
+    expected = worker.generate(PROMPTS, GREEDY).responses()
+    started, forwards, results = threading.Event(), [], {}
+
+    def slow_forward(module, args, output):
+        started.set()
+        time.sleep(0.03)
+        forwards.append(time.perf_counter())
+
+    handle = worker.model.register_forward_hook(slow_forward)
+    thread = threading.Thread(target=lambda: results.update(rollout=worker.generate(PROMPTS, GREEDY)))
+    thread.start()
+    started.wait()
+    worker.pause_generation()
+    paused = time.perf_counter()
+    thread.join()
+    handle.remove()
+    assert len(forwards) == GREEDY.max_new_tokens and forwards[-1] < paused  # it waited for the last forward
+    assert results["rollout"].responses() == expected and results["rollout"].weight_version == 0
+    worker.continue_generation()

@@ -1,0 +1,271 @@
+"""Trainer → rollout weight sync: bucket plans, packing, the receiver's guards, and the sync over a
+stateless gloo group between a trainer that has its own data-parallel group and a rollout worker
+(3 processes); CUDA IPC and NCCL on GPUs."""
+import multiprocessing
+import os
+
+import pytest
+import torch
+
+from helpers import HAS_CUDA, free_port, spawn_ranks, tiny_llama
+from orchestration.rollout import RolloutWorker
+from orchestration.weight_sync import (ALIGNMENT, WeightSender, as_dtype, bucket_layout, bucket_views, pack_bucket,
+                                       plan_buckets)
+
+TOKENS = torch.tensor([[3, 17, 42, 5, 88, 1, 9, 60]])
+
+
+def _specs(model):
+    return [(name, parameter.dtype, tuple(parameter.shape)) for name, parameter in model.named_parameters()]
+
+
+def _perturb(model, seed):
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.01)
+
+
+# ---- bucket plans and packing --------------------------------------------------------------
+
+@pytest.mark.parametrize("size", ["smaller_than_any_parameter", "between", "whole_model"])
+def test_buckets_hold_every_parameter_once_in_order(size):
+    specs = _specs(tiny_llama(0))
+    sizes = [torch.empty(shape, dtype=dtype).nbytes for _, dtype, shape in specs]
+    model_bytes = bucket_layout([d for _, d, _ in specs], [s for _, _, s in specs])[1]
+    bucket_bytes = {"smaller_than_any_parameter": min(sizes) - 1, "between": model_bytes // 5,
+                    "whole_model": model_bytes}[size]
+    buckets = plan_buckets(specs, bucket_bytes)
+    assert [name for bucket in buckets for name in bucket.names] == [name for name, _, _ in specs]
+    assert [(d, s) for b in buckets for d, s in zip(b.dtypes, b.shapes)] == [(d, s) for _, d, s in specs]
+    for bucket in buckets:
+        assert bucket.nbytes <= bucket_bytes or len(bucket.names) == 1
+    for before, after in zip(buckets, buckets[1:]):  # greedy: the next tensor did not fit
+        assert bucket_layout(before.dtypes + after.dtypes[:1], before.shapes + after.shapes[:1])[1] > bucket_bytes
+    if size == "smaller_than_any_parameter":
+        assert len(buckets) == len(specs)
+    elif size == "whole_model":
+        assert len(buckets) == 1 and buckets[0].nbytes == model_bytes
+    else:
+        assert 1 < len(buckets) < len(specs)
+
+
+def test_bucket_plan_refuses_bad_input():
+    with pytest.raises(ValueError, match="bucket_bytes: expected an int >= 1, got 0"):
+        plan_buckets([("a", torch.float32, (2,))], 0)
+    with pytest.raises(ValueError, match="'a' appears twice"):
+        plan_buckets([("a", torch.float32, (2,)), ("a", torch.float32, (2,))], 100)
+    with pytest.raises(ValueError, match="dtype: expected a torch.dtype or its name, got 'float33'"):
+        plan_buckets([("a", "float33", (2,))], 100)
+    assert as_dtype("torch.bfloat16") is torch.bfloat16 and as_dtype("int64") is torch.int64
+
+
+def test_packing_mixed_dtypes_round_trips_bit_for_bit():
+    generator = torch.Generator().manual_seed(0)
+    tensors = {"w": torch.randn(3, 5, generator=generator), "h": torch.randn(7, generator=generator).bfloat16(),
+               "i": torch.randint(-9, 9, (3,), generator=generator), "b": torch.tensor([True, False, True]),
+               "s": torch.tensor(2.5, dtype=torch.float64), "e": torch.randn(0, 4, generator=generator)}
+    (bucket,) = plan_buckets([(n, t.dtype, t.shape) for n, t in tensors.items()], 10_000)
+    ends = [0]
+    for offset, dtype, shape in zip(bucket.offsets, bucket.dtypes, bucket.shapes):
+        assert offset % ALIGNMENT == 0 and ends[-1] <= offset < ends[-1] + ALIGNMENT
+        ends.append(offset + torch.empty(shape, dtype=dtype).nbytes)
+    assert bucket.nbytes == ends[-1]
+    buffer = pack_bucket(bucket, list(tensors.values()))
+    for (name, tensor), view in zip(tensors.items(), bucket_views(buffer, bucket)):
+        assert view.dtype == tensor.dtype and torch.equal(view, tensor), name
+    with pytest.raises(ValueError, match="'w' has shape \\(5, 3\\), the bucket expects \\(3, 5\\)"):
+        pack_bucket(bucket, [tensors["w"].t()] + list(tensors.values())[1:])
+
+
+# ---- the receiver in one process ---------------------------------------------------------
+
+def _update_in_process(sender, worker, weight_version, buckets=slice(None)):
+    """The buckets of ``sender`` (all, or a slice of them) packed and handed to ``worker``."""
+    for index in range(len(sender.buckets))[buckets]:
+        bucket = sender.buckets[index]
+        worker.update_weights_from_tensor(bucket.names, [str(d) for d in bucket.dtypes], bucket.shapes,
+                                          sender.pack(index), weight_version)
+
+
+def test_an_update_makes_the_logits_equal_bit_for_bit():
+    trainer, worker = tiny_llama(1), RolloutWorker(tiny_llama(2), pad_token_id=0)
+    sender = WeightSender(trainer, bucket_bytes=4096)
+    assert len(sender.buckets) > 3
+    assert not torch.equal(worker.model(TOKENS).logits, trainer(TOKENS).logits)
+    worker.pause_generation()
+    assert worker.flush_cache()
+    _update_in_process(sender, worker, 1)
+    metrics = worker.continue_generation()
+    assert torch.equal(worker.model(TOKENS).logits, trainer(TOKENS).logits)
+    assert metrics["weight_version"] == worker.weight_version == 1
+    assert metrics["buckets"] == len(sender.buckets) and metrics["bytes"] == sum(b.nbytes for b in sender.buckets)
+
+
+def test_sending_in_bfloat16_rounds_each_parameter_once():
+    trainer, worker = tiny_llama(1), RolloutWorker(tiny_llama(2), pad_token_id=0)
+    sender = WeightSender(trainer, bucket_bytes=1 << 20, dtype=torch.bfloat16)
+    assert set(dtype for bucket in sender.buckets for dtype in bucket.dtypes) == {torch.bfloat16}
+    worker.pause_generation()
+    _update_in_process(sender, worker, 1)
+    worker.continue_generation()
+    for (name, mine), theirs in zip(worker.model.named_parameters(), trainer.parameters()):
+        assert mine.dtype == torch.float32 and torch.equal(mine, theirs.bfloat16().float()), name
+
+
+def test_the_receiver_refuses_unsafe_updates():
+    trainer, worker = tiny_llama(1), RolloutWorker(tiny_llama(2), pad_token_id=0)
+    sender = WeightSender(trainer, bucket_bytes=4096)
+    with pytest.raises(RuntimeError, match="call pause_generation before updating weights"):
+        _update_in_process(sender, worker, 1, buckets=slice(1))
+    worker.pause_generation()
+    _update_in_process(sender, worker, 1, buckets=slice(2))
+    with pytest.raises(RuntimeError, match="two updates may not interleave"):
+        _update_in_process(sender, worker, 2, buckets=slice(1))
+    with pytest.raises(ValueError, match="came twice in the update to weight_version 1"):
+        _update_in_process(sender, worker, 1, buckets=slice(1))
+    with pytest.raises(RuntimeError, match="update to weight_version 1 is incomplete: .* the worker stays paused"):
+        worker.continue_generation()
+    assert worker._receiver.paused and worker.weight_version == 0
+    with pytest.raises(ValueError, match="'lm_head.weight' is \\(1, 1\\) in the update, \\(96, 32\\) here"):
+        worker.update_weights_from_tensor(["lm_head.weight"], ["float32"], [(1, 1)], torch.empty(4, dtype=torch.uint8),
+                                          1)
+    with pytest.raises(ValueError, match="'nope' is not a parameter of this model"):
+        worker.update_weights_from_tensor(["nope"], ["float32"], [(1,)], torch.empty(4, dtype=torch.uint8), 1)
+    _update_in_process(sender, worker, 1, buckets=slice(2, None))  # the other buckets complete it
+    worker.continue_generation()
+    assert worker.weight_version == 1 and torch.equal(worker.model(TOKENS).logits, trainer(TOKENS).logits)
+    worker.pause_generation()
+    with pytest.raises(ValueError, match="weight_version: expected an int > 1 \\(this worker's\\), got 1"):
+        _update_in_process(sender, worker, 1, buckets=slice(1))
+
+
+def test_the_sender_refuses_versions_that_do_not_increase():
+    sender = WeightSender(tiny_llama(1), bucket_bytes=4096)
+    with pytest.raises(RuntimeError, match="send: call init_group first"):
+        sender.send(1)
+    with pytest.raises(ValueError, match="weight_version: expected an int > 0 \\(the last one sent\\), got 0"):
+        sender._next_version(0)
+
+
+# ---- over a stateless gloo group, 3 processes ---------------------------------------------
+
+GROUP = "weights"
+
+
+def _trainer_and_rollout(rank, world, init_file, port, queue):
+    """Ranks 0 and 1: the student's data-parallel group (their default group); rank 0 also sends
+    the weights to rank 2, a rollout worker outside that group."""
+    import torch.distributed as dist
+
+    if rank < 2:
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+        model = tiny_llama(1)
+        if rank == 0:
+            sender = WeightSender(model, bucket_bytes=4096)
+            queue.put([(b.names, b.dtypes, b.shapes) for b in sender.buckets])
+            sender.init_group("127.0.0.1", port, 2, GROUP, "gloo")
+        for version in (1, 2):
+            # a "step": the ranks agree on an update through their own group, which stays usable
+            update = torch.full((1,), float(rank + version))
+            dist.all_reduce(update)
+            _perturb(model, int(update.item()))
+            if rank == 0:
+                metrics = sender.send(version)
+                assert (metrics.weight_version, metrics.buckets) == (version, len(sender.buckets))
+                assert metrics.bytes == sum(b.nbytes for b in sender.buckets) and metrics.gb_per_s > 0
+                with torch.no_grad():
+                    queue.put(model(TOKENS).logits)
+        if rank == 0:
+            sender.destroy_group()
+        dist.barrier()
+        dist.destroy_process_group()
+        return
+    worker = RolloutWorker(tiny_llama(2), pad_token_id=0)
+    plan = queue.get()
+    worker.init_weights_update_group("127.0.0.1", port, 1, 2, GROUP, "gloo")
+    for version in (1, 2):
+        worker.pause_generation()
+        worker.flush_cache()
+        for names, dtypes, shapes in plan:
+            worker.update_weights_from_distributed(names, dtypes, shapes, GROUP, version)
+        metrics = worker.continue_generation()
+        assert metrics["weight_version"] == version and metrics["buckets"] == len(plan)
+        expected = queue.get()
+        with torch.no_grad():
+            assert torch.equal(worker.model(TOKENS).logits, expected)
+        assert worker.generate([[1, 2, 3]]).weight_version == version
+    worker.destroy_weights_update_group(GROUP)
+
+
+def test_sync_over_a_stateless_gloo_group_beside_the_trainers_own_group():
+    queue = multiprocessing.get_context("spawn").SimpleQueue()
+    spawn_ranks(_trainer_and_rollout, 3, free_port(), queue)
+
+
+# ---- GPUs ---------------------------------------------------------------------------------
+
+def _ipc_sender(rank, world, init_file, queue, acks):
+    if rank == 0:
+        model = tiny_llama(1, vocab=32_000, hidden=512).cuda()
+        sender = WeightSender(model, bucket_bytes=8 << 20, dtype=torch.bfloat16)
+        queue.put(len(sender.buckets))
+        for index in range(len(sender.buckets)):
+            queue.put(sender.share(index, 1))
+            acks.get()
+            metrics = sender.release_shared()
+        assert metrics.weight_version == 1 and metrics.bytes == sum(b.nbytes for b in sender.buckets)
+        with torch.no_grad():
+            queue.put(model.to(torch.bfloat16)(TOKENS.cuda()).logits.cpu())
+        acks.get()
+        return
+    worker = RolloutWorker(tiny_llama(2, vocab=32_000, hidden=512), pad_token_id=0, device="cuda",
+                           dtype=torch.bfloat16)
+    worker.pause_generation()
+    for _ in range(queue.get()):
+        names, dtypes, shapes, handle, version = queue.get()
+        worker.update_weights_from_tensor(names, dtypes, shapes, handle, version)
+        acks.put(True)
+    worker.continue_generation()
+    expected = queue.get()
+    with torch.no_grad():
+        assert torch.equal(worker.model(TOKENS.cuda()).logits.cpu(), expected)
+    acks.put(True)
+
+
+@pytest.mark.gpu
+def test_cuda_ipc_sync_on_one_gpu_gives_bit_equal_logits():
+    context = multiprocessing.get_context("spawn")
+    spawn_ranks(_ipc_sender, 2, context.SimpleQueue(), context.SimpleQueue())
+
+
+def _nccl_ranks(rank, world, init_file, port, queue):
+    torch.cuda.set_device(rank)
+    if rank == 0:
+        model = tiny_llama(1, vocab=32_000, hidden=512).cuda()
+        sender = WeightSender(model, bucket_bytes=8 << 20)
+        queue.put([(b.names, b.dtypes, b.shapes) for b in sender.buckets])
+        sender.init_group("127.0.0.1", port, 2, GROUP, "nccl")
+        sender.send(1)
+        queue.put({name: parameter.detach().cpu() for name, parameter in model.named_parameters()})
+        queue.get()  # the receiver has compared
+        sender.destroy_group()
+        return
+    worker = RolloutWorker(tiny_llama(2, vocab=32_000, hidden=512), pad_token_id=0, device="cuda:1")
+    plan = queue.get()
+    worker.init_weights_update_group("127.0.0.1", port, 1, 2, GROUP, "nccl")
+    worker.pause_generation()
+    for names, dtypes, shapes in plan:
+        worker.update_weights_from_distributed(names, dtypes, shapes, GROUP, 1)
+    worker.continue_generation()
+    expected = queue.get()  # parameters, not logits: two GPUs need not compute bit-equal logits
+    for name, parameter in worker.model.named_parameters():
+        assert torch.equal(parameter.cpu(), expected[name]), name
+    queue.put(True)
+    worker.destroy_weights_update_group(GROUP)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA or torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_nccl_sync_across_two_gpus_gives_bit_equal_parameters():
+    spawn_ranks(_nccl_ranks, 2, free_port(), multiprocessing.get_context("spawn").SimpleQueue())
