@@ -106,9 +106,9 @@ def place_slots(count: int, bundle: dict, *, slots_per_node: Optional[int] = Non
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
 
-    if count < 1 or not bundle or any(amount < 0 for amount in bundle.values()):
-        raise ValueError(f"count, bundle: expected count >= 1 and a non-empty bundle of amounts >= 0, got {count}, "
-                         f"{bundle}")
+    if count < 1 or not any(amount > 0 for amount in bundle.values()) or any(amount < 0 for amount in bundle.values()):
+        raise ValueError(f"count, bundle: expected count >= 1 and a bundle of amounts >= 0, one at least > 0; got "
+                         f"{count}, {bundle}")
     if slots_per_node is not None and slots_per_node < 1:
         raise ValueError(f"slots_per_node: expected None or >= 1, got {slots_per_node}")
     nodes = alive_nodes() if nodes is None else nodes
@@ -132,6 +132,14 @@ def place_slots(count: int, bundle: dict, *, slots_per_node: Optional[int] = Non
         raise RuntimeError(f"place_slots: {len(groups) - len(ready)} of {len(groups)} node placement groups were not "
                            f"scheduled within {timeout_s} s (resources taken by other jobs?)")
     return [Slot(node.node_id, group, index) for (node, take), group in zip(plan, groups) for index in range(take)]
+
+
+def release_slots(slots: list[Slot]) -> None:
+    """Removes the placement groups of ``slots`` (their actors should be gone first)."""
+    from ray.util.placement_group import remove_placement_group
+
+    for group in {id(slot.placement_group): slot.placement_group for slot in slots}.values():
+        remove_placement_group(group)
 
 
 def free_port() -> int:

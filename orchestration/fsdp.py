@@ -29,7 +29,7 @@ the last of the step. No DTensor reaches the kernels and no copy is made outside
 Memory: the root's parameters stay gathered from the start of the forward to the end of the
 backward (FSDP2 does not reshard the root after forward): ``V · H`` elements of weight in
 ``compute_dtype`` plus, during the backward, an unsharded gradient of the same size, e.g.
-2 × 272 MiB in bf16 at V = 151,936, H = 896 (Qwen2.5-0.5B), 2 × 445 MiB at H = 1536 —
+2 × 260 MiB in bf16 at V = 151,936, H = 896 (Qwen2.5-0.5B), 2 × 445 MiB at H = 1536 —
 besides the shards. The alternative, a vocab-parallel loss (``group=`` of
 ``kd.topk_divergence``) over the lm_head's row shards, would save that at one all-reduce of
 row statistics per chunk; it needs the lm_head sharded by rows in its own unit that is never
@@ -132,6 +132,17 @@ def _is_sharded(model: torch.nn.Module) -> bool:
     from torch.distributed.fsdp import FSDPModule
 
     return isinstance(model, FSDPModule)
+
+
+def reshard(model: torch.nn.Module) -> None:
+    """Frees every gathered FSDP2 parameter of ``model``: call it after a forward without a
+    backward (evaluation under no_grad), after which FSDP2 keeps the root's parameters
+    gathered. Nothing for replicas."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 def synchronize_gradients(model: torch.nn.Module, group=None) -> None:

@@ -12,6 +12,8 @@ from typing import Optional
 
 import torch
 
+from .fsdp import reshard
+
 
 def should_evaluate(step: int, every: int, last_step: int) -> bool:
     """Evaluate after ``step`` (1-based count of steps done): every ``every`` steps and at the
@@ -25,7 +27,8 @@ def should_evaluate(step: int, every: int, last_step: int) -> bool:
 def held_out_losses(student: torch.nn.Module, batches: list, teachers: list, *, attention_masks: Optional[list] = None,
                     group=None) -> dict:
     """Held-out CE and KD of a `DistillationStudent` (sharded or not: every rank of ``group``
-    calls it with its own share of the rows).
+    calls it with its own share of the rows, as many batches each). FSDP2 parameters are
+    resharded afterwards.
 
     Args:
         batches: `PackedBatch` es on the student's device.
@@ -49,6 +52,7 @@ def held_out_losses(student: torch.nn.Module, batches: list, teachers: list, *, 
         sums += torch.stack([metrics["ce_sum"].double().cpu(), metrics["kd_sum"].double().cpu(),
                              metrics["rows"].double().cpu()])
     student.train(was_training)
+    reshard(student)
     if group is not None:
         import torch.distributed as dist
 

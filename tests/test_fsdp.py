@@ -13,6 +13,8 @@ from helpers_hf import LM_HEAD_ROWS, VOCAB, tiny_causal_lm
 from orchestration.distillation import DistillationStudent
 from orchestration.fsdp import (build_optimizer, clip_gradients, full_model_state_dict, load_checkpoint,
                                 parallelize_student, parameter_groups, save_checkpoint, synchronize_gradients)
+from orchestration.metrics import held_out_losses
+from orchestration.packing import PackedBatch
 
 WORLD, STEPS, ROWS, TOKENS, K = 2, 4, 4, 12, 8
 LR, BETAS, WEIGHT_DECAY = 1e-2, (0.9, 0.95), 0.1
@@ -105,6 +107,13 @@ def _worker(rank, world, init_file, directory):
             state = optimizer.state[head]["exp_avg"]
             assert isinstance(state, DTensor) and state.to_local().shape == (LM_HEAD_ROWS // world, 32)
         results[name] = dict(history=history, layer_calls=calls[0], state=full_model_state_dict(student))
+        if name == "fsdp_llama":  # held-out sums over the ranks' rows; the root is resharded after it
+            ids, labels, top = _global_batch(STEPS)
+            share = slice(rank * ROWS // world, (rank + 1) * ROWS // world)
+            batch = PackedBatch(ids[share], labels[share], None, None)
+            tokens = slice(share.start * TOKENS, share.stop * TOKENS)
+            results["held_out"] = held_out_losses(student, [batch], [_rows(top, tokens)], group=dist.group.WORLD)
+            assert isinstance(student.causal_lm.get_output_embeddings().weight, DTensor)
 
     student, optimizer = _student("llama", False, "fsdp")
     _train(student, optimizer, range(2), rank, world)
@@ -130,6 +139,8 @@ def _worker(rank, world, init_file, directory):
 @pytest.fixture(scope="module")
 def distributed(tmp_path_factory):
     directory = str(tmp_path_factory.mktemp("fsdp"))
+    for family in ("llama", "qwen2"):  # their modules imported once, here, not in each forked rank
+        tiny_causal_lm(family)
     fork_ranks(_worker, WORLD, directory, timeout_s=240)
     return directory, torch.load(os.path.join(directory, "results.pt"), weights_only=False)
 
@@ -161,6 +172,16 @@ def test_two_workers_train_like_one_on_the_same_global_batch(distributed, name):
     _close_states(result["state"], student.causal_lm.state_dict(), PARAMETER_ATOL)
     layer_calls = 2 * STEPS * 2  # 2 layers, 2 micro-batches a step
     assert result["layer_calls"] == (2 * layer_calls if checkpointing else layer_calls)  # recomputed in backward
+
+
+def test_held_out_losses_sum_over_the_ranks(distributed):
+    student, _, _ = _reference("llama", False)
+    ids, labels, top = _global_batch(STEPS)
+    expected = held_out_losses(student, [PackedBatch(ids, labels, None, None)], [top])
+    result = distributed[1]["held_out"]
+    assert result["held_out_tokens"] == expected["held_out_tokens"] == int((labels != -100).sum())
+    for key in ("held_out_ce", "held_out_kd"):
+        assert result[key] == pytest.approx(expected[key], rel=1e-4)
 
 
 def test_bf16_mixed_precision_keeps_float32_master_weights_close_to_float32_training(distributed):
@@ -216,3 +237,69 @@ def test_bad_strategies_are_refused():
         parallelize_student(student, strategy="fsdp")
     with pytest.raises(ValueError, match="compute_dtype"):
         parallelize_student(student, strategy="replicate", compute_dtype=torch.int8)
+
+
+# ---- GPU: NCCL, bf16 mixed precision, the fused Triton loss ------------------------------------
+
+def _gpu_worker(rank, world, init_file):
+    import torch.distributed as dist
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    vocab, rows, tokens = 32_000, 4 * world, 256
+    config = LlamaConfig(vocab_size=32_064, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+                         attn_implementation="sdpa")
+
+    def built(strategy):
+        torch.manual_seed(0)
+        student = DistillationStudent(LlamaForCausalLM(config).cuda(), vocab_size=vocab, ce_weight=0.5,
+                                      compute_dtype=torch.bfloat16)
+        if strategy:
+            student = parallelize_student(student, strategy=strategy, compute_dtype=torch.bfloat16,
+                                          activation_checkpointing=True)
+        return student, build_optimizer(student, lr=1e-3, weight_decay=0.1, betas=(0.9, 0.95))
+
+    def batch(step):
+        generator = torch.Generator(device="cuda").manual_seed(step)
+        ids = torch.randint(0, vocab, (rows, tokens), device="cuda", generator=generator)
+        labels = torch.roll(ids, -1, 1)
+        labels[:, -1] = -100
+        logits = 4 * torch.randn(rows * tokens, vocab, device="cuda", generator=generator)
+        return ids, labels, kd.teacher_topk_from_logits(logits, 64)
+
+    def train(student, optimizer, share, world_size, sharded):
+        losses = []
+        for step in range(3):
+            ids, labels, top = batch(step)
+            picked = slice(share * rows // world_size, (share + 1) * rows // world_size)
+            token_rows = slice(picked.start * tokens, picked.stop * tokens)
+            optimizer.zero_grad(set_to_none=True)
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=not sharded):  # FSDP2 casts by itself
+                loss, _ = student(ids[picked], labels[picked], _rows(top, token_rows),
+                                  num_tokens=int((labels != -100).sum()))
+            loss.backward()
+            clip_gradients(student, 1.0)
+            optimizer.step()
+            total = loss.detach().double()
+            if world_size > 1:
+                dist.all_reduce(total)
+            losses.append(total.item())
+        return losses
+
+    student, optimizer = built("fsdp")
+    assert all(p.dtype == torch.float32 for p in student.parameters()) and optimizer.defaults["fused"]
+    sharded = train(student, optimizer, rank, world, sharded=True)
+    if rank == 0:  # one process, the whole batch, autocast bf16 instead of FSDP's mixed precision
+        whole = train(*built(None), 0, 1, sharded=False)
+        assert all(abs(a - b) <= 2e-2 * abs(b) for a, b in zip(sharded, whole)), (sharded, whole)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+def test_fsdp_bf16_with_the_fused_loss_trains_like_one_gpu():
+    from helpers import spawn_ranks
+
+    spawn_ranks(_gpu_worker, min(2, torch.cuda.device_count()))

@@ -164,3 +164,40 @@ def test_a_token_never_attends_across_a_document(family, attention):
     with torch.no_grad():
         by_positions = final_hidden_states(model, batch.input_ids, position_ids=batch.position_ids)[0]
     torch.testing.assert_close(by_positions, hidden, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("attention", ["sdpa", "eager", "flash_attention_2"])
+def test_documents_stay_apart_on_the_gpu_in_bf16(attention):
+    """Real row lengths and bf16: the mask (or, for flash-attention's varlen kernels, the
+    restarting position ids) keeps document B's hidden states those of B alone."""
+    if attention == "flash_attention_2":
+        pytest.importorskip("flash_attn")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from orchestration.hf_models import final_hidden_states
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=32_064, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                         attn_implementation=attention)
+    model = LlamaForCausalLM(config).to("cuda", torch.bfloat16).eval()
+    generator = np.random.default_rng(0)
+    a, b, c = (generator.integers(3, 32_000, size=n).tolist() for n in (700, 900, 300))
+    rows = PackedRows(from_lists([a, b, c]), 2048, eos_id=EOS, pad_id=PAD, shuffle=False)
+
+    def hidden_of(documents):
+        batch = PackedRows(from_lists(documents), 2048, eos_id=EOS, pad_id=PAD, shuffle=False).batch([(0, 0)])
+        mask = attention_mask(batch.document_ids.cuda(), attention, torch.bfloat16)
+        with torch.no_grad():
+            return final_hidden_states(model, batch.input_ids.cuda(), position_ids=batch.position_ids.cuda(),
+                                       attention_mask=mask)[0].float()
+
+    hidden = hidden_of([a, b, c])
+    changed = hidden_of([generator.integers(3, 32_000, size=700).tolist(), b, c])
+    b_span = slice(len(a) + 1, len(a) + len(b) + 2)
+    torch.testing.assert_close(changed[b_span], hidden[b_span], rtol=0, atol=1e-2)
+    with torch.no_grad():
+        alone = final_hidden_states(model, torch.tensor([b + [EOS]], device="cuda"))[0].float()
+    torch.testing.assert_close(hidden[b_span], alone, rtol=2e-2, atol=2e-2)
+    assert rows.rows_in_epoch() == 1
