@@ -28,18 +28,18 @@ accumulates into the unsharded gradient and is reduce-scattered in the root's po
 the last of the step. No DTensor reaches the kernels and no copy is made outside autograd.
 Memory: the root's parameters stay gathered from the start of the forward to the end of the
 backward (FSDP2 does not reshard the root after forward): ``V · H`` elements of weight in
-``compute_dtype`` plus, during the backward, an unsharded gradient of the same size, e.g.
-2 × 260 MiB in bf16 at V = 151,936, H = 896 (Qwen2.5-0.5B), 2 × 445 MiB at H = 1536 —
-besides the shards. The alternative, a vocab-parallel loss (``group=`` of
-``kd.topk_divergence``) over the lm_head's row shards, would save that at one all-reduce of
-row statistics per chunk; it needs the lm_head sharded by rows in its own unit that is never
-gathered, and is not done here.
+``compute_dtype``, and at the root's post-backward its unsharded gradient (``compute_dtype``)
+with a float32 copy for the reduce-scatter (``reduce_dtype``); at V = 151,936 in bf16:
+260 MiB held + 260 + 519 MiB at the end of the backward for H = 896 (Qwen2.5-0.5B), 445 MiB
++ 445 + 890 MiB for H = 1536 — besides the shards. The alternative, a vocab-parallel loss
+(``group=`` of ``kd.topk_divergence``) over the lm_head's row shards, would save that at one
+all-reduce of row statistics per chunk; it needs the lm_head sharded by rows in its own unit
+that is never gathered, and is not done here.
 
 Activation checkpointing (``activation_checkpointing=True``) recomputes each decoder layer in
 the backward (Hugging Face's ``activation_checkpointing_enable``, formerly
-``gradient_checkpointing_enable``, non-reentrant): the activations
-kept are the layers' inputs. FSDP2 gathers the layer's parameters once for the recomputation
-and the backward.
+``gradient_checkpointing_enable``, non-reentrant): the activations kept are the layers'
+inputs. FSDP2 gathers the layer's parameters once for the recomputation and the backward.
 
 Checkpoints: `save_checkpoint` / `load_checkpoint` write and read a sharded
 ``torch.distributed.checkpoint`` directory (model and optimizer through

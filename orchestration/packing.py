@@ -31,7 +31,8 @@ from typing import Iterable, Optional
 import numpy as np
 import torch
 
-IGNORE_INDEX = -100
+from .data import IGNORE_INDEX
+
 OFFSETS_SUFFIX = ".offsets.npy"
 
 
@@ -54,8 +55,9 @@ class TokenDocuments:
                              f"got {int(offsets[0])} and {int(offsets[-1])}")
         lengths = np.diff(offsets)
         if (lengths < 1).any():
-            raise ValueError(f"offsets: every document needs at least one token; document {int(np.argmax(lengths < 1))} "
-                             "is empty or the offsets decrease there")
+            empty = int(np.argmax(lengths < 1))
+            raise ValueError(f"offsets: every document needs at least one token; document {empty} is empty or the "
+                             "offsets decrease there")
 
     @property
     def count(self) -> int:
@@ -150,7 +152,9 @@ class DataPosition:
 
 
 class PackedRows:
-    """Rows of ``row_tokens`` packed from ``documents`` (see the module docstring)."""
+    """Rows of ``row_tokens`` packed from ``documents`` (see the module docstring).
+    ``eos_id=None`` packs documents without an EOS between them (their document ids still
+    keep them apart); ``shuffle=False`` reads them in file order every epoch."""
 
     def __init__(self, documents: TokenDocuments, row_tokens: int, *, eos_id: Optional[int], pad_id: int,
                  seed: int = 0, shuffle: bool = True):

@@ -21,7 +21,8 @@ def two_nodes():
                                                                 include_dashboard=False))
     cluster.add_node(num_cpus=2, resources={"node_b": 1})
     cluster.wait_for_nodes()
-    connect(cluster.address, runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([root, os.path.join(root, "tests")])}})
+    path = os.pathsep.join([root, os.path.join(root, "tests")])
+    connect(cluster.address, runtime_env={"env_vars": {"PYTHONPATH": path}})
     yield cluster
     ray.shutdown()
     cluster.shutdown()
@@ -101,4 +102,4 @@ def test_addresses_and_init_methods():
     assert tcp_init_method("10.0.0.1", 29500) == "tcp://10.0.0.1:29500"
     assert tcp_init_method("fe80::1", 29500) == "tcp://[fe80::1]:29500"
     node = Node("id", "10.0.0.1", {"CPU": 16.0, "GPU": 8.0})
-    assert (slots_on(node, {"GPU": 1, "CPU": 2}), slots_on(node, {"GPU": 1, "CPU": 4}), slots_on(node, {"TPU": 1})) == (8, 4, 0)
+    assert [slots_on(node, bundle) for bundle in ({"GPU": 1, "CPU": 2}, {"GPU": 1, "CPU": 4}, {"TPU": 1})] == [8, 4, 0]

@@ -11,7 +11,8 @@ import torch.nn.functional as F
 import kd_kernels as kd
 from helpers_hf import VOCAB, tiny_causal_lm
 from orchestration.distillation import DistillationStudent
-from orchestration.metrics import MetricsLog, Throughput, held_out_losses, memory_mib, should_evaluate, teacher_tail_mass
+from orchestration.metrics import (MetricsLog, Throughput, held_out_losses, memory_mib, should_evaluate,
+                                   teacher_tail_mass)
 from orchestration.packing import PackedRows, attention_mask, from_lists
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -127,7 +127,8 @@ def test_attention_mask_is_block_diagonal_and_causal():
     assert allowed.shape == (1, 1, 6, 6) and torch.equal(allowed[0, 0], expected)
     additive = attention_mask(documents, "eager", torch.bfloat16)
     assert additive.dtype == torch.bfloat16
-    assert torch.equal(additive[0, 0] == 0, expected) and (additive[0, 0][~expected] == torch.finfo(torch.bfloat16).min).all()
+    assert torch.equal(additive[0, 0] == 0, expected)
+    assert (additive[0, 0][~expected] == torch.finfo(torch.bfloat16).min).all()
     assert attention_mask(documents, "flash_attention_2") is None
     with pytest.raises(ValueError, match="implementation: expected sdpa, eager"):
         attention_mask(documents, "flex_attention")
