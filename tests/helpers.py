@@ -23,6 +23,25 @@ def spawn_ranks(worker, world: int, *args) -> None:
         mp.spawn(_rank_main, args=(worker, world, init_file, args), nprocs=world, join=True)
 
 
+def fork_ranks(worker, world: int, *args, timeout_s: float = 300.0) -> None:
+    """`spawn_ranks` in forked processes: they inherit the parent's imports (torch and
+    transformers take ~15 s a process to import on 2 cores). The worker should call
+    ``torch.set_num_threads(1)`` first (a forked OpenMP pool is not reused). Raises the first
+    rank's error, or TimeoutError after ``timeout_s`` (the ranks are then terminated)."""
+    import time
+
+    with tempfile.TemporaryDirectory() as directory:
+        init_file = os.path.join(directory, "init")
+        context = mp.start_processes(_rank_main, args=(worker, world, init_file, args), nprocs=world, join=False,
+                                     start_method="fork")
+        deadline = time.monotonic() + timeout_s
+        while not context.join(timeout=1.0):
+            if time.monotonic() > deadline:
+                for process in context.processes:
+                    process.terminate()
+                raise TimeoutError(f"fork_ranks: {worker.__name__} ran past {timeout_s} s")
+
+
 def _rank_main(rank, worker, world, init_file, args):
     worker(rank, world, init_file, *args)
     # gloo's run-loop thread may still be releasing the last collective's tensors, which takes the

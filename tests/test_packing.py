@@ -1,0 +1,204 @@
+"""Pre-tokenized documents, packing with EOS and per-document positions, epochs and their
+resumable position, and the block-diagonal attention that keeps documents apart."""
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from orchestration.packing import (IGNORE_INDEX, DataPosition, EpochReader, PackedRows, TokenDocuments,
+                                   attention_mask, from_lists, load_token_documents, save_token_documents)
+
+EOS, PAD = 1, 0
+DOCUMENTS = [[5, 6, 7], [8, 9], [10, 11, 12, 13, 14, 15, 16, 17, 18], [19, EOS], [20], [21, 22, 23, 24]]
+
+
+def _naive_rows(documents, row_tokens):
+    """The epoch's rows built token by token, independently of `PackedRows.row`: documents in
+    the given order, an EOS after each that lacks one, rows cut every ``row_tokens``."""
+    stream = []  # (token, document, position in document, label)
+    for number, document in enumerate(documents):
+        tokens = list(document) + ([] if document[-1] == EOS else [EOS])
+        for t, token in enumerate(tokens):
+            stream.append((token, number, t, tokens[t + 1] if t + 1 < len(tokens) else IGNORE_INDEX))
+    rows = []
+    for start in range(0, len(stream), row_tokens):
+        chunk = stream[start:start + row_tokens]
+        first_position, pieces, columns = {}, [], ([], [], [], [])
+        for token, document, position, label in chunk:
+            if document not in first_position:
+                first_position[document] = position
+                pieces.append(document)
+            columns[0].append(token)
+            columns[1].append(label)
+            columns[2].append(position - first_position[document])
+            columns[3].append(pieces.index(document))
+        padding = row_tokens - len(chunk)
+        columns[0].extend([PAD] * padding)
+        columns[1].extend([IGNORE_INDEX] * padding)
+        columns[2].extend(range(padding))
+        columns[3].extend([len(pieces)] * padding)
+        rows.append([np.array(column) for column in columns])
+    return rows
+
+
+def test_jsonl_and_npy_give_the_same_documents(tmp_path):
+    jsonl = tmp_path / "docs.jsonl"
+    jsonl.write_text("\n".join(json.dumps({"input_ids": document}) for document in DOCUMENTS) + "\n\n")
+    from_jsonl = load_token_documents(str(jsonl))
+    path = save_token_documents(str(tmp_path / "docs.npy"), from_lists(DOCUMENTS))
+    from_npy = load_token_documents(path)
+    assert isinstance(from_npy.tokens, np.memmap)
+    for documents in (from_jsonl, from_npy):
+        assert documents.count == len(DOCUMENTS)
+        assert [documents.document(d).tolist() for d in range(documents.count)] == DOCUMENTS
+    from_npy.check_vocab(25)
+    with pytest.raises(ValueError, match=r"ids must lie in \[0, 20\), found \[1, 24\]"):
+        from_npy.check_vocab(20)
+
+
+def test_malformed_token_files_are_refused(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"input_ids": [1, 2]}\n{"text": "no ids"}\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:2: expected"):
+        load_token_documents(str(bad))
+    np.save(tmp_path / "alone.npy", np.arange(4))
+    with pytest.raises(FileNotFoundError, match="alone.offsets.npy"):
+        load_token_documents(str(tmp_path / "alone.npy"))
+    with pytest.raises(ValueError, match="offsets\\[-1\\] = len\\(tokens\\) = 4"):
+        TokenDocuments(np.arange(4), np.array([0, 2, 3]))
+    with pytest.raises(ValueError, match="document 1 is empty"):
+        TokenDocuments(np.arange(4), np.array([0, 2, 2, 4]))
+    with pytest.raises(ValueError, match="NAME.jsonl or NAME.npy"):
+        load_token_documents(str(tmp_path / "docs.txt"))
+
+
+@pytest.mark.parametrize("row_tokens", [4, 7, 32])
+def test_rows_hold_eos_shifted_labels_and_positions_restarting_per_document(row_tokens):
+    packed = PackedRows(from_lists(DOCUMENTS), row_tokens, eos_id=EOS, pad_id=PAD, shuffle=False)
+    expected = _naive_rows(DOCUMENTS, row_tokens)
+    assert packed.rows_in_epoch() == len(expected)
+    for index, row in enumerate(expected):
+        for got, want in zip(packed.row(0, index), row):
+            np.testing.assert_array_equal(got, want)
+
+
+def test_each_epoch_reads_every_document_once_in_an_order_of_its_own():
+    documents = from_lists([[10 + d] * (d % 3 + 1) for d in range(20)])
+    packed = PackedRows(documents, 8, eos_id=EOS, pad_id=PAD, seed=3)
+    orders = [packed.order(epoch) for epoch in range(3)]
+    assert all(sorted(order.tolist()) == list(range(20)) for order in orders)
+    assert not np.array_equal(orders[0], orders[1])
+    np.testing.assert_array_equal(PackedRows(documents, 8, eos_id=EOS, pad_id=PAD, seed=3).order(1), orders[1])
+    for epoch in (0, 1):
+        ordered = [documents.document(d).tolist() for d in orders[epoch]]
+        for got, want in zip((packed.row(epoch, i) for i in range(packed.rows_in_epoch())),
+                             _naive_rows(ordered, 8)):
+            for column, expected in zip(got, want):
+                np.testing.assert_array_equal(column, expected)
+
+
+def test_a_resumed_reader_yields_exactly_the_remaining_rows():
+    packed = PackedRows(from_lists(DOCUMENTS), 5, eos_id=EOS, pad_id=PAD, seed=1)
+    per_epoch = packed.rows_in_epoch()  # 6 rows: the batches of 4 cross into epoch 1 and 2
+    reader = EpochReader(packed)
+    uninterrupted = [reader.next_batch(4) for _ in range(5)]
+    assert reader.position == DataPosition(20 // per_epoch, 20 % per_epoch)
+    reader = EpochReader(packed)
+    for _ in range(2):
+        reader.next_batch(4)
+    saved = json.loads(json.dumps(reader.state_dict()))
+    resumed = EpochReader(PackedRows(from_lists(DOCUMENTS), 5, eos_id=EOS, pad_id=PAD, seed=1))
+    resumed.load_state_dict(saved)
+    for want in uninterrupted[2:]:
+        got = resumed.next_batch(4)
+        for name in ("input_ids", "labels", "position_ids", "document_ids"):
+            assert torch.equal(getattr(got, name), getattr(want, name))
+    assert uninterrupted[1].input_ids[2:].tolist() != uninterrupted[0].input_ids[2:].tolist()
+
+
+def test_attention_mask_is_block_diagonal_and_causal():
+    documents = torch.tensor([[0, 0, 1, 1, 1, 2]])
+    allowed = attention_mask(documents, "sdpa")
+    expected = torch.zeros(6, 6, dtype=torch.bool)
+    for i in range(6):
+        for j in range(i + 1):
+            expected[i, j] = bool(documents[0, i] == documents[0, j])
+    assert allowed.shape == (1, 1, 6, 6) and torch.equal(allowed[0, 0], expected)
+    additive = attention_mask(documents, "eager", torch.bfloat16)
+    assert additive.dtype == torch.bfloat16
+    assert torch.equal(additive[0, 0] == 0, expected)
+    assert (additive[0, 0][~expected] == torch.finfo(torch.bfloat16).min).all()
+    assert attention_mask(documents, "flash_attention_2") is None
+    with pytest.raises(ValueError, match="implementation: expected sdpa, eager"):
+        attention_mask(documents, "flex_attention")
+
+
+@pytest.mark.parametrize("family, attention", [("llama", "sdpa"), ("llama", "eager"), ("qwen2", "sdpa")])
+def test_a_token_never_attends_across_a_document(family, attention):
+    from helpers_hf import tiny_causal_lm
+    from orchestration.hf_models import final_hidden_states
+
+    model = tiny_causal_lm(family, attention=attention).eval()
+    a, b = [5, 6, 7, 8, 9], [30, 31, 32, 33, 34, 35]
+
+    def hidden_of(documents):
+        rows = PackedRows(from_lists(documents), 16, eos_id=EOS, pad_id=PAD, shuffle=False)
+        batch = rows.batch([(0, 0)])
+        mask = attention_mask(batch.document_ids, attention, torch.float32)
+        with torch.no_grad():
+            return final_hidden_states(model, batch.input_ids, position_ids=batch.position_ids,
+                                       attention_mask=mask)[0], batch
+
+    hidden, batch = hidden_of([a, b])
+    changed, _ = hidden_of([[40, 41, 42, 43, 44], b])  # document A's tokens differ, same length
+    b_span = slice(len(a) + 1, len(a) + 1 + len(b) + 1)
+    assert batch.document_ids[0, b_span].unique().tolist() == [1]
+    torch.testing.assert_close(changed[b_span], hidden[b_span], rtol=0, atol=1e-6)
+    assert not torch.allclose(changed[:len(a)], hidden[:len(a)])
+    # B packed after A is B alone at positions 0..
+    with torch.no_grad():
+        alone = final_hidden_states(model, torch.tensor([b + [EOS]]))[0]
+    torch.testing.assert_close(hidden[b_span], alone, rtol=1e-5, atol=1e-5)
+    # the installed transformers also cuts sequences where packed position_ids restart (no mask):
+    # the path flash-attention's varlen kernels take
+    with torch.no_grad():
+        by_positions = final_hidden_states(model, batch.input_ids, position_ids=batch.position_ids)[0]
+    torch.testing.assert_close(by_positions, hidden, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("attention", ["sdpa", "eager", "flash_attention_2"])
+def test_documents_stay_apart_on_the_gpu_in_bf16(attention):
+    """Real row lengths and bf16: the mask (or, for flash-attention's varlen kernels, the
+    restarting position ids) keeps document B's hidden states those of B alone."""
+    if attention == "flash_attention_2":
+        pytest.importorskip("flash_attn")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from orchestration.hf_models import final_hidden_states
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=32_064, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                         attn_implementation=attention)
+    model = LlamaForCausalLM(config).to("cuda", torch.bfloat16).eval()
+    generator = np.random.default_rng(0)
+    a, b, c = (generator.integers(3, 32_000, size=n).tolist() for n in (700, 900, 300))
+    rows = PackedRows(from_lists([a, b, c]), 2048, eos_id=EOS, pad_id=PAD, shuffle=False)
+
+    def hidden_of(documents):
+        batch = PackedRows(from_lists(documents), 2048, eos_id=EOS, pad_id=PAD, shuffle=False).batch([(0, 0)])
+        mask = attention_mask(batch.document_ids.cuda(), attention, torch.bfloat16)
+        with torch.no_grad():
+            return final_hidden_states(model, batch.input_ids.cuda(), position_ids=batch.position_ids.cuda(),
+                                       attention_mask=mask)[0].float()
+
+    hidden = hidden_of([a, b, c])
+    changed = hidden_of([generator.integers(3, 32_000, size=700).tolist(), b, c])
+    b_span = slice(len(a) + 1, len(a) + len(b) + 2)
+    torch.testing.assert_close(changed[b_span], hidden[b_span], rtol=0, atol=1e-2)
+    with torch.no_grad():
+        alone = final_hidden_states(model, torch.tensor([b + [EOS]], device="cuda"))[0].float()
+    torch.testing.assert_close(hidden[b_span], alone, rtol=2e-2, atol=2e-2)
+    assert rows.rows_in_epoch() == 1
