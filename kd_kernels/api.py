@@ -63,7 +63,7 @@ def _teacher_backend(backend: str, op: str, device: torch.device, k: int) -> str
 def teacher_topk(hidden: torch.Tensor, weight: torch.Tensor, k: int = 64, *, temperature: float = 1.0,
                  vocab_size: Optional[int] = None, bias: Optional[torch.Tensor] = None, group=None,
                  logprobs_dtype: torch.dtype = torch.float32, backend: str = "auto",
-                 chunk_rows: Optional[int] = None, lean: bool = False, fused: bool = False) -> TopK:
+                 chunk_rows: Optional[int] = None, lean: bool = False) -> TopK:
     """Top-k of the teacher's tempered distribution straight from hidden states and lm_head.
 
     Equals ``torch.log_softmax((hidden @ weight.T + bias)[:, :V*].float() / temperature, -1).topk(k)``
@@ -101,10 +101,6 @@ def teacher_topk(hidden: torch.Tensor, weight: torch.Tensor, k: int = 64, *, tem
             the default's schedules (maxima at k <= 64, appended up to k = 1024, on either
             backend), others tiles of rows × vocab columns (48 MiB of float32 logits plus
             ~16 MiB for merging; 2.9-3.3× at k = 1024).
-        fused: the top-k chosen in the epilogue of a Triton matmul (triton backend): no logits in
-            memory at all, ``N · S · C · 8`` bytes of candidates (S vocab splits, C ≥ k + 128);
-            k <= 256. Exact, but slow: 2.9–4.3× the bare matmul on an H200, against
-            1.04–1.10× for the default schedule in blocks (benchmarks/RESULTS.md); off by default.
     Returns:
         `TopK` with ``logprobs [N, k]``, ``indices [N, k]`` int32, ``lse [N]`` float32.
     """
@@ -113,23 +109,11 @@ def teacher_topk(hidden: torch.Tensor, weight: torch.Tensor, k: int = 64, *, tem
     vocab_size, shard = _vocab(group, weight.shape[0], vocab_size, "weight")
     check_k(k, vocab_size)
     _check_logprobs_dtype(logprobs_dtype)
-    # fused is a Triton kernel: "auto" means triton there
-    chosen = _teacher_backend("triton" if fused and backend == "auto" else backend, "teacher_topk", hidden.device, k)
-    if fused:
-        from .ops.lm_head_topk import FUSED_MAX_K
-
-        if chosen != "triton" or lean or chunk_rows is not None:
-            raise ValueError(f"fused=True: runs on the triton backend with its own tiles; got backend {chosen!r}, "
-                             f"lean={lean}, chunk_rows={chunk_rows} (pass backend='triton' and neither of the others)")
-        if k > FUSED_MAX_K:
-            raise ValueError(f"k: fused=True supports 1 <= k <= {FUSED_MAX_K}, got {k} (the default schedule "
-                             "takes any k)")
+    chosen = _teacher_backend(backend, "teacher_topk", hidden.device, k)
     if chosen in ("cuda", "triton"):
         from . import teacher_chunked as chunked
 
-        if fused:
-            topk = chunked.teacher_topk_fused(hidden, weight, k, temperature, vocab_size, bias, shard)
-        elif lean:
+        if lean:
             if chunk_rows is not None:
                 raise ValueError("chunk_rows: applies to the default schedule only; pass lean=True or chunk_rows, "
                                  "not both")

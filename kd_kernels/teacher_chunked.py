@@ -36,8 +36,6 @@ with a running k-th value, 1.31× at k = 64 and 1.61× at k = 256; benchmarks/NO
 """
 from __future__ import annotations
 
-import functools
-import math
 import os
 from typing import Optional
 
@@ -54,8 +52,7 @@ LEAN_MAX_ROWS = 1024
 EPILOGUE_ROW_MULTIPLE = 1024  # the epilogue matmul's L2 group of row tiles (8 × 128 rows)
 # the maxima schedule: a chunk's summaries with group top-2, candidate keys and recomputed groups
 MAXIMA_BYTES = 56 << 20
-MAXIMA_MAX_K = 256
-MAXIMA_DEFAULT_K = 64  # the default schedule up to here (H200: the appended and epilogue ones are faster at k = 256)
+MAXIMA_MAX_K = 64
 # the appended schedule: a chunk's sample logits or keys (the same bytes), tile statistics, the sort's outputs
 APPENDED_BYTES = 56 << 20
 APPENDED_MAX_K = 1024  # the keys' slots (~1.5 · r · stride a row) stay within the extension sort's 4096
@@ -120,8 +117,6 @@ def teacher_topk(hidden: torch.Tensor, weight: torch.Tensor, k: int, temperature
     float32, chunk by chunk of rows: through the epilogue matmul where it applies
     (`teacher_schedule`), else cuBLAS float32 logits and a full-row selection."""
     schedule = teacher_schedule(hidden, weight, k)
-    if schedule == "epilogue":
-        return teacher_topk_epilogue(hidden, weight, k, temperature, vocab_size, bias, chunk_rows, shard, select)
     if schedule == "maxima":
         return teacher_topk_maxima(hidden, weight, k, temperature, vocab_size, bias, chunk_rows, shard, select)
     if schedule == "appended":
@@ -131,7 +126,7 @@ def teacher_topk(hidden: torch.Tensor, weight: torch.Tensor, k: int, temperature
 
 def teacher_schedule(hidden: torch.Tensor, weight: torch.Tensor, k: int) -> str:
     """For 16-bit TMA-aligned inputs, none of which stores a chunk's logits, on either backend:
-    "maxima" for k <= MAXIMA_DEFAULT_K (each 32-column group's top-2 from the epilogue matmul,
+    "maxima" for k <= MAXIMA_MAX_K (each 32-column group's top-2 from the epilogue matmul,
     ~50 MiB beyond the outputs at 8192 rows); past it "appended" for k <= APPENDED_MAX_K (floors
     from a sample, the epilogue matmul appends what reaches them, one ranking a row: within 56
     MiB). H200, k = 1024, in blocks: with the extension's sort 1.17-1.24x the matmul against the
@@ -146,52 +141,22 @@ def teacher_schedule(hidden: torch.Tensor, weight: torch.Tensor, k: int) -> str:
     from .ops.lm_head_group_maxima import epilogue_applies
 
     forced = os.environ.get("KD_KERNELS_TEACHER_SCHEDULE", "")
-    if forced not in ("", "epilogue", "maxima", "appended", "cublas"):
-        raise ValueError("KD_KERNELS_TEACHER_SCHEDULE: expected 'epilogue', 'maxima', 'appended' or 'cublas', "
+    if forced not in ("", "maxima", "appended", "cublas"):
+        raise ValueError("KD_KERNELS_TEACHER_SCHEDULE: expected 'maxima', 'appended' or 'cublas', "
                          f"got {forced!r}")
     applies = epilogue_applies(hidden, weight)
-    if forced in ("epilogue", "maxima", "appended") and not applies:
+    if forced in ("maxima", "appended") and not applies:
         raise ValueError(f"KD_KERNELS_TEACHER_SCHEDULE={forced}: needs bf16 / fp16 hidden and weight with rows at "
                          f"16-byte boundaries; got {hidden.dtype} / {weight.dtype}, hidden size {hidden.shape[1]}")
     if forced:
         return forced
-    if applies and k <= MAXIMA_DEFAULT_K:
+    if applies and k <= MAXIMA_MAX_K:
         return "maxima"
     return "appended" if applies and k <= APPENDED_MAX_K else "cublas"
 
 
 def _chunk_rows(chunk_rows: Optional[int], num_rows: int, columns: int) -> int:
     return chunk_rows or max(1, min(num_rows, DEFAULT_CHUNK_BYTES // (4 * columns)))
-
-
-def teacher_topk_epilogue(hidden: torch.Tensor, weight: torch.Tensor, k: int, temperature: float, vocab_size: int,
-                          bias: Optional[torch.Tensor] = None, chunk_rows: Optional[int] = None, shard=None,
-                          select: str = "triton") -> TopK:
-    """hidden ``[N, H]``, weight ``[V, H]`` 16-bit -> `TopK` float32. Per chunk of rows one
-    Triton matmul writes the float32 logits and each row's tile statistics and group maxima
-    (ops/lm_head_group_maxima.py); the top-k is then found among ~k groups of each row
-    (ops/topk_from_groups.py). Rows whose candidates overflow (massive ties) are redone at the
-    end by the full-row selection ``select``."""
-    from .ops.lm_head_group_maxima import lm_head_logits_with_summaries, padded_width
-    from .ops.topk_from_groups import topk_from_group_maxima
-
-    num_rows = hidden.shape[0]
-    width = vocab_size if shard is None else shard.existing
-    if chunk_rows is None:
-        chunk_rows = _chunk_rows(None, num_rows, width)
-        if chunk_rows < num_rows:  # whole L2 groups of row tiles: 2207-row chunks cost 3-10 % more than 2048 (H200)
-            chunk_rows = max(EPILOGUE_ROW_MULTIPLE, chunk_rows // EPILOGUE_ROW_MULTIPLE * EPILOGUE_ROW_MULTIPLE)
-    logits = torch.empty(min(chunk_rows, num_rows), padded_width(width), dtype=torch.float32, device=hidden.device)
-    values, indices, lse, overflow = _outputs(num_rows, k, hidden.device, with_overflow=True)
-    for start in range(0, num_rows, chunk_rows):
-        stop = min(start + chunk_rows, num_rows)
-        chunk = logits[:stop - start]
-        summaries = lm_head_logits_with_summaries(hidden[start:stop], weight, bias, width, temperature, chunk)
-        values[start:stop], indices[start:stop], lse[start:stop], overflow[start:stop] = topk_from_group_maxima(
-            chunk, summaries, k, temperature, width, order="cuda" if select == "cuda" else "torch")
-    logits = chunk = None  # a redo's logits can take their place
-    return _finish_with_redo(overflow, hidden, weight, k, temperature, width, bias, chunk_rows, select,
-                             (values, indices, lse), shard)
 
 
 def _rows_in_quarter_groups(rows: int, num_rows: int) -> int:
@@ -207,7 +172,7 @@ def maxima_chunk_rows(num_rows: int, width: int, k: int, group_columns: int = 32
     256-column tiles of the Triton matmul, 128 of the Hopper ping-pong one), each group's maximum,
     column and second largest (9 · V / group_columns) and 12 bytes per candidate slot
     (capacity_for(k): keys, group ids)."""
-    from .ops.topk_from_groups import capacity_for
+    from .ops.topk_from_group_top2 import capacity_for
 
     per_row = 8 * width // tile_columns + 9 * width // group_columns + 12 * capacity_for(k)
     return _rows_in_quarter_groups(MAXIMA_BYTES // per_row, num_rows)
@@ -225,7 +190,6 @@ def teacher_topk_maxima(hidden: torch.Tensor, weight: torch.Tensor, k: int, temp
     second reaches T too are computed again from hidden × weight and their elements ≥ T join
     the keys. Rows that overflow (massive ties) are redone by cuBLAS logits and the full-row
     selection ``select``."""
-    from .ops import lm_head_group_top2_hopper as hopper
     from .ops.lm_head_group_maxima import default_config, lm_head_logits_with_summaries
     from .ops.topk_from_group_top2 import topk_from_group_top2
 
@@ -233,20 +197,15 @@ def teacher_topk_maxima(hidden: torch.Tensor, weight: torch.Tensor, k: int, temp
         raise ValueError(f"k: the maxima schedule takes 1 <= k <= {MAXIMA_MAX_K}, got {k}")
     num_rows = hidden.shape[0]
     width = vocab_size if shard is None else shard.existing
-    # the group top-2 matmul, chosen once a call (KD_KERNELS_TOP2_MATMUL)
-    if hopper.top2_matmul_choice(hidden, weight) == "pingpong":
-        summarize, tile_columns = hopper.group_top2_summaries, hopper.BLOCK_N
-    else:
-        summarize = functools.partial(lm_head_logits_with_summaries, logits=None, group_top2=True)
-        tile_columns = default_config().block_n
-    chunk_rows = chunk_rows or maxima_chunk_rows(num_rows, width, k, default_config().group_columns, tile_columns)
+    config = default_config()
+    chunk_rows = chunk_rows or maxima_chunk_rows(num_rows, width, k, config.group_columns, config.block_n)
     values, indices, lse, overflow = _outputs(num_rows, k, hidden.device, with_overflow=True)
     for start in range(0, num_rows, chunk_rows):
         rows = slice(start, min(start + chunk_rows, num_rows))
-        summaries = summarize(hidden[rows], weight, bias, width, temperature)
+        summaries = lm_head_logits_with_summaries(hidden[rows], weight, bias, width, temperature, None,
+                                                  group_top2=True)
         topk_from_group_top2(hidden[rows], weight, bias, summaries, k, temperature, width,
-                             (values[rows], indices[rows], lse[rows], overflow[rows]),
-                             order="cuda" if select == "cuda" else "torch")
+                             (values[rows], indices[rows], lse[rows], overflow[rows]))
         summaries = None  # freed before the next chunk's are made
     values.div_(temperature)
     return _finish_with_redo(overflow, hidden, weight, k, temperature, width, bias,
@@ -391,7 +350,7 @@ def teacher_topk_lean(hidden: torch.Tensor, weight: torch.Tensor, k: int, temper
                       bias: Optional[torch.Tensor] = None, shard=None, select: str = "triton") -> TopK:
     """``lean=True``, all within ~64 MiB beyond inputs and outputs: where the epilogue matmul
     takes the inputs, the default's schedules (`teacher_schedule`: `teacher_topk_maxima` up to
-    MAXIMA_DEFAULT_K, `teacher_topk_appended` up to APPENDED_MAX_K), on either backend; else
+    MAXIMA_MAX_K, `teacher_topk_appended` up to APPENDED_MAX_K), on either backend; else
     `teacher_topk_tiled`. On an H200 in blocks (benchmarks/RESULTS.md, 8192 × 4096 × 151,936 /
     16,384 × 4096 × 128,256): k = 256 1.17 / 1.13× the bare matmul appended against 1.39 / 1.34×
     maxima on cuda (`b32a1d2`); k = 1024 1.23 / 1.24× appended against the tiled schedule's
@@ -399,7 +358,7 @@ def teacher_topk_lean(hidden: torch.Tensor, weight: torch.Tensor, k: int, temper
     from .ops.lm_head_group_maxima import epilogue_applies
 
     applies = epilogue_applies(hidden, weight)
-    if applies and k <= MAXIMA_DEFAULT_K:
+    if applies and k <= MAXIMA_MAX_K:
         return teacher_topk_maxima(hidden, weight, k, temperature, vocab_size, bias, None, shard, select)
     if applies and k <= APPENDED_MAX_K:
         return teacher_topk_appended(hidden, weight, k, temperature, vocab_size, bias, None, shard, select)
@@ -443,21 +402,3 @@ def teacher_topk_tiled(hidden: torch.Tensor, weight: torch.Tensor, k: int, tempe
             running = candidates if running is None else _merge_running(running, candidates)
         values[rows], indices[rows], lse[rows] = running
     return _finish(values, indices, lse, k, temperature, shard)
-
-
-def teacher_topk_fused(hidden: torch.Tensor, weight: torch.Tensor, k: int, temperature: float, vocab_size: int,
-                       bias: Optional[torch.Tensor] = None, shard=None) -> TopK:
-    """hidden ``[N, H]``, weight ``[V, H]`` (this rank's shard under ``shard``) -> `TopK`
-    float32 with the top-k chosen inside the matmul's epilogue: memory ``N · S · C · 8``
-    bytes (S vocab splits, C = next power of two ≥ k + the kernel's column tile), no term in V."""
-    from .ops.lm_head_topk import lm_head_topk_splits
-    from .ops.sort_keys import top_of_keys, value_column_keys
-
-    width, column_start = (vocab_size, 0) if shard is None else (shard.existing, shard.vocab_start)
-    split_values, split_columns, split_max, split_sum = lm_head_topk_splits(hidden.contiguous(), weight.contiguous(),
-                                                                            bias, k, temperature, width)
-    num_rows = hidden.shape[0]
-    values, columns = top_of_keys(value_column_keys(split_values.reshape(num_rows, -1),
-                                                    split_columns.reshape(num_rows, -1)), k)
-    lse = torch.logsumexp((split_max + torch.log2(split_sum)) * math.log(2.0), dim=-1)
-    return _finish(values.contiguous(), columns + column_start, lse, k, temperature, shard)

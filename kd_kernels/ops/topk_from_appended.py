@@ -22,8 +22,7 @@ import triton
 import triton.language as tl
 
 from .sort_keys import key_of_raw, top_of_counted_keys
-from .topk_from_groups import row_logsumexp
-from .utils import kth_largest_lower_bound
+from .utils import kth_largest_lower_bound, row_logsumexp
 
 # every SAMPLE_STRIDE-th column sampled for the floors: 1/50 of the flops, ~3k columns at V =
 # 151,936 (a floors kernel block of 4096), ~2.2k keys a row at k = 1024 against ~1.7k at stride 18:
