@@ -87,7 +87,7 @@ void check_int32_rows(const at::Tensor& tensor, const char* name, const at::Tens
   }
 }
 
-std::tuple<at::Tensor, at::Tensor> sort_keys(const at::Tensor& keys, const at::Tensor& counts, int64_t k, bool raw) {
+std::tuple<at::Tensor, at::Tensor> sort_keys(const at::Tensor& keys, const at::Tensor& counts, int64_t k) {
   if (!keys.is_cuda()) fail_value("keys: expected a CUDA tensor, got one on " + keys.device().str());
   if (keys.scalar_type() != at::kLong) {
     fail_type(std::string("keys: expected dtype int64, got ") + c10::toString(keys.scalar_type()));
@@ -108,7 +108,7 @@ std::tuple<at::Tensor, at::Tensor> sort_keys(const at::Tensor& keys, const at::T
   at::Tensor values = at::empty({rows, k}, keys.options().dtype(at::kFloat));
   at::Tensor columns = at::empty({rows, k}, keys.options().dtype(at::kInt));
   const cudaError_t status = kd_kernels::launch_sort_keys(
-      keys.data_ptr<int64_t>(), counts.data_ptr<int32_t>(), rows, capacity, k, raw, values.data_ptr<float>(),
+      keys.data_ptr<int64_t>(), counts.data_ptr<int32_t>(), rows, capacity, k, values.data_ptr<float>(),
       columns.data_ptr<int32_t>(), c10::cuda::getCurrentCUDAStream().stream());
   if (status != cudaSuccess) {
     throw std::runtime_error(std::string("sort_keys: CUDA launch failed: ") + cudaGetErrorString(status));
@@ -128,9 +128,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
              pybind11::arg("logits"), pybind11::arg("k"), pybind11::arg("temperature"), pybind11::arg("width"));
   module.attr("MAX_SORT_KEYS") = kd_kernels::kMaxSortKeys;
   module.def("sort_keys", &sort_keys,
-             "The k largest of each row's first counts[r] (value, column) int64 keys (kd_kernels/ops/sort_keys.py's "
-             "packing), in order: (values [rows, k] float32, descending, lower column first on ties, -inf past the "
-             "count; columns [rows, k] int32, 0 there). raw: the keys as the appending matmul stores them (the "
-             "float's bits above the column), made sortable as they are loaded.",
-             pybind11::arg("keys"), pybind11::arg("counts"), pybind11::arg("k"), pybind11::arg("raw") = false);
+             "The k largest of each row's first counts[r] int64 keys as the appending matmul stores them (a float's "
+             "bits above its column), in order: (values [rows, k] float32, descending, lower column first on ties, "
+             "-inf past the count; columns [rows, k] int32, 0 there).",
+             pybind11::arg("keys"), pybind11::arg("counts"), pybind11::arg("k"));
 }

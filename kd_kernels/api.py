@@ -92,8 +92,6 @@ def teacher_topk(hidden: torch.Tensor, weight: torch.Tensor, k: int = 64, *, tem
             cuda 1.17-1.24x in blocks, 1.22-1.28x after idle, 1.25-1.40x in turn, on triton
             1.35 / 1.18x in blocks, Qwen- / Llama-like; benchmarks/RESULTS.md); the backend's
             own selection then only redoes rows of massive ties.
-            ``KD_KERNELS_TEACHER_SCHEDULE=cublas`` forces cuBLAS logits + the full-row selection;
-            ``=maxima`` (k <= 256), ``=appended`` or ``=epilogue`` (k <= 1024) one of the above.
         chunk_rows: rows per chunk on the GPU backends (``chunk_rows · V · 4`` bytes for the
             schedules that store logits); None: ~1.25 GiB, or within ~56 MiB for the maxima and
             appended ones.

@@ -36,7 +36,6 @@ with a running k-th value, 1.31× at k = 64 and 1.61× at k = 256; benchmarks/NO
 """
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
@@ -125,31 +124,14 @@ def teacher_topk(hidden: torch.Tensor, weight: torch.Tensor, k: int, temperature
 
 
 def teacher_schedule(hidden: torch.Tensor, weight: torch.Tensor, k: int) -> str:
-    """For 16-bit TMA-aligned inputs, none of which stores a chunk's logits, on either backend:
-    "maxima" for k <= MAXIMA_MAX_K (each 32-column group's top-2 from the epilogue matmul,
-    ~50 MiB beyond the outputs at 8192 rows); past it "appended" for k <= APPENDED_MAX_K (floors
-    from a sample, the epilogue matmul appends what reaches them, one ranking a row: within 56
-    MiB). H200, k = 1024, in blocks: with the extension's sort 1.17-1.24x the matmul against the
-    "epilogue" schedule's 1.18-1.24x over two runs (1.25-1.40x in turn against 1.32-1.41x); on the
-    triton backend (`_select_then_sort_kernel`) 1.35 / 1.18x against 1.45 / 1.28x, at k = 256
-    1.18 / 1.16x against 1.14 / 1.14x (in turn 1.38 / 1.41x against 1.23 / 1.33x; Qwen- /
-    Llama-like; NOTES e37), at 48-55 MiB against 1.05-1.38 GiB. Else "cublas".
-    ``KD_KERNELS_TEACHER_SCHEDULE=cublas`` / ``=epilogue`` / ``=maxima`` / ``=appended`` forces
-    one (the benchmark's A/B; "epilogue" stores a chunk's float32 logits, ~1.25 GiB, then reads
-    ~k groups a row); the epilogue-matmul schedules where that matmul does not apply (dtype,
-    alignment) are an error."""
+    """The schedule of `teacher_topk` on either GPU backend. Inputs the epilogue matmul takes
+    (bf16 / fp16, rows at 16-byte boundaries) store no chunk of logits: "maxima" for k <=
+    MAXIMA_MAX_K (each group's top-2 from the epilogue matmul), "appended" for k <=
+    APPENDED_MAX_K (floors from a sample, the epilogue matmul appends what reaches them, one
+    ranking a row). Else "cublas" (cuBLAS float32 logits, the full-row selection)."""
     from .ops.lm_head_group_maxima import epilogue_applies
 
-    forced = os.environ.get("KD_KERNELS_TEACHER_SCHEDULE", "")
-    if forced not in ("", "maxima", "appended", "cublas"):
-        raise ValueError("KD_KERNELS_TEACHER_SCHEDULE: expected 'maxima', 'appended' or 'cublas', "
-                         f"got {forced!r}")
     applies = epilogue_applies(hidden, weight)
-    if forced in ("maxima", "appended") and not applies:
-        raise ValueError(f"KD_KERNELS_TEACHER_SCHEDULE={forced}: needs bf16 / fp16 hidden and weight with rows at "
-                         f"16-byte boundaries; got {hidden.dtype} / {weight.dtype}, hidden size {hidden.shape[1]}")
-    if forced:
-        return forced
     if applies and k <= MAXIMA_MAX_K:
         return "maxima"
     return "appended" if applies and k <= APPENDED_MAX_K else "cublas"

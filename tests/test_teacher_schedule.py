@@ -15,26 +15,15 @@ pytestmark = pytest.mark.interpret
 DEVICE = "cuda" if HAS_CUDA else "cpu"
 
 
-def test_the_schedule_choice_and_its_switch(monkeypatch):
+def test_the_schedule_choice():
     half = torch.zeros(4, 16, dtype=torch.float16), torch.zeros(50, 16, dtype=torch.float16)
     single = torch.zeros(4, 16), torch.zeros(50, 16)
     odd = torch.zeros(4, 12, dtype=torch.float16), torch.zeros(50, 12, dtype=torch.float16)  # 24-byte rows
-    # no chunk of logits stored up to APPENDED_MAX_K, whichever backend ranks
-    assert teacher_schedule(*half, 64) == "maxima"  # up to MAXIMA_DEFAULT_K
-    assert teacher_schedule(*half, 65) == "appended" and teacher_schedule(*half, 1024) == "appended"
+    # no chunk of logits stored up to APPENDED_MAX_K where the epilogue matmul takes the inputs
+    assert teacher_schedule(*half, 1) == "maxima" and teacher_schedule(*half, MAXIMA_MAX_K) == "maxima"
+    assert teacher_schedule(*half, MAXIMA_MAX_K + 1) == "appended" and teacher_schedule(*half, 1024) == "appended"
     assert teacher_schedule(*half, 1025) == "cublas" and teacher_schedule(*single, 256) == "cublas"
     assert teacher_schedule(*single, 64) == "cublas" and teacher_schedule(*odd, 64) == "cublas"
-    monkeypatch.setenv("KD_KERNELS_TEACHER_SCHEDULE", "cublas")
-    assert teacher_schedule(*half, 64) == "cublas"
-    # the epilogue-matmul schedules, forced: taken past APPENDED_MAX_K, refused where it does not apply
-    for schedule, unfit in (("maxima", odd), ("appended", odd)):
-        monkeypatch.setenv("KD_KERNELS_TEACHER_SCHEDULE", schedule)
-        assert teacher_schedule(*half, 2048) == schedule
-        with pytest.raises(ValueError, match=f"KD_KERNELS_TEACHER_SCHEDULE={schedule}: needs bf16 / fp16"):
-            teacher_schedule(*unfit, 64)
-    monkeypatch.setenv("KD_KERNELS_TEACHER_SCHEDULE", "fast")
-    with pytest.raises(ValueError, match="expected 'maxima', 'appended' or 'cublas', got 'fast'"):
-        teacher_schedule(*half, 64)
 
 
 @pytest.mark.parametrize("schedule, most_k", [(teacher_topk_maxima, MAXIMA_MAX_K), (teacher_topk_appended, 1024)])
@@ -57,9 +46,7 @@ def test_the_public_function_takes_the_default_schedule_and_agrees_with_cublas(k
     monkeypatch.setattr(chunked, function, lambda *a, **kw: calls.append(1) or original(*a, **kw))
     default = kd.teacher_topk(hidden, weight, k=k, temperature=2.0, backend="triton")
     assert calls == [1]
-    monkeypatch.setenv("KD_KERNELS_TEACHER_SCHEDULE", "cublas")
-    cublas = kd.teacher_topk(hidden, weight, k=k, temperature=2.0, backend="triton")
-    assert calls == [1]
+    cublas = chunked.teacher_topk_cublas(hidden, weight, k, 2.0, 150)
     assert torch.equal(default.indices, cublas.indices)
     assert torch.allclose(default.logprobs, cublas.logprobs, atol=1e-5, rtol=0)
 

@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from .sort_keys import key_of_raw, top_of_counted_keys
+from .launch import INTERPRETED
+from .sort_keys import top_of_counted_keys
 from .utils import kth_largest_lower_bound, row_logsumexp
 
 # every SAMPLE_STRIDE-th column sampled for the floors: 1/50 of the flops, ~3k columns at V =
@@ -37,9 +37,7 @@ SAMPLE_SIGMAS = 5.0  # r over the sample's mean count of top-k elements, in its 
 KEY_SIGMAS = 6.0  # the key slots over the elements a floor keeps on average, in standard deviations
 FLOOR_STEPS = 12  # value-space bisection steps of the floor (a lower bound: more steps, fewer keys)
 MAX_KEYS = 4096  # the extension's sort per row (csrc/sort_keys.cu) takes at most this many slots
-ROW_WARPS = 1 if os.environ.get("TRITON_INTERPRET") == "1" else 4  # the floors, key order and lse: a program a row
-SORT_RAW_KEYS = True  # the sorts take the matmul's raw keys (False: the key order pass first; an A/B)
-ORDER_BLOCK = 64 if os.environ.get("TRITON_INTERPRET") == "1" else 1024
+ROW_WARPS = 1 if INTERPRETED else 4  # the floors and the lse: a program a row
 
 
 def sample_rank(k: int, stride: int, sample_width: int) -> int:
@@ -94,26 +92,6 @@ def _sample_floor_kernel(sample_ptr, stride_row, floors_ptr, sample_width, rank,
     tl.store(floors_ptr + row, tl.maximum(low, -3.4028234663852886e38))
 
 
-@triton.jit
-def _order_keys_kernel(keys_ptr, counts_ptr, capacity, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    count = tl.minimum(tl.load(counts_ptr + row), capacity)
-    for start in range(0, count, BLOCK):
-        slot = start + tl.arange(0, BLOCK)
-        raw = tl.load(keys_ptr + row * capacity + slot, mask=slot < count, other=0)
-        tl.store(keys_ptr + row * capacity + slot, key_of_raw(raw), mask=slot < count)
-
-
-def order_appended_keys(keys: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """The appending matmul's raw keys ``[R, capacity]`` int64 (a float's bits above its
-    column) made `value_column_keys` in place, each row's first ``counts [R]`` (at most the
-    capacity); returns ``keys``. The matmul leaves the ordering to this pass: ~6 instructions
-    an element fewer in its epilogue, for the ~1 % of elements appended."""
-    if keys.shape[0]:
-        _order_keys_kernel[(keys.shape[0],)](keys, counts, keys.shape[1], BLOCK=ORDER_BLOCK, num_warps=ROW_WARPS)
-    return keys
-
-
 def sample_floors(sample: torch.Tensor, rank: int, floors: torch.Tensor) -> torch.Tensor:
     """sample ``[R, S]`` logits (any float dtype, unit stride along a row) -> ``floors [R]``
     float32 filled: per row a lower bound of its rank-th largest (its smallest where S <= rank),
@@ -150,9 +128,5 @@ def rank_appended(keys: torch.Tensor, counts: torch.Tensor, k: int, order: str):
     redo)."""
     capacity = keys.shape[1]
     overflow = (counts < k) | (counts > capacity)
-    kept = counts.clamp(max=capacity)
-    if SORT_RAW_KEYS:  # both sorts make the raw keys sortable as they load them
-        values, columns = top_of_counted_keys(keys, kept, k, order, raw=True)
-    else:
-        values, columns = top_of_counted_keys(order_appended_keys(keys, counts), kept, k, order)
+    values, columns = top_of_counted_keys(keys, counts.clamp(max=capacity), k, order)
     return values, columns, overflow
