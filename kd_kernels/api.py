@@ -6,7 +6,7 @@ from typing import Optional
 
 import torch
 
-from . import reference, vocab_parallel
+from . import torch_backend
 from .backends import CUDA_MAX_TOPK, resolve_backend
 from .distributed import vocab_shard
 from .options import DivergenceOptions, check_temperature
@@ -120,11 +120,8 @@ def teacher_topk(hidden: torch.Tensor, weight: torch.Tensor, k: int = 64, *, tem
         else:
             topk = chunked.teacher_topk(hidden, weight, k, temperature, vocab_size, bias, chunk_rows, shard,
                                         select=chosen)
-    elif shard is not None:
-        topk = vocab_parallel.teacher_topk_from_logits(reference.lm_head_logits(hidden, weight, bias), k, temperature,
-                                                       shard)
     else:
-        topk = reference.teacher_topk(hidden, weight, k, temperature, vocab_size, bias)
+        topk = torch_backend.teacher_topk(hidden, weight, k, temperature, vocab_size, bias, shard)
     return _finish_topk(topk, logprobs_dtype)
 
 
@@ -151,10 +148,8 @@ def teacher_topk_from_logits(logits: torch.Tensor, k: int = 64, *, temperature: 
                              "logits.contiguous() (a copy of [N, V])")
 
         topk = chunked.teacher_topk_from_logits(logits, k, temperature, vocab_size, shard, select=chosen)
-    elif shard is not None:
-        topk = vocab_parallel.teacher_topk_from_logits(logits, k, temperature, shard)
     else:
-        topk = reference.teacher_topk_from_logits(logits, k, temperature, vocab_size)
+        topk = torch_backend.teacher_topk_from_logits(logits, k, temperature, vocab_size, shard)
     return _finish_topk(topk, logprobs_dtype)
 
 
@@ -244,11 +239,8 @@ def topk_divergence(hidden: torch.Tensor, weight: torch.Tensor, teacher: TopK, l
 
         return fused_topk_divergence(hidden, weight, bias, teacher, labels, options, num_tokens, return_metrics,
                                      chunk_rows, lean, shard)
-    if shard is not None:
-        result = vocab_parallel.topk_divergence(hidden, weight, bias, teacher, labels, options, num_tokens, shard,
-                                                return_metrics)
-    else:
-        result = reference.topk_divergence(hidden, weight, teacher, labels, options, num_tokens, bias, return_metrics)
+    result = torch_backend.topk_divergence(hidden, weight, bias, teacher, labels, options, num_tokens, shard,
+                                           return_metrics)
     return _loss_dtype_result(result, hidden.dtype, return_metrics)
 
 
@@ -271,9 +263,6 @@ def topk_divergence_from_logits(logits: torch.Tensor, teacher: TopK, labels: Opt
         from .autograd.student_loss import fused_topk_divergence_from_logits
 
         return fused_topk_divergence_from_logits(logits, teacher, labels, options, num_tokens, return_metrics, shard)
-    if shard is not None:
-        result = vocab_parallel.topk_divergence_from_logits(logits, teacher, labels, options, num_tokens, shard,
-                                                            return_metrics)
-    else:
-        result = reference.topk_divergence_from_logits(logits, teacher, labels, options, num_tokens, return_metrics)
+    result = torch_backend.topk_divergence_from_logits(logits, teacher, labels, options, num_tokens, shard,
+                                                       return_metrics)
     return _loss_dtype_result(result, logits.dtype, return_metrics)

@@ -136,6 +136,22 @@ def combine_logsumexp(local_lse: torch.Tensor, shard: VocabShard) -> torch.Tenso
     return torch.logsumexp(gather_over_ranks(local_lse, shard), dim=0)
 
 
+def combine_topk(values: torch.Tensor, ids: torch.Tensor, local_lse: torch.Tensor, k: int, temperature: float,
+                 shard: VocabShard):
+    """The exact global `TopK` from each rank's top-k candidates: values ``[N, k]`` tempered
+    logits (-inf where missing), ids ``[N, k]`` global, local_lse ``[N]`` (no autograd).
+    Gathers N·k values, N·k int32 ids and N scalars from each rank: N·(8k + 4)·W bytes with
+    float32 values."""
+    from .candidates import merge_candidates
+
+    all_values = all_gather(values, shard)  # [W, N, k], ranks in ascending order
+    all_ids = all_gather(ids.to(torch.int32), shard).long()  # 4 + 4 bytes a candidate
+    num_rows = values.shape[0]
+    return merge_candidates(all_values.permute(1, 0, 2).reshape(num_rows, -1),
+                            all_ids.permute(1, 0, 2).reshape(num_rows, -1), all_gather(local_lse, shard).T, k,
+                            temperature)
+
+
 def combine_argmax(local_max: torch.Tensor, local_argmax: torch.Tensor, shard: VocabShard) -> torch.Tensor:
     """``[N]`` global argmax: the first rank (lowest ids) holding the maximum wins."""
     maxima = _all_gather(local_max.detach().float(), shard)

@@ -41,7 +41,7 @@ from typing import Optional
 import torch
 
 from .lm_head import lm_head_logits_fp32
-from .reference import top_of_candidates
+from .candidates import top_of_candidates
 from .topk import TopK
 
 DEFAULT_CHUNK_BYTES = 5 << 28  # 1.25 GiB of float32 logits per chunk
@@ -95,9 +95,9 @@ def _finish(values, indices, lse_tempered, k, temperature, shard) -> TopK:
     of N·k) and int32 ids."""
     if shard is None:
         return TopK(values.sub_(lse_tempered.unsqueeze(-1)), indices.to(torch.int32), lse_tempered, temperature)
-    from .vocab_parallel import merge_teacher_candidates
+    from .distributed import combine_topk
 
-    return merge_teacher_candidates(values, indices, lse_tempered, k, temperature, shard)
+    return combine_topk(values, indices, lse_tempered, k, temperature, shard)
 
 
 def teacher_topk_from_logits(logits: torch.Tensor, k: int, temperature: float, vocab_size: int, shard=None,
