@@ -18,6 +18,7 @@ from .validation import (
     check_lm_head,
     check_logits,
     check_num_tokens,
+    check_schedule_options,
     check_teacher,
     check_teacher_values,
     resolve_vocab_size,
@@ -104,22 +105,18 @@ def teacher_topk(hidden: torch.Tensor, weight: torch.Tensor, k: int = 64, *, tem
     """
     check_lm_head(hidden, weight, bias)
     check_temperature(temperature)
+    check_schedule_options(chunk_rows, lean)
     vocab_size, shard = _vocab(group, weight.shape[0], vocab_size, "weight")
     check_k(k, vocab_size)
     _check_logprobs_dtype(logprobs_dtype)
     chosen = _teacher_backend(backend, "teacher_topk", hidden.device, k)
     if chosen in ("cuda", "triton"):
-        from . import teacher_chunked as chunked
+        from .teacher.schedule import teacher_topk as scheduled, teacher_topk_lean
 
         if lean:
-            if chunk_rows is not None:
-                raise ValueError("chunk_rows: applies to the default schedule only; pass lean=True or chunk_rows, "
-                                 "not both")
-            topk = chunked.teacher_topk_lean(hidden, weight, k, temperature, vocab_size, bias, shard,
-                                             select=chosen)
+            topk = teacher_topk_lean(hidden, weight, k, temperature, vocab_size, bias, shard, select=chosen)
         else:
-            topk = chunked.teacher_topk(hidden, weight, k, temperature, vocab_size, bias, chunk_rows, shard,
-                                        select=chosen)
+            topk = scheduled(hidden, weight, k, temperature, vocab_size, bias, chunk_rows, shard, select=chosen)
     else:
         topk = torch_backend.teacher_topk(hidden, weight, k, temperature, vocab_size, bias, shard)
     return _finish_topk(topk, logprobs_dtype)
@@ -140,14 +137,14 @@ def teacher_topk_from_logits(logits: torch.Tensor, k: int = 64, *, temperature: 
     _check_logprobs_dtype(logprobs_dtype)
     chosen = _teacher_backend(backend, "teacher_topk_from_logits", logits.device, k)
     if chosen in ("cuda", "triton"):
-        from . import teacher_chunked as chunked
+        from .teacher.logits_rows import teacher_topk_from_logits as from_logits
 
         if logits.shape[1] > 1 and logits.stride(1) != 1:
             raise ValueError(f"logits: the {chosen} backend reads rows in place and needs contiguous rows "
                              f"(logits.stride(1) == 1), got strides {tuple(logits.stride())}; pass "
                              "logits.contiguous() (a copy of [N, V])")
 
-        topk = chunked.teacher_topk_from_logits(logits, k, temperature, vocab_size, shard, select=chosen)
+        topk = from_logits(logits, k, temperature, vocab_size, shard, select=chosen)
     else:
         topk = torch_backend.teacher_topk_from_logits(logits, k, temperature, vocab_size, shard)
     return _finish_topk(topk, logprobs_dtype)
@@ -227,10 +224,7 @@ def topk_divergence(hidden: torch.Tensor, weight: torch.Tensor, teacher: TopK, l
         metrics dict if asked.
     """
     check_lm_head(hidden, weight, bias)
-    if lean and chunk_rows is not None:
-        raise ValueError("chunk_rows: applies to the fast schedule only; pass lean=True or chunk_rows, not both")
-    if chunk_rows is not None and (not isinstance(chunk_rows, int) or chunk_rows < 1):
-        raise ValueError(f"chunk_rows: expected None or an int >= 1, got {chunk_rows!r}")
+    check_schedule_options(chunk_rows, lean)
     options, shard = _student_options(group, weight.shape[0], "weight", teacher, _loss_options(locals()))
     _check_student_inputs(hidden.shape[0], hidden.device, teacher, labels, options, num_tokens, check_values)
     chosen = resolve_backend(backend, "topk_divergence", hidden.device)

@@ -12,7 +12,7 @@ from kd_kernels import reference
 from kd_kernels.ops import topk_from_appended
 from kd_kernels.ops.lm_head_group_maxima import Appends, EpilogueMatmul, lm_head_logits_with_summaries
 from kd_kernels.ops.topk_from_appended import appended_plan, sample_floors
-from kd_kernels.teacher_chunked import teacher_topk_appended
+from kd_kernels.teacher.appended import teacher_topk_appended
 
 pytestmark = pytest.mark.interpret
 DEVICE = "cuda" if HAS_CUDA else "cpu"

@@ -12,7 +12,7 @@ from kd_kernels import reference
 from kd_kernels.topk import TopK
 from kd_kernels.ops.lm_head_group_maxima import lm_head_logits_with_summaries, top2_group_column_table
 from kd_kernels.ops.topk_from_group_top2 import topk_from_group_top2
-from kd_kernels.teacher_chunked import teacher_topk_maxima
+from kd_kernels.teacher.maxima import teacher_topk_maxima
 
 pytestmark = pytest.mark.interpret
 DEVICE = "cuda" if HAS_CUDA else "cpu"
@@ -122,44 +122,6 @@ def test_thresholds_further_below_give_the_same_top_k(k, listing_steps, kth_step
     assert ulps.max() <= 2 and (ulps > 0).float().mean() < 0.02
     check_teacher_topk(below, reference.teacher_topk(hidden, weight, k, 1.0, 1000, bias), 2e-5,
                        reference.lm_head_logits(hidden, weight, bias), 1.0, 1000)
-
-
-@pytest.mark.parametrize("dtype, k, expected", [(torch.float16, 5, "maxima"), (torch.float16, 64, "maxima"),
-                                                (torch.float16, 65, "appended"), (torch.float32, 5, "tiled")])
-def test_lean_takes_the_maxima_then_the_appended_schedule_for_16_bit_inputs(monkeypatch, dtype, k, expected):
-    """``lean=True`` without the extension: 16-bit inputs the epilogue matmul takes go to the
-    maxima schedule up to k = 64, to the appended one past it, the rest to the tiled one; all
-    match the reference."""
-    import kd_kernels as kd
-    from kd_kernels import teacher_chunked
-
-    taken = []
-    for name in ("teacher_topk_maxima", "teacher_topk_appended", "teacher_topk_tiled"):
-        schedule = getattr(teacher_chunked, name)
-        monkeypatch.setattr(teacher_chunked, name, lambda *args, _schedule=schedule, _name=name, **kwargs: (
-            taken.append(_name.split("_")[-1]), _schedule(*args, **kwargs))[1])
-    hidden, weight, bias = small_teacher_problem(k, rows=6, columns=300, dtype=dtype)
-    top = kd.teacher_topk(hidden, weight, k=k, temperature=2.0, vocab_size=300, bias=bias, backend="triton",
-                          lean=True)
-    assert taken == [expected]
-    expected_top = reference.teacher_topk(hidden, weight, k, 2.0, 300, bias)
-    check_teacher_topk(top, expected_top, 1e-4, reference.lm_head_logits(hidden, weight, bias), 2.0, 300)
-
-
-@pytest.mark.parametrize("k, expected", [(64, "maxima"), (65, "appended"), (1024, "appended"), (1025, "tiled")])
-@pytest.mark.parametrize("select", ["cuda", "triton"])
-def test_lean_takes_the_appended_schedule_past_k_64_on_either_backend(monkeypatch, k, expected, select):
-    """The appended schedule is as fast as the maxima one or faster from k = 65 on, with either
-    ranking (H200, k = 256: 1.22-1.27× against the maxima schedule's 1.30-1.35× with the
-    extension's sort; NOTES e37 for the Triton one): the choice alone."""
-    from kd_kernels import teacher_chunked
-
-    taken = []
-    for name in ("teacher_topk_maxima", "teacher_topk_appended", "teacher_topk_tiled"):
-        monkeypatch.setattr(teacher_chunked, name, lambda *args, _name=name, **kwargs: taken.append(_name))
-    hidden, weight, _ = small_teacher_problem(1, rows=4, columns=2000, dtype=torch.float16)
-    teacher_chunked.teacher_topk_lean(hidden, weight, k, 2.0, 2000, select=select)
-    assert taken == [f"teacher_topk_{expected}"]
 
 
 @pytest.mark.gpu

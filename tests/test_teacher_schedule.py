@@ -9,7 +9,11 @@ import kd_kernels as kd
 from helpers import (HAS_CUDA, check_schedule_with_ties_and_fewer_columns_than_k, check_teacher_topk as _check,
                      small_teacher_problem)
 from kd_kernels import reference
-from kd_kernels.teacher_chunked import MAXIMA_MAX_K, teacher_schedule, teacher_topk_appended, teacher_topk_maxima
+from kd_kernels.teacher import schedule as schedule_module
+from kd_kernels.teacher.appended import teacher_topk_appended
+from kd_kernels.teacher.logits_rows import teacher_topk_cublas
+from kd_kernels.teacher.maxima import MAXIMA_MAX_K, teacher_topk_maxima
+from kd_kernels.teacher.schedule import teacher_schedule
 
 pytestmark = pytest.mark.interpret
 DEVICE = "cuda" if HAS_CUDA else "cpu"
@@ -40,15 +44,44 @@ def test_the_public_function_takes_the_default_schedule_and_agrees_with_cublas(k
     hidden = torch.randn(18, 16, generator=generator).to(DEVICE, torch.float16)
     weight = torch.randn(150, 16, generator=generator).to(DEVICE, torch.float16)
     calls = []
-    import kd_kernels.teacher_chunked as chunked
-
-    original = getattr(chunked, function)
-    monkeypatch.setattr(chunked, function, lambda *a, **kw: calls.append(1) or original(*a, **kw))
+    original = getattr(schedule_module, function)
+    monkeypatch.setattr(schedule_module, function, lambda *a, **kw: calls.append(1) or original(*a, **kw))
     default = kd.teacher_topk(hidden, weight, k=k, temperature=2.0, backend="triton")
     assert calls == [1]
-    cublas = chunked.teacher_topk_cublas(hidden, weight, k, 2.0, 150)
+    cublas = teacher_topk_cublas(hidden, weight, k, 2.0, 150)
     assert torch.equal(default.indices, cublas.indices)
     assert torch.allclose(default.logprobs, cublas.logprobs, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("dtype, k, expected", [(torch.float16, 5, "maxima"), (torch.float16, 64, "maxima"),
+                                                (torch.float16, 65, "appended"), (torch.float32, 5, "tiled")])
+def test_lean_takes_the_maxima_then_the_appended_schedule_for_16_bit_inputs(monkeypatch, dtype, k, expected):
+    """``lean=True`` without the extension: 16-bit inputs the epilogue matmul takes go to the
+    maxima schedule up to k = 64, to the appended one past it, the rest to the tiled one; all
+    match the reference."""
+    taken = []
+    for name in ("teacher_topk_maxima", "teacher_topk_appended", "teacher_topk_tiled"):
+        schedule = getattr(schedule_module, name)
+        monkeypatch.setattr(schedule_module, name, lambda *args, _schedule=schedule, _name=name, **kwargs: (
+            taken.append(_name.split("_")[-1]), _schedule(*args, **kwargs))[1])
+    hidden, weight, bias = small_teacher_problem(k, rows=6, columns=300, dtype=dtype)
+    top = kd.teacher_topk(hidden, weight, k=k, temperature=2.0, vocab_size=300, bias=bias, backend="triton",
+                          lean=True)
+    assert taken == [expected]
+    expected_top = reference.teacher_topk(hidden, weight, k, 2.0, 300, bias)
+    _check(top, expected_top, 1e-4, reference.lm_head_logits(hidden, weight, bias), 2.0, 300)
+
+
+@pytest.mark.parametrize("k, expected", [(64, "maxima"), (65, "appended"), (1024, "appended"), (1025, "tiled")])
+@pytest.mark.parametrize("select", ["cuda", "triton"])
+def test_lean_takes_the_appended_schedule_past_k_64_on_either_backend(monkeypatch, k, expected, select):
+    """The choice alone, whichever backend ranks."""
+    taken = []
+    for name in ("teacher_topk_maxima", "teacher_topk_appended", "teacher_topk_tiled"):
+        monkeypatch.setattr(schedule_module, name, lambda *args, _name=name, **kwargs: taken.append(_name))
+    hidden, weight, _ = small_teacher_problem(1, rows=4, columns=2000, dtype=torch.float16)
+    schedule_module.teacher_topk_lean(hidden, weight, k, 2.0, 2000, select=select)
+    assert taken == [f"teacher_topk_{expected}"]
 
 
 @pytest.mark.gpu

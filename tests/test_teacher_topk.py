@@ -28,7 +28,7 @@ def test_teacher_topk_from_hidden(k, temperature, chunk_rows, dtype, atol):
 @pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-4), (torch.float16, 1e-4)])
 @pytest.mark.parametrize("k, temperature, tile", [(1, 1.0, (37, 64)), (7, 0.7, (10, 50)), (64, 2.0, (16, 32))])
 def test_teacher_topk_lean_merges_tiles(k, temperature, tile, dtype, atol):
-    from kd_kernels.teacher_chunked import teacher_topk_tiled
+    from kd_kernels.teacher.tiled import teacher_topk_tiled
 
     generator = torch.Generator().manual_seed(k + 100)
     hidden = torch.randn(37, 16, generator=generator).to(DEVICE, dtype)
@@ -40,7 +40,7 @@ def test_teacher_topk_lean_merges_tiles(k, temperature, tile, dtype, atol):
 
 
 def test_lean_tile_bounds_the_memory_whatever_n_and_v():
-    from kd_kernels.teacher_chunked import LEAN_SLICE_BYTES, lean_tile
+    from kd_kernels.teacher.tiled import LEAN_SLICE_BYTES, lean_tile
 
     for num_rows, k in ((8192, 64), (16384, 1024), (100, 8)):
         rows, columns = lean_tile(num_rows, k)
@@ -54,7 +54,7 @@ def test_teacher_topk_lean_ties_across_tiles_go_to_the_lower_id():
     weight = torch.randn(300, 16, generator=generator)
     weight[[5, 150, 290]] = 3 * weight[7]  # equal logits in three slices
     weight = weight.to(DEVICE)
-    from kd_kernels.teacher_chunked import teacher_topk_tiled
+    from kd_kernels.teacher.tiled import teacher_topk_tiled
 
     top = teacher_topk_tiled(hidden, weight, 4, 1.0, 300, tile=(4, 100))  # 3 row chunks × 3 slices
     expected = reference.teacher_topk(hidden, weight, 4, 1.0, 300)

@@ -61,7 +61,9 @@ def _check_teacher_no_logits_schedules(rank, world, group, teacher_hidden, teach
     """16-bit inputs take the maxima schedule on each shard, and the appended one gives the same
     merge."""
     from kd_kernels.distributed import vocab_shard
-    from kd_kernels.teacher_chunked import teacher_schedule, teacher_topk_appended, teacher_topk_maxima
+    from kd_kernels.teacher.appended import teacher_topk_appended
+    from kd_kernels.teacher.maxima import teacher_topk_maxima
+    from kd_kernels.teacher.schedule import teacher_schedule
 
     hidden, weight = teacher_hidden.half(), teacher_weight.half()
     local = _shard(weight, rank, world)
