@@ -66,7 +66,7 @@ constexpr float kLog2e = 1.4426950408889634f;  // log2(e): pass 1 sums 2^((z - m
 static_assert(Wide::kCapacity >= 8 * kMaxTopK, "the candidate buffer must hold several times k");
 constexpr int kNarrowMaxTopK = Narrow::kCapacity / 8;
 // 16-byte loads in flight per thread: 16 elements per thread per step whatever the dtype
-// (4 for 16-bit types spilled registers under the 64-register bound of 2 blocks per SM)
+// (4 for 16-bit types would need more registers than the 64 that two blocks per SM leave)
 template <typename T>
 constexpr int kUnroll = sizeof(T) == 4 ? 4 : 2;
 

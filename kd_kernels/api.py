@@ -68,7 +68,7 @@ def teacher_topk(hidden: torch.Tensor, weight: torch.Tensor, k: int = 64, *, tem
     """Top-k of the teacher's tempered distribution straight from hidden states and lm_head.
 
     Equals ``torch.log_softmax((hidden @ weight.T + bias)[:, :V*].float() / temperature, -1).topk(k)``
-    with ties broken towards the lower id, but never holds ``[N, V]`` logits on the fused backends.
+    with ties broken towards the lower id, but never holds ``[N, V]`` logits on the GPU backends.
 
     Args:
         hidden: ``[N, H]`` float32 / bfloat16 / float16 teacher final hidden states.
@@ -79,27 +79,25 @@ def teacher_topk(hidden: torch.Tensor, weight: torch.Tensor, k: int = 64, *, tem
         bias: optional ``[V]``.
         logprobs_dtype: dtype of ``TopK.logprobs``.
         backend: "auto" | "cuda" | "triton" | "torch" (see `available_backends`); "auto" takes
-            cuda (the CUDA top-k kernel, k <= 1024) when built, else triton (a Triton threshold
-            select; no compiled extension needed). bf16 / fp16 inputs take, on either GPU
-            backend, a Triton matmul whose epilogue also summarizes each row, and no chunk of
-            logits stored up to k = 1024: at k <= 64 the maxima schedule (each 32-column
-            group's maximum, its column and its second largest give the top-k, the few groups
-            holding two top-k elements computed again; ~50 MiB beyond the outputs at 8192 rows;
-            on an H200 at k = 64 1.07-1.22x the bare matmul in blocks, 1.10-1.15x after idle,
-            1.09-1.29x timed in turn with it, over the last three runs); past it the appended
-            schedule (floors from every 50th column, the epilogue matmul appending each
-            element that reaches its row's floor, one ranking per row: the extension's sort on
-            cuda, a Triton selection then a sort of k on triton; within 56 MiB; k = 1024 on
-            cuda 1.17-1.24x in blocks, 1.22-1.28x after idle, 1.25-1.40x in turn, on triton
-            1.35 / 1.18x in blocks, Qwen- / Llama-like; benchmarks/RESULTS.md); the backend's
-            own selection then only redoes rows of massive ties.
-        chunk_rows: rows per chunk on the GPU backends (``chunk_rows · V · 4`` bytes for the
-            schedules that store logits); None: ~1.25 GiB, or within ~56 MiB for the maxima and
-            appended ones.
-        lean: ≤ ~64 MiB beyond the inputs and outputs whatever N and V: bf16 / fp16 inputs take
-            the default's schedules (maxima at k <= 64, appended up to k = 1024, on either
-            backend), others tiles of rows × vocab columns (48 MiB of float32 logits plus
-            ~16 MiB for merging; 2.9-3.3× at k = 1024).
+            cuda (the CUDA extension, k <= 1024) when built, else triton (no compiled extension
+            needed), on a CUDA device; torch (the float64 reference) on CPU. bf16 / fp16 inputs
+            take, on either GPU backend, a Triton matmul whose epilogue also summarizes each row,
+            and store no chunk of logits up to k = 1024: at k <= 64 the maxima schedule (each
+            32-column group's maximum, its column and its second largest give the top-k, the few
+            groups holding two top-k elements computed again), past it the appended schedule
+            (floors from a strided sample of the columns, the matmul appending each element that
+            reaches its row's floor, one ranking per row: the extension's sort on cuda, a Triton
+            selection then a sort of k on triton); both within ~56 MiB beyond the outputs
+            whatever N and V. Float32 inputs and k > 1024 take cuBLAS float32 logits a chunk of
+            rows at a time, then the backend's full-row selection, which also redoes the rows of
+            massive ties the other schedules flag.
+        chunk_rows: None or rows per chunk on the GPU backends (``chunk_rows · V · 4`` bytes for
+            the cuBLAS logits chunks); None: ~1.25 GiB of logits, or within ~56 MiB for the
+            maxima and appended schedules.
+        lean: ≤ ~64 MiB beyond the inputs and outputs whatever N and V: the maxima and appended
+            schedules as above where they apply, else tiles of rows × vocab columns (48 MiB of
+            float32 logits plus ~16 MiB for merging) instead of chunks of whole rows. Not with
+            ``chunk_rows``.
     Returns:
         `TopK` with ``logprobs [N, k]``, ``indices [N, k]`` int32, ``lse [N]`` float32.
     """
@@ -215,10 +213,11 @@ def topk_divergence(hidden: torch.Tensor, weight: torch.Tensor, teacher: TopK, l
         return_metrics: also return a dict of detached sums (see SPEC "Loss").
         check_values: check teacher ids, NaN log-probs and labels on the device (one host sync).
         backend: "auto" | "triton" | "cuda" | "torch".
-        chunk_rows: rows per chunk of the fast schedule (triton backend): extra memory is
-            ``chunk_rows · V · 4`` bytes; None picks ~1.25 GiB worth.
+        chunk_rows: None or rows per chunk of the default schedule (triton backend): extra memory
+            is ``chunk_rows · V · 4`` bytes; None picks ~1.25 GiB worth.
         lean: the lean schedule instead (triton backend): chunks of ≤ 232 MiB of float32 logits
-            (384 rows at V = 151,936), ≤ 256 MiB extra whatever N, ~1.5× the bare matmuls.
+            (384 rows at V = 151,936), ≤ 256 MiB extra whatever N, for one more read-modify-write
+            of the weight gradient per chunk. Not with ``chunk_rows``.
     Returns:
         float32 loss (float64 for float64 inputs), a scalar or ``[N]`` for reduction="none"; and the
         metrics dict if asked.

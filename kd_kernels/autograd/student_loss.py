@@ -1,6 +1,6 @@
 """Autograd of the fused student loss: top-k divergence + CE through the lm_head.
 
-Design (measured reasons in benchmarks/NOTES.md):
+Design:
 - Fast schedule: rows are processed in chunks of ``chunk_rows``. For each chunk one cuBLAS
   matmul writes float32 logits ``[C, V]`` (bf16 inputs, fp32 accumulator and output:
   bf16-rounded logits would move probabilities by several percent), one Triton pass takes
@@ -21,8 +21,7 @@ Design (measured reasons in benchmarks/NOTES.md):
 - For reduction "none" the upstream gradient is per row, so backward recomputes the chunks.
 - Lean schedule (``lean=True``): the same passes in short chunks whose float32 logits stay
   under ``LEAN_CHUNK_BYTES`` (384 rows at V = 151,936): ≤ 256 MiB whatever N, for one
-  extra read-modify-write of dW (bf16) per chunk. It replaced two passes over vocab slices
-  (4 matmuls), which were slower at more memory (benchmarks/NOTES.md, L3).
+  extra read-modify-write of dW (bf16) per chunk.
 - Vocab parallel (a `VocabShard`): the same passes over this rank's columns, statistics
   combined over the group before the loss math, dX summed over the group.
 Memory beyond inputs and outputs: ``chunk_rows · V · 4`` bytes plus O(N·k) (fast schedule).

@@ -78,9 +78,8 @@ class RowSummaries:
 class Appends:
     """Where an appending matmul puts each row's elements at or above the row's floor:
     ``floors [R]`` float32 (logits before τ, bias included), ``keys [R, capacity]`` int64
-    (raw: the float's bits above the column, in no order: the row sorts take them so, the A/B's
-    `order_appended_keys` makes them `value_column_keys` first; slots past a row's count are
-    junk), ``counts [R]`` int32 (zero before the matmul; after it, the elements at or above the
+    (raw: the float's bits above the column, in no order, as the row sorts take them; slots past
+    a row's count are junk), ``counts [R]`` int32 (zero before the matmul; after it, the elements at or above the
     floor, which may pass the capacity: such a row's keys are incomplete)."""
     floors: torch.Tensor
     keys: torch.Tensor
@@ -113,7 +112,7 @@ def _thread_groups(z, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_COLUMN
     """``z`` [BLOCK_M, BLOCK_N] -> [BLOCK_M, groups, GROUP_COLUMNS]: group 4·h + q holds columns
     4·GROUP_COLUMNS·h + 8·j + 2·q + b (lane 2·j + b; j < GROUP_COLUMNS / 2, b < 2). A thread of the
     Hopper matrix units' accumulator holds a row's columns 8·j + 2·q + b for one q, so a group is
-    reduced in registers, with no shuffles (contiguous groups took 3 shuffle reductions each)."""
+    reduced in registers, with no shuffles (contiguous groups would need shuffle reductions)."""
     halves: tl.constexpr = BLOCK_N // (4 * GROUP_COLUMNS)
     z5 = tl.reshape(z, (BLOCK_M, halves, GROUP_COLUMNS // 2, 4, 2))
     return tl.reshape(tl.permute(z5, (0, 1, 3, 2, 4)), (BLOCK_M, halves * 4, GROUP_COLUMNS))
@@ -159,11 +158,9 @@ STORE_APPENDS_IN_PTX = not INTERPRETED
 # one element's append, its group's slots taken: where value >= floor, the slot first + the
 # group's lanes below it (bits & below), the 8-byte key (column, value bits) stored below the
 # capacity. Every element computes its slot and address and stores under a predicate, without a
-# branch: a branch skipping that for the ~99 % of elements below the floor made every warp with
-# one element kept (~30 % of positions at k = 1024 if the ~1 % kept fall at random: 1 - 0.99^32)
-# diverge and reconverge (sm_90 loop 3652 instructions and 250 reconvergence barriers against
-# 3280 and 2; in one process on an H200 the appending matmul at k = 1024 1.185-1.192x cuBLAS
-# against 1.122-1.123x predicated: NOTES e33-e34)
+# branch: a branch skipping that for the elements below the floor (nearly all of them) would make
+# every warp holding one kept element diverge and reconverge, and with ~1 % kept at random that
+# is a large share of the warps at large k.
 _STORE_APPENDED_PTX = tl.constexpr("""
 {
 .reg .pred taken, kept;
@@ -193,8 +190,8 @@ def _reserve_slots(grouped, row_offsets, floor_ptr, counts_ptr, GROUP_COLUMNS: t
     floor = tl.load(floor_ptr + row_offsets, mask=row_offsets >= 0, other=float("inf"))
     bits = tl.sum(tl.where(grouped >= floor[:, None, None], 1 << lane, 0), axis=2)  # lane l's bit, in registers
     count = _popcount(bits, POPC_IN_HARDWARE)
-    # one atomic a row of the tile (~60 % fewer than one a row and group by count at k = 1024; 13.76
-    # against 13.85 ms with nothing appended, NOTES e32), the groups' first slots by an exclusive prefix sum
+    # one atomic a row of the tile (not one a row and group), the groups' first slots by an exclusive
+    # prefix sum
     row_count = tl.sum(count, axis=1)
     row_first = tl.atomic_add(counts_ptr + row_offsets, row_count, mask=row_count > 0, sem="relaxed")
     first = row_first[:, None] + tl.cumsum(count, axis=1) - count
@@ -278,8 +275,8 @@ def _lm_head_group_maxima_kernel(hidden_desc, weight_desc, logits_desc, bias_ptr
                 (tl.maximum(even, odd), pair_lane, tl.minimum(even, odd)), 2, _combine_top2)
             tl.store(group_arg_ptr + group_offsets, group_arg.to(tl.int8), mask=rows_ok[:, None])
             tl.store(group_second_ptr + group_offsets, group_second, mask=rows_ok[:, None])
-            # rounding is monotone: the maximum of z · log2e / τ (from groups in registers, no pass over z;
-            # from groups that are runs of columns this took a layout conversion through shared memory)
+            # rounding is monotone: the maximum of z · log2e / τ, from the groups already in registers
+            # (no pass over z)
             tile_max2 = tl.max(group_max, axis=1) * log2e_over_t
         elif APPEND:
             grouped = _thread_groups(z, BLOCK_M, BLOCK_N, GROUP_COLUMNS)
@@ -327,17 +324,17 @@ def lm_head_logits_with_summaries(hidden: torch.Tensor, weight: torch.Tensor, bi
     ``hidden @ weight[:width].T + bias`` written into ``logits [R, ≥ width]`` (rows starting at
     16-byte boundaries), and the rows' `RowSummaries`. ``logits=None``: the summaries
     only, no logits stored (the maxima schedule recomputes the few groups it needs).
-    ``group_top2``: each group's maximum column and second largest too (`RowSummaries`; the
-    Hopper ping-pong kernel's form of them: ops/lm_head_group_top2_hopper.py)."""
+    ``group_top2``: each group's maximum column and second largest too (`RowSummaries`)."""
     return EpilogueMatmul(hidden, weight, bias, width, temperature, logits, config, group_top2)(0, width)
 
 
 class EpilogueMatmul:
     """The epilogue matmul of one block of rows against column slices of the weight (each at
     most ``max_width`` columns) into one logits buffer, its descriptors, summaries and grid made
-    once: a slice's host work is then one launch (a schedule of ~100 vocab slices a call, since
-    removed, was bound by the host otherwise). Arguments as `lm_head_logits_with_summaries`'s, ``weight`` and
-    ``bias`` whole (the slices are offsets into them)."""
+    once, so that a call's host work is one launch. Arguments as
+    `lm_head_logits_with_summaries`'s, ``weight`` and ``bias`` whole (the slices are offsets into
+    them); ``appends``: append each element at or above its row's floor (`Appends`) instead of
+    storing logits or group maxima."""
 
     def __init__(self, hidden: torch.Tensor, weight: torch.Tensor, bias, max_width: int, temperature: float,
                  logits: torch.Tensor | None, config: GroupMaximaConfig | None = None, group_top2: bool = False,

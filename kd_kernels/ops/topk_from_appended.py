@@ -2,9 +2,9 @@
 with `Appends`): no logits stored, no group summaries, memory independent of V.
 
 Before a chunk's matmul, a sample of its columns (every ``stride``-th, by the epilogue matmul:
-1/50 of the flops) gives each row a floor: a lower bound of the sample's r-th largest logit, with r a few
-standard deviations above the k/stride top-k elements a sample holds on average. The matmul
-then appends every element at or above its row's floor (~r · stride a row, ~2.2k at k = 1024)
+1/stride of the flops) gives each row a floor: a lower bound of the sample's r-th largest
+logit, with r a few standard deviations above the k/stride top-k elements a sample holds on
+average. The matmul then appends every element at or above its row's floor (~r · stride a row)
 to the row's keys, and one sort per row ranks them. Exact whatever the floor: when at least k
 elements reach it, the row's k-th largest does too, so every top-k element (and every tie of
 the k-th) is among the keys; rows with fewer than k (a floor above the k-th largest: a sample
@@ -24,14 +24,12 @@ from .launch import INTERPRETED
 from .sort_keys import top_of_counted_keys
 from .utils import kth_largest_lower_bound, row_logsumexp
 
-# every SAMPLE_STRIDE-th column sampled for the floors: 1/50 of the flops, ~3k columns at V =
-# 151,936 (a floors kernel block of 4096), ~2.2k keys a row at k = 1024 against ~1.7k at stride 18:
-# the sum of the schedule's kernels 16.34 -> 15.37 ms at k = 1024 and 15.50 -> 14.86 at k = 256 on
-# an H200 (stride 38: 15.61 / 14.90; NOTES e34)
+# every SAMPLE_STRIDE-th column sampled for the floors: a sparser sample costs the sampling matmul
+# less and the sorts more (more keys a row); at LLM vocabularies a sample fits one block of the
+# floors kernel
 SAMPLE_STRIDE = 50
 # the sample keeps at least this many columns per k (the stride falls below SAMPLE_STRIDE where it
-# would not), so the floor's rank r ~ k / stride + 5 sigmas sits well inside it; 8 before e34,
-# which held the stride at 18 / 15 at k = 1024 and V = 151,936 / 128,256
+# would not), so the floor's rank r ~ k / stride + 5 sigmas sits well inside it
 SAMPLE_COLUMNS_PER_K = 2
 SAMPLE_SIGMAS = 5.0  # r over the sample's mean count of top-k elements, in its standard deviations
 KEY_SIGMAS = 6.0  # the key slots over the elements a floor keeps on average, in standard deviations

@@ -1,8 +1,10 @@
 """`@triton.jit` helpers shared by the kernels, and the constant their launchers scale by."""
+import math
+
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634  # log2(e): the kernels take exp and log in base 2, z · log2e / τ
+LOG2E = math.log2(math.e)  # the kernels take exp and log in base 2: z · log2e / τ
 
 
 @triton.jit
