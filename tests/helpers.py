@@ -9,7 +9,7 @@ import torch.multiprocessing as mp
 
 HAS_CUDA = torch.cuda.is_available()
 # float32 inputs take the teacher's epilogue matmul under the interpreter only (exact products
-# for exact cases); natively the kernel refuses them (tests/test_teacher_epilogue.py)
+# for exact cases); natively the kernel refuses them (tests/test_lm_head_group_maxima.py)
 INTERPRETER_ONLY = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                       reason="float32 inputs: the epilogue matmul runs them under TRITON_INTERPRET=1 only")
 FLOAT32_INTERPRETED = pytest.param(torch.float32, marks=INTERPRETER_ONLY)

@@ -2,7 +2,7 @@
 subset (ops/topk_from_appended.py), the epilogue matmul appending each element at or above its
 row's floor (ops/lm_head_group_maxima.py with `Appends`), one sort per row; rows whose floor
 kept fewer than k elements or more than the slots redone exactly. Interpreter tiles: 16 rows ×
-32 columns, groups of 8 (the real shape runs on a GPU in tests/test_teacher_epilogue.py, the 64 MiB
+32 columns, groups of 8 (the real shape runs on a GPU in tests/test_teacher_schedule.py, the 64 MiB
 bound through ``lean=True`` in tests/test_teacher_maxima.py)."""
 import pytest
 import torch

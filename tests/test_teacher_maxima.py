@@ -3,7 +3,7 @@ group's maximum, its column and second largest (ops/lm_head_group_maxima.py, ``g
 single-candidate groups' keys straight from them and the groups holding two or more top-k
 elements computed again (ops/topk_from_group_top2.py); overflowing rows redone exactly.
 Interpreter tiles: 16 rows × 32 columns, groups of 8 (the real shape runs on a GPU in
-tests/test_teacher_epilogue.py)."""
+tests/test_teacher_schedule.py)."""
 import pytest
 import torch
 
@@ -131,8 +131,7 @@ def test_thresholds_further_below_give_the_same_top_k(k, listing_steps, kth_step
 def test_gpu_teacher_stays_within_64_mib_at_8192_tokens(k, lean, backend):
     """The issue's memory target: beyond the inputs and the top-k it returns, the default
     schedules up to k = 1024 on either backend, and ``lean=True``, hold at most 64 MiB at
-    8192 × 4096 × 151,936 (the maxima schedule, measured 46-54 MiB on an H200; the appended
-    one 54-58 MiB)."""
+    8192 × 4096 × 151,936."""
     import kd_kernels as kd
 
     generator = torch.Generator(device="cuda").manual_seed(k)

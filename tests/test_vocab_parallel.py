@@ -2,8 +2,8 @@
 
 2 and 4 processes; V not divisible by the group (Megatron-padded shards, vocab_size < V);
 ignored rows; every divergence and support mode on the torch backend, a subset on the
-Triton backend (interpreter), both schedules; the teacher's epilogue schedule (16-bit inputs);
-teacher TP ≠ student TP.
+Triton backend (interpreter), both student schedules; the teacher's maxima and appended
+schedules (16-bit inputs); teacher TP ≠ student TP.
 """
 import os
 import sys
