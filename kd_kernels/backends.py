@@ -80,8 +80,8 @@ def _extension_missing_reason(package_dir: str, error: ImportError) -> str:
     """Why ``from kd_kernels import _C`` failed for the package in ``package_dir``, and what to do."""
     built_here = _extension_files(package_dir)
     if built_here:
-        return (f"kd_kernels._C at {built_here[0]} failed to load ({error}); rebuild it against this torch: {GPU_INSTALL}"
-                " from the repository root")
+        return (f"kd_kernels._C at {built_here[0]} failed to load ({error}); rebuild it against this torch: "
+                f"{GPU_INSTALL} from the repository root")
     elsewhere = _installed_extensions_elsewhere(package_dir)
     if elsewhere:
         return (f"the kd_kernels imported ({package_dir}) has no CUDA extension, but an installed kd_kernels has it "

@@ -18,6 +18,9 @@ from typing import Optional
 
 import torch
 
+from .candidates import merge_candidates
+from .topk import TopK
+
 
 @dataclass(frozen=True)
 class VocabShard:
@@ -137,13 +140,11 @@ def combine_logsumexp(local_lse: torch.Tensor, shard: VocabShard) -> torch.Tenso
 
 
 def combine_topk(values: torch.Tensor, ids: torch.Tensor, local_lse: torch.Tensor, k: int, temperature: float,
-                 shard: VocabShard):
+                 shard: VocabShard) -> TopK:
     """The exact global `TopK` from each rank's top-k candidates: values ``[N, k]`` tempered
     logits (-inf where missing), ids ``[N, k]`` global, local_lse ``[N]`` (no autograd).
     Gathers N·k values, N·k int32 ids and N scalars from each rank: N·(8k + 4)·W bytes with
     float32 values."""
-    from .candidates import merge_candidates
-
     all_values = all_gather(values, shard)  # [W, N, k], ranks in ascending order
     all_ids = all_gather(ids.to(torch.int32), shard).long()  # 4 + 4 bytes a candidate
     num_rows = values.shape[0]

@@ -79,8 +79,9 @@ class Appends:
     """Where an appending matmul puts each row's elements at or above the row's floor:
     ``floors [R]`` float32 (logits before τ, bias included), ``keys [R, capacity]`` int64
     (raw: the float's bits above the column, in no order, as the row sorts take them; slots past
-    a row's count are junk), ``counts [R]`` int32 (zero before the matmul; after it, the elements at or above the
-    floor, which may pass the capacity: such a row's keys are incomplete)."""
+    a row's count are junk), ``counts [R]`` int32 (zero before the matmul; after it, the
+    elements at or above the floor, which may pass the capacity: such a row's keys are
+    incomplete)."""
     floors: torch.Tensor
     keys: torch.Tensor
     counts: torch.Tensor

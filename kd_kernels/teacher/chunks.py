@@ -7,6 +7,7 @@ from typing import Optional
 
 import torch
 
+from ..distributed import combine_topk
 from ..lm_head import lm_head_logits_fp32
 from ..topk import TopK
 
@@ -57,8 +58,6 @@ def finish(values, indices, lse_tempered, k, temperature, shard) -> TopK:
     of N·k) and ids; under a `VocabShard`, the exact merge of every rank's candidates."""
     if shard is None:
         return TopK(values.sub_(lse_tempered.unsqueeze(-1)), indices.to(torch.int32), lse_tempered, temperature)
-    from ..distributed import combine_topk
-
     return combine_topk(values, indices, lse_tempered, k, temperature, shard)
 
 
