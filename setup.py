@@ -4,6 +4,11 @@ KD_KERNELS_BUILD_CUDA=auto (default): build it when torch with CUDA and nvcc are
     and csrc/ has sources; otherwise install pure Python and say why.
 KD_KERNELS_BUILD_CUDA=1: build it or fail.   KD_KERNELS_BUILD_CUDA=0: never build it.
 torch is imported only to build the extension, so a CPU install needs no torch at build time.
+
+The GPU install is editable, from the repository root:
+    KD_KERNELS_BUILD_CUDA=1 python -m pip install --no-build-isolation -e ".[triton]"
+setuptools (>= 64) builds extensions of an editable install in place, so kd_kernels/_C*.so
+sits in the source tree, which is what Python imports when run from the repository root.
 """
 import glob
 import os

@@ -10,7 +10,6 @@
 #include <string>
 #include <tuple>
 
-#include "candidates_from_groups.h"
 #include "sort_keys.h"
 #include "topk_candidates.h"
 
@@ -88,7 +87,7 @@ void check_int32_rows(const at::Tensor& tensor, const char* name, const at::Tens
   }
 }
 
-std::tuple<at::Tensor, at::Tensor> sort_keys(const at::Tensor& keys, const at::Tensor& counts, int64_t k, bool raw) {
+std::tuple<at::Tensor, at::Tensor> sort_keys(const at::Tensor& keys, const at::Tensor& counts, int64_t k) {
   if (!keys.is_cuda()) fail_value("keys: expected a CUDA tensor, got one on " + keys.device().str());
   if (keys.scalar_type() != at::kLong) {
     fail_type(std::string("keys: expected dtype int64, got ") + c10::toString(keys.scalar_type()));
@@ -109,56 +108,12 @@ std::tuple<at::Tensor, at::Tensor> sort_keys(const at::Tensor& keys, const at::T
   at::Tensor values = at::empty({rows, k}, keys.options().dtype(at::kFloat));
   at::Tensor columns = at::empty({rows, k}, keys.options().dtype(at::kInt));
   const cudaError_t status = kd_kernels::launch_sort_keys(
-      keys.data_ptr<int64_t>(), counts.data_ptr<int32_t>(), rows, capacity, k, raw, values.data_ptr<float>(),
+      keys.data_ptr<int64_t>(), counts.data_ptr<int32_t>(), rows, capacity, k, values.data_ptr<float>(),
       columns.data_ptr<int32_t>(), c10::cuda::getCurrentCUDAStream().stream());
   if (status != cudaSuccess) {
     throw std::runtime_error(std::string("sort_keys: CUDA launch failed: ") + cudaGetErrorString(status));
   }
   return {values, columns};
-}
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor> candidates_from_groups(
-    const at::Tensor& logits, const at::Tensor& group_ids, const at::Tensor& listed, const at::Tensor& thresholds,
-    int64_t width, double log2e_over_t, int64_t k, int64_t key_capacity) {
-  if (!logits.is_cuda()) fail_value("logits: expected a CUDA tensor, got one on " + logits.device().str());
-  if (logits.scalar_type() != at::kFloat) {
-    fail_type(std::string("logits: expected dtype float32, got ") + c10::toString(logits.scalar_type()));
-  }
-  if (logits.dim() != 2 || (logits.size(1) > 1 && logits.stride(1) != 1)) {
-    fail_value("logits: expected [rows, columns] with contiguous rows, got shape " + shape_of(logits));
-  }
-  const int64_t rows = logits.size(0);
-  check_int32_rows(group_ids, "group_ids", logits, rows, 2);
-  check_int32_rows(listed, "listed", logits, rows, 1);
-  check_int32_rows(thresholds, "thresholds", logits, rows, 1);
-  if (width < 1 || width > logits.size(1) || width > std::numeric_limits<int32_t>::max()) {
-    fail_value("width: expected 1 <= width <= logits.size(1) = " + std::to_string(logits.size(1)) + ", got " +
-               std::to_string(width));
-  }
-  if (key_capacity < 1 || key_capacity > kd_kernels::kMaxGroupCandidates) {
-    fail_value("key_capacity: expected 1 <= key_capacity <= " + std::to_string(kd_kernels::kMaxGroupCandidates) +
-               ", got " + std::to_string(key_capacity));
-  }
-  if (k < 1 || k > key_capacity) {
-    fail_value("k: expected 1 <= k <= key_capacity = " + std::to_string(key_capacity) + ", got " + std::to_string(k));
-  }
-  if (!std::isfinite(log2e_over_t) || log2e_over_t <= 0) {
-    fail_value("log2e_over_t: expected a finite value > 0, got " + std::to_string(log2e_over_t));
-  }
-  const c10::cuda::CUDAGuard guard(logits.device());
-  at::Tensor values = at::empty({rows, k}, logits.options());
-  at::Tensor columns = at::empty({rows, k}, logits.options().dtype(at::kInt));
-  at::Tensor overflowed = at::empty({rows}, logits.options().dtype(at::kByte));
-  const int64_t row_stride = rows > 1 ? logits.stride(0) : logits.size(1);
-  const cudaError_t status = kd_kernels::launch_candidates_from_groups(
-      logits.data_ptr<float>(), row_stride, group_ids.data_ptr<int32_t>(), group_ids.size(1),
-      listed.data_ptr<int32_t>(), thresholds.data_ptr<int32_t>(), rows, width, static_cast<float>(log2e_over_t), k,
-      key_capacity, values.data_ptr<float>(), columns.data_ptr<int32_t>(), overflowed.data_ptr<uint8_t>(),
-      c10::cuda::getCurrentCUDAStream().stream());
-  if (status != cudaSuccess) {
-    throw std::runtime_error(std::string("candidates_from_groups: CUDA launch failed: ") + cudaGetErrorString(status));
-  }
-  return {values, columns, overflowed.to(at::kBool)};
 }
 
 }  // namespace
@@ -173,17 +128,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
              pybind11::arg("logits"), pybind11::arg("k"), pybind11::arg("temperature"), pybind11::arg("width"));
   module.attr("MAX_SORT_KEYS") = kd_kernels::kMaxSortKeys;
   module.def("sort_keys", &sort_keys,
-             "The k largest of each row's first counts[r] (value, column) int64 keys (kd_kernels/ops/sort_keys.py's "
-             "packing), in order: (values [rows, k] float32, descending, lower column first on ties, -inf past the "
-             "count; columns [rows, k] int32, 0 there). raw: the keys as the appending matmul stores them (the "
-             "float's bits above the column), made sortable as they are loaded.",
-             pybind11::arg("keys"), pybind11::arg("counts"), pybind11::arg("k"), pybind11::arg("raw") = false);
-  module.attr("GROUP_COLUMNS") = kd_kernels::kGroupColumns;
-  module.def("candidates_from_groups", &candidates_from_groups,
-             "Each row's top-k among the elements of its listed 32-column groups whose logit * log2e_over_t "
-             "reaches its threshold (int32 ordered bits): (values [rows, k] float32, descending, lower column "
-             "first on ties, -inf past their count; columns [rows, k] int32; overflowed [rows] bool: more than "
-             "key_capacity reached it).",
-             pybind11::arg("logits"), pybind11::arg("group_ids"), pybind11::arg("listed"), pybind11::arg("thresholds"),
-             pybind11::arg("width"), pybind11::arg("log2e_over_t"), pybind11::arg("k"), pybind11::arg("key_capacity"));
+             "The k largest of each row's first counts[r] int64 keys as the appending matmul stores them (a float's "
+             "bits above its column), in order: (values [rows, k] float32, descending, lower column first on ties, "
+             "-inf past the count; columns [rows, k] int32, 0 there).",
+             pybind11::arg("keys"), pybind11::arg("counts"), pybind11::arg("k"));
 }

@@ -1,4 +1,5 @@
-// Block-wide bitonic sort in shared memory, shared by the kernels of this folder.
+// Block-wide descending bitonic sorts: in shared memory (the top-k kernel) and with the keys in
+// registers (the key sort), shared by the kernels of this folder.
 #pragma once
 #include <cstdint>
 #include <type_traits>
@@ -32,10 +33,8 @@ namespace kd_kernels {
 // Descending bitonic sort of the kThreads * ITEMS keys a block holds in registers, thread t the
 // keys t * ITEMS + r (r < ITEMS) before and after; shared holds kThreads * ITEMS keys. A step
 // whose partner is in the same thread runs in registers, one in the same warp by shuffles, and
-// only the steps across warps (6 of 66 at 2048 keys, 8 a thread) through shared memory: the
-// shared-memory sort above moves every key through shared memory at every step (~0.6 of its
-// 1.1 ms over 8192 rows of 2048 keys on an H200, estimated from that traffic at 128 bytes a
-// clock; measured, the register sort took 0.82-0.86 ms: NOTES e32).
+// only the steps across warps (6 of 66 at 2048 keys, 8 a thread) through shared memory, where
+// the shared-memory sort above moves every key through shared memory at every step.
 template <int kThreads, int ITEMS>
 __device__ __forceinline__ void sort_descending_in_registers(uint64_t (&keys)[ITEMS], uint64_t* shared) {
   constexpr int kSize = kThreads * ITEMS;

@@ -10,15 +10,14 @@ namespace kd_kernels {
 constexpr int kMaxSortKeys = 4096;
 
 // For each of `rows` rows of `keys` (row r at keys + r * capacity), the first counts[r] keys
-// (at most capacity) are (value, column) pairs packed as kd_kernels/ops/sort_keys.py does:
-// the float's bits made to order as a signed int32 in the high half, the complemented column
-// in the low half, so that a larger signed key is a larger value, then a lower column; or,
-// `raw`, as the appending matmul stores them (ops/lm_head_group_maxima.py: the float's bits in
-// the high half, the column in the low half), made sortable as they are loaded. Writes
-//   values [rows, k] float32: the values of the k largest keys, descending; -inf past counts[r];
+// (at most capacity) are (value, column) pairs as the appending matmul stores them
+// (kd_kernels/ops/lm_head_group_maxima.py: the float's bits in the high half, the column in the
+// low half). Writes
+//   values [rows, k] float32: the k largest values, descending, the lower column first among
+//       equal values (-0.0 and 0.0 are equal); -inf past counts[r];
 //   columns [rows, k] int32: their columns; 0 past counts[r].
 // Requires 1 <= k <= capacity <= kMaxSortKeys, 0 <= counts[r] (larger counts read as capacity).
 cudaError_t launch_sort_keys(const int64_t* keys, const int32_t* counts, int64_t rows, int64_t capacity, int64_t k,
-                             bool raw, float* values, int32_t* columns, cudaStream_t stream);
+                             float* values, int32_t* columns, cudaStream_t stream);
 
 }  // namespace kd_kernels

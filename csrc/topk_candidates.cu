@@ -25,11 +25,9 @@
 #include <cuda_pipeline.h>
 #include <algorithm>
 #include <cfloat>
-#include <cstdlib>
 
 #include "bitonic.cuh"
 #include "keys.cuh"
-#include "switches.h"
 #include "topk_candidates.h"
 
 namespace cg = cooperative_groups;
@@ -46,27 +44,29 @@ struct Wide {
 struct Narrow {
   static constexpr int kThreads = 256, kBlocksPerSM = 4, kCapacity = 4096;
 };
-// 16-bit rows are bound by instructions (twice the elements per byte), so the serial work of
-// each row hides better behind three streaming blocks than behind one: 4-13 % faster there;
-// float32 rows are bound by HBM and gain nothing consistent at vocabulary length (A/B in turn,
-// NOTES: 0.98-1.03x at 128k-152k columns), but shorter ones do, the serial work of a row weighing
-// more against fewer bytes: k = 64, narrow / wide time 0.69-0.71 at 12,288 columns (the lean
-// schedule's tiles), 0.71-0.73 at 19,000, 0.78-0.79 at 32,768, 0.86-0.87 at 65,536 (H200)
+// Narrow blocks where the serial work of a row (its sort) weighs most against its reads: 16-bit
+// rows (bound by instructions, twice the elements per byte) and float32 rows of at most
+// kNarrowMaxFloat32Width columns (the lean schedule's tiles, tensor-parallel shards); wide
+// blocks for longer float32 rows, which are bound by HBM. The two shapes sum the logsumexp in
+// other orders (float32 rounding apart); ids are the same.
 template <typename T>
-constexpr bool kNarrowDefault = sizeof(T) == 2;
+constexpr bool kNarrowFor16Bit = sizeof(T) == 2;
 constexpr int64_t kNarrowMaxFloat32Width = 65536;
 constexpr int kSamplesPerThread = 8;
-constexpr bool kPipelineDefault = true;  // the cp.async pass 1 for 16-bit logits: +1-3 points of copy bandwidth (NOTES)
-constexpr bool kFilterDefault = true;  // drop pass-1 candidates below T before the sort: 1-5 % faster (NOTES)
+// Pass 1 over 16-bit rows streams 16-byte packs through a cp.async pipeline in shared memory
+// (more bytes in flight than registers allow); float32 rows go through registers.
+template <typename T>
+constexpr bool kPipelined = sizeof(T) == 2;
 // the pass-1 floor: the previous row's T minus this many times the mean row-to-row move of T;
 // float32 rows gain from a wider one (fewer second reads), 16-bit ones do not (their pass 1 is
-// bound by instructions, which the extra candidates add to): A/B in NOTES
+// bound by instructions, which the extra candidates add to)
 template <typename T>
-constexpr float kMarginDefault = sizeof(T) == 4 ? 3.f : 2.f;
+constexpr float kMarginFactor = sizeof(T) == 4 ? 3.f : 2.f;
+constexpr float kLog2e = 1.4426950408889634f;  // log2(e): pass 1 sums 2^((z - max) · log2e / τ)
 static_assert(Wide::kCapacity >= 8 * kMaxTopK, "the candidate buffer must hold several times k");
 constexpr int kNarrowMaxTopK = Narrow::kCapacity / 8;
 // 16-byte loads in flight per thread: 16 elements per thread per step whatever the dtype
-// (4 for 16-bit types spilled registers under the 64-register bound of 2 blocks per SM)
+// (4 for 16-bit types would need more registers than the 64 that two blocks per SM leave)
 template <typename T>
 constexpr int kUnroll = sizeof(T) == 4 ? 4 : 2;
 
@@ -355,8 +355,7 @@ __device__ int collect_exact(const T* row, int width, int k, uint32_t low, uint3
 template <typename T, typename Shape>
 __global__ void __launch_bounds__(Shape::kThreads, Shape::kBlocksPerSM)
 topk_candidates_kernel(const T* __restrict__ logits, int64_t rows, int64_t row_stride, int width, int k,
-                       float temperature, bool pipelined, bool filter, float margin_factor,
-                       float* __restrict__ values, int32_t* __restrict__ indices, float* __restrict__ lse) {
+                       float temperature, float* __restrict__ values, int32_t* __restrict__ indices, float* __restrict__ lse) {
   constexpr int kCapacity = Shape::kCapacity, kWarps = Shape::kThreads / 32;
   using Primitives = BlockPrimitives<Shape::kThreads>;
   extern __shared__ uint64_t buffer[];  // kCapacity entries, then (16-bit logits) the pipeline's stages
@@ -386,8 +385,8 @@ topk_candidates_kernel(const T* __restrict__ logits, int64_t rows, int64_t row_s
     float floor = previous_threshold - margin;
     if (!isfinite(floor)) floor = INFINITY;  // nothing to go by: collect in pass 2
 
-    RowScan scan(1.4426950408889634f / temperature, floor, buffer, &count, kCapacity);
-    if (sizeof(T) == 2 && pipelined) {
+    RowScan scan(kLog2e / temperature, floor, buffer, &count, kCapacity);
+    if (kPipelined<T>) {
       visit_row_pipelined(row, width, scan, reinterpret_cast<Pack<T>*>(buffer + kCapacity));
     } else {
       visit_row(row, width, scan);
@@ -408,8 +407,8 @@ topk_candidates_kernel(const T* __restrict__ logits, int64_t rows, int64_t row_s
     const bool collected = found <= kCapacity && threshold_value >= floor;
     const float move = fabsf(threshold_value - previous_threshold);
     if (isfinite(move)) mean_move = 0.8f * mean_move + 0.2f * move;
-    margin = collected ? margin_factor * mean_move + 1e-3f * fabsf(threshold_value)
-                       : margin + margin_factor * fmaxf(floor - threshold_value, 0.f);
+    margin = collected ? kMarginFactor<T> * mean_move + 1e-3f * fabsf(threshold_value)
+                       : margin + kMarginFactor<T> * fmaxf(floor - threshold_value, 0.f);
     if (!isfinite(margin)) margin = 0.f;
     previous_threshold = threshold_value;
     __syncthreads();
@@ -429,7 +428,7 @@ topk_candidates_kernel(const T* __restrict__ logits, int64_t rows, int64_t row_s
       }
     }
     uint64_t* candidates = buffer;
-    if (filter && collected && found <= kCapacity / 2) {
+    if (collected && found <= kCapacity / 2) {
       // pass 1 collected from a floor below T: only the elements >= T (at least k, all of the
       // top k, every tie of the k-th value among them) go to the sort, in the upper half
       if (threadIdx.x == 0) count = 0;
@@ -469,30 +468,10 @@ topk_candidates_kernel(const T* __restrict__ logits, int64_t rows, int64_t row_s
   }
 }
 
-// The switches the launcher reads from the environment (benchmarks compare their settings;
-// none changes a result bit): KD_KERNELS_TOPK_PIPELINE, _FILTER, _NARROW = 0 / 1 and
-// _MARGIN = x override the defaults above.
-struct Switches {
-  bool pipelined, filter, narrow;
-  float margin_factor;
-};
-
-template <typename T>
-Switches read_switches(int64_t k, int64_t width) {
-  const char* margin = std::getenv("KD_KERNELS_TOPK_MARGIN");
-  const bool narrow_default = kNarrowDefault<T> || width <= kNarrowMaxFloat32Width;
-  return {sizeof(T) == 2 && switch_on("KD_KERNELS_TOPK_PIPELINE", kPipelineDefault),
-          switch_on("KD_KERNELS_TOPK_FILTER", kFilterDefault),
-          k <= kNarrowMaxTopK && switch_on("KD_KERNELS_TOPK_NARROW", narrow_default),
-          margin ? std::strtof(margin, nullptr) : kMarginDefault<T>};
-}
-
 template <typename T, typename Shape>
 cudaError_t launch_shape(const void* logits, int64_t rows, int64_t row_stride, int64_t width, int64_t k,
-                         float temperature, const Switches& switches, float* values, int32_t* indices, float* lse,
-                         cudaStream_t stream) {
-  const int shared_bytes =
-      Shape::kCapacity * sizeof(uint64_t) + (switches.pipelined ? kStages * Shape::kThreads * 16 : 0);
+                         float temperature, float* values, int32_t* indices, float* lse, cudaStream_t stream) {
+  const int shared_bytes = Shape::kCapacity * sizeof(uint64_t) + (kPipelined<T> ? kStages * Shape::kThreads * 16 : 0);
   const cudaError_t attribute = cudaFuncSetAttribute(topk_candidates_kernel<T, Shape>,
                                                      cudaFuncAttributeMaxDynamicSharedMemorySize, shared_bytes);
   if (attribute != cudaSuccess) return attribute;
@@ -504,7 +483,7 @@ cudaError_t launch_shape(const void* logits, int64_t rows, int64_t row_stride, i
   const int64_t blocks = std::min<int64_t>(rows, Shape::kBlocksPerSM * static_cast<int64_t>(processors));
   topk_candidates_kernel<T, Shape><<<static_cast<unsigned int>(blocks), Shape::kThreads, shared_bytes, stream>>>(
       static_cast<const T*>(logits), rows, row_stride, static_cast<int>(width), static_cast<int>(k), temperature,
-      switches.pipelined, switches.filter, switches.margin_factor, values, indices, lse);
+      values, indices, lse);
   return cudaGetLastError();
 }
 
@@ -512,13 +491,10 @@ template <typename T>
 cudaError_t launch(const void* logits, int64_t rows, int64_t row_stride, int64_t width, int64_t k, float temperature,
                    float* values, int32_t* indices, float* lse, cudaStream_t stream) {
   if (rows == 0) return cudaSuccess;
-  const Switches switches = read_switches<T>(k, width);
-  if (switches.narrow) {
-    return launch_shape<T, Narrow>(logits, rows, row_stride, width, k, temperature, switches, values, indices, lse,
-                                   stream);
+  if (k <= kNarrowMaxTopK && (kNarrowFor16Bit<T> || width <= kNarrowMaxFloat32Width)) {
+    return launch_shape<T, Narrow>(logits, rows, row_stride, width, k, temperature, values, indices, lse, stream);
   }
-  return launch_shape<T, Wide>(logits, rows, row_stride, width, k, temperature, switches, values, indices, lse,
-                               stream);
+  return launch_shape<T, Wide>(logits, rows, row_stride, width, k, temperature, values, indices, lse, stream);
 }
 
 }  // namespace

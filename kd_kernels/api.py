@@ -6,7 +6,7 @@ from typing import Optional
 
 import torch
 
-from . import reference, vocab_parallel
+from . import torch_backend
 from .backends import CUDA_MAX_TOPK, resolve_backend
 from .distributed import vocab_shard
 from .options import DivergenceOptions, check_temperature
@@ -18,6 +18,7 @@ from .validation import (
     check_lm_head,
     check_logits,
     check_num_tokens,
+    check_schedule_options,
     check_teacher,
     check_teacher_values,
     resolve_vocab_size,
@@ -63,11 +64,11 @@ def _teacher_backend(backend: str, op: str, device: torch.device, k: int) -> str
 def teacher_topk(hidden: torch.Tensor, weight: torch.Tensor, k: int = 64, *, temperature: float = 1.0,
                  vocab_size: Optional[int] = None, bias: Optional[torch.Tensor] = None, group=None,
                  logprobs_dtype: torch.dtype = torch.float32, backend: str = "auto",
-                 chunk_rows: Optional[int] = None, lean: bool = False, fused: bool = False) -> TopK:
+                 chunk_rows: Optional[int] = None, lean: bool = False) -> TopK:
     """Top-k of the teacher's tempered distribution straight from hidden states and lm_head.
 
     Equals ``torch.log_softmax((hidden @ weight.T + bias)[:, :V*].float() / temperature, -1).topk(k)``
-    with ties broken towards the lower id, but never holds ``[N, V]`` logits on the fused backends.
+    with ties broken towards the lower id, but never holds ``[N, V]`` logits on the GPU backends.
 
     Args:
         hidden: ``[N, H]`` float32 / bfloat16 / float16 teacher final hidden states.
@@ -78,71 +79,44 @@ def teacher_topk(hidden: torch.Tensor, weight: torch.Tensor, k: int = 64, *, tem
         bias: optional ``[V]``.
         logprobs_dtype: dtype of ``TopK.logprobs``.
         backend: "auto" | "cuda" | "triton" | "torch" (see `available_backends`); "auto" takes
-            cuda (the CUDA top-k kernel, k <= 1024) when built, else triton (a Triton threshold
-            select; no compiled extension needed). bf16 / fp16 inputs take, on either GPU
-            backend, a Triton matmul whose epilogue also summarizes each row, and no chunk of
-            logits stored up to k = 1024: at k <= 64 the maxima schedule (each 32-column
-            group's maximum, its column and its second largest give the top-k, the few groups
-            holding two top-k elements computed again; ~50 MiB beyond the outputs at 8192 rows;
-            on an H200 at k = 64 1.07-1.22x the bare matmul in blocks, 1.10-1.15x after idle,
-            1.09-1.29x timed in turn with it, over the last three runs); past it the appended
-            schedule (floors from every 50th column, the epilogue matmul appending each
-            element that reaches its row's floor, one ranking per row: the extension's sort on
-            cuda, a Triton selection then a sort of k on triton; within 56 MiB; k = 1024 on
-            cuda 1.17-1.24x in blocks, 1.22-1.28x after idle, 1.25-1.40x in turn, on triton
-            1.35 / 1.18x in blocks, Qwen- / Llama-like; benchmarks/RESULTS.md); the backend's
-            own selection then only redoes rows of massive ties.
-            ``KD_KERNELS_TEACHER_SCHEDULE=cublas`` forces cuBLAS logits + the full-row selection;
-            ``=maxima`` (k <= 256), ``=appended`` or ``=epilogue`` (k <= 1024) one of the above.
-        chunk_rows: rows per chunk on the GPU backends (``chunk_rows · V · 4`` bytes for the
-            schedules that store logits); None: ~1.25 GiB, or within ~56 MiB for the maxima and
-            appended ones.
-        lean: ≤ ~64 MiB beyond the inputs and outputs whatever N and V: bf16 / fp16 inputs take
-            the default's schedules (maxima at k <= 64, appended up to k = 1024, on either
-            backend), others tiles of rows × vocab columns (48 MiB of float32 logits plus
-            ~16 MiB for merging; 2.9-3.3× at k = 1024).
-        fused: the top-k chosen in the epilogue of a Triton matmul (triton backend): no logits in
-            memory at all, ``N · S · C · 8`` bytes of candidates (S vocab splits, C ≥ k + 128);
-            k <= 256. Exact, but slow: 2.9–4.3× the bare matmul on an H200, against
-            1.04–1.10× for the default schedule in blocks (benchmarks/RESULTS.md); off by default.
+            cuda (the CUDA extension, k <= 1024) when built, else triton (no compiled extension
+            needed), on a CUDA device; torch (the float64 reference) on CPU. bf16 / fp16 inputs
+            take, on either GPU backend, a Triton matmul whose epilogue also summarizes each row,
+            and store no chunk of logits up to k = 1024: at k <= 64 the maxima schedule (each
+            32-column group's maximum, its column and its second largest give the top-k, the few
+            groups holding two top-k elements computed again), past it the appended schedule
+            (floors from a strided sample of the columns, the matmul appending each element that
+            reaches its row's floor, one ranking per row: the extension's sort on cuda, a Triton
+            selection then a sort of k on triton); both within ~56 MiB beyond the outputs
+            whatever N and V. Float32 inputs and k > 1024 take cuBLAS float32 logits a chunk of
+            rows at a time, then the backend's full-row selection, which also redoes the rows of
+            massive ties the other schedules flag.
+        chunk_rows: None or rows per chunk on the GPU backends (``chunk_rows · V · 4`` bytes for
+            the cuBLAS logits chunks); None: ~1.25 GiB of logits, or within ~56 MiB for the
+            maxima and appended schedules.
+        lean: ≤ ~64 MiB beyond the inputs and outputs whatever N and V: the maxima and appended
+            schedules as above where they apply, else tiles of rows × vocab columns (48 MiB of
+            float32 logits plus ~16 MiB for merging) instead of chunks of whole rows. Not with
+            ``chunk_rows``.
     Returns:
         `TopK` with ``logprobs [N, k]``, ``indices [N, k]`` int32, ``lse [N]`` float32.
     """
     check_lm_head(hidden, weight, bias)
     check_temperature(temperature)
+    check_schedule_options(chunk_rows, lean)
     vocab_size, shard = _vocab(group, weight.shape[0], vocab_size, "weight")
     check_k(k, vocab_size)
     _check_logprobs_dtype(logprobs_dtype)
-    # fused is a Triton kernel: "auto" means triton there
-    chosen = _teacher_backend("triton" if fused and backend == "auto" else backend, "teacher_topk", hidden.device, k)
-    if fused:
-        from .ops.lm_head_topk import FUSED_MAX_K
-
-        if chosen != "triton" or lean or chunk_rows is not None:
-            raise ValueError(f"fused=True: runs on the triton backend with its own tiles; got backend {chosen!r}, "
-                             f"lean={lean}, chunk_rows={chunk_rows} (pass backend='triton' and neither of the others)")
-        if k > FUSED_MAX_K:
-            raise ValueError(f"k: fused=True supports 1 <= k <= {FUSED_MAX_K}, got {k} (the default schedule "
-                             "takes any k)")
+    chosen = _teacher_backend(backend, "teacher_topk", hidden.device, k)
     if chosen in ("cuda", "triton"):
-        from . import teacher_chunked as chunked
+        from .teacher.schedule import teacher_topk as scheduled, teacher_topk_lean
 
-        if fused:
-            topk = chunked.teacher_topk_fused(hidden, weight, k, temperature, vocab_size, bias, shard)
-        elif lean:
-            if chunk_rows is not None:
-                raise ValueError("chunk_rows: applies to the default schedule only; pass lean=True or chunk_rows, "
-                                 "not both")
-            topk = chunked.teacher_topk_lean(hidden, weight, k, temperature, vocab_size, bias, shard,
-                                             select=chosen)
+        if lean:
+            topk = teacher_topk_lean(hidden, weight, k, temperature, vocab_size, bias, shard, select=chosen)
         else:
-            topk = chunked.teacher_topk(hidden, weight, k, temperature, vocab_size, bias, chunk_rows, shard,
-                                        select=chosen)
-    elif shard is not None:
-        topk = vocab_parallel.teacher_topk_from_logits(reference.lm_head_logits(hidden, weight, bias), k, temperature,
-                                                       shard)
+            topk = scheduled(hidden, weight, k, temperature, vocab_size, bias, chunk_rows, shard, select=chosen)
     else:
-        topk = reference.teacher_topk(hidden, weight, k, temperature, vocab_size, bias)
+        topk = torch_backend.teacher_topk(hidden, weight, k, temperature, vocab_size, bias, shard)
     return _finish_topk(topk, logprobs_dtype)
 
 
@@ -161,18 +135,16 @@ def teacher_topk_from_logits(logits: torch.Tensor, k: int = 64, *, temperature: 
     _check_logprobs_dtype(logprobs_dtype)
     chosen = _teacher_backend(backend, "teacher_topk_from_logits", logits.device, k)
     if chosen in ("cuda", "triton"):
-        from . import teacher_chunked as chunked
+        from .teacher.logits_rows import teacher_topk_from_logits as from_logits
 
         if logits.shape[1] > 1 and logits.stride(1) != 1:
             raise ValueError(f"logits: the {chosen} backend reads rows in place and needs contiguous rows "
                              f"(logits.stride(1) == 1), got strides {tuple(logits.stride())}; pass "
                              "logits.contiguous() (a copy of [N, V])")
 
-        topk = chunked.teacher_topk_from_logits(logits, k, temperature, vocab_size, shard, select=chosen)
-    elif shard is not None:
-        topk = vocab_parallel.teacher_topk_from_logits(logits, k, temperature, shard)
+        topk = from_logits(logits, k, temperature, vocab_size, shard, select=chosen)
     else:
-        topk = reference.teacher_topk_from_logits(logits, k, temperature, vocab_size)
+        topk = torch_backend.teacher_topk_from_logits(logits, k, temperature, vocab_size, shard)
     return _finish_topk(topk, logprobs_dtype)
 
 
@@ -241,19 +213,17 @@ def topk_divergence(hidden: torch.Tensor, weight: torch.Tensor, teacher: TopK, l
         return_metrics: also return a dict of detached sums (see SPEC "Loss").
         check_values: check teacher ids, NaN log-probs and labels on the device (one host sync).
         backend: "auto" | "triton" | "cuda" | "torch".
-        chunk_rows: rows per chunk of the fast schedule (triton backend): extra memory is
-            ``chunk_rows · V · 4`` bytes; None picks ~1.25 GiB worth.
+        chunk_rows: None or rows per chunk of the default schedule (triton backend): extra memory
+            is ``chunk_rows · V · 4`` bytes; None picks ~1.25 GiB worth.
         lean: the lean schedule instead (triton backend): chunks of ≤ 232 MiB of float32 logits
-            (384 rows at V = 151,936), ≤ 256 MiB extra whatever N, ~1.5× the bare matmuls.
+            (384 rows at V = 151,936), ≤ 256 MiB extra whatever N, for one more read-modify-write
+            of the weight gradient per chunk. Not with ``chunk_rows``.
     Returns:
         float32 loss (float64 for float64 inputs), a scalar or ``[N]`` for reduction="none"; and the
         metrics dict if asked.
     """
     check_lm_head(hidden, weight, bias)
-    if lean and chunk_rows is not None:
-        raise ValueError("chunk_rows: applies to the fast schedule only; pass lean=True or chunk_rows, not both")
-    if chunk_rows is not None and (not isinstance(chunk_rows, int) or chunk_rows < 1):
-        raise ValueError(f"chunk_rows: expected None or an int >= 1, got {chunk_rows!r}")
+    check_schedule_options(chunk_rows, lean)
     options, shard = _student_options(group, weight.shape[0], "weight", teacher, _loss_options(locals()))
     _check_student_inputs(hidden.shape[0], hidden.device, teacher, labels, options, num_tokens, check_values)
     chosen = resolve_backend(backend, "topk_divergence", hidden.device)
@@ -262,11 +232,8 @@ def topk_divergence(hidden: torch.Tensor, weight: torch.Tensor, teacher: TopK, l
 
         return fused_topk_divergence(hidden, weight, bias, teacher, labels, options, num_tokens, return_metrics,
                                      chunk_rows, lean, shard)
-    if shard is not None:
-        result = vocab_parallel.topk_divergence(hidden, weight, bias, teacher, labels, options, num_tokens, shard,
-                                                return_metrics)
-    else:
-        result = reference.topk_divergence(hidden, weight, teacher, labels, options, num_tokens, bias, return_metrics)
+    result = torch_backend.topk_divergence(hidden, weight, bias, teacher, labels, options, num_tokens, shard,
+                                           return_metrics)
     return _loss_dtype_result(result, hidden.dtype, return_metrics)
 
 
@@ -289,9 +256,6 @@ def topk_divergence_from_logits(logits: torch.Tensor, teacher: TopK, labels: Opt
         from .autograd.student_loss import fused_topk_divergence_from_logits
 
         return fused_topk_divergence_from_logits(logits, teacher, labels, options, num_tokens, return_metrics, shard)
-    if shard is not None:
-        result = vocab_parallel.topk_divergence_from_logits(logits, teacher, labels, options, num_tokens, shard,
-                                                            return_metrics)
-    else:
-        result = reference.topk_divergence_from_logits(logits, teacher, labels, options, num_tokens, return_metrics)
+    result = torch_backend.topk_divergence_from_logits(logits, teacher, labels, options, num_tokens, shard,
+                                                       return_metrics)
     return _loss_dtype_result(result, logits.dtype, return_metrics)

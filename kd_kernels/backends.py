@@ -7,7 +7,10 @@ Nothing here imports Triton or the CUDA extension until a backend is asked about
 from __future__ import annotations
 
 import functools
+import importlib.machinery
+import importlib.metadata
 import os
+import sys
 import warnings
 
 import torch
@@ -39,7 +42,53 @@ def _triton_status() -> tuple[bool, str]:
         return True, f"triton {triton.__version__} on CUDA"
     if triton_interpreter_enabled():
         return True, f"triton {triton.__version__} under TRITON_INTERPRET=1 (CPU, slow, tests only)"
-    return False, "no CUDA device (set TRITON_INTERPRET=1 to run the kernels on CPU, slowly)"
+    return False, ("no CUDA device (to run the kernels on CPU, slowly, set TRITON_INTERPRET=1 before Python starts: "
+                   "the kernels read it when they are defined, and this status is cached)")
+
+
+# the documented GPU install: kd_kernels/_C*.so built in place, so that the source tree has it
+GPU_INSTALL = 'KD_KERNELS_BUILD_CUDA=1 python -m pip install --no-build-isolation -e ".[triton]"'
+
+
+def _extension_files(package_dir: str) -> list[str]:
+    """The compiled ``_C`` modules (any of this Python's extension suffixes) in ``package_dir``."""
+    names = ["_C" + suffix for suffix in importlib.machinery.EXTENSION_SUFFIXES]
+    return [os.path.join(package_dir, name) for name in names if os.path.isfile(os.path.join(package_dir, name))]
+
+
+def _installed_extensions_elsewhere(package_dir: str) -> list[str]:
+    """Built ``kd_kernels/_C*`` modules of other copies of the package than ``package_dir``: the
+    installed distribution's files (importlib.metadata) and every ``kd_kernels`` folder on
+    sys.path; none of them is imported."""
+    found = []
+    try:
+        distribution = importlib.metadata.distribution("kd_kernels")
+        found += [str(distribution.locate_file(file)) for file in distribution.files or ()
+                  if file.parent.name == "kd_kernels" and file.name.startswith("_C.")]
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    for entry in sys.path:
+        spec = importlib.machinery.PathFinder.find_spec("kd_kernels", [entry or os.getcwd()])
+        for location in (spec.submodule_search_locations or []) if spec else []:
+            found += _extension_files(location)
+    here = os.path.realpath(package_dir)
+    elsewhere = [path for path in found if os.path.isfile(path) and os.path.realpath(os.path.dirname(path)) != here]
+    return list(dict.fromkeys(os.path.realpath(path) for path in elsewhere))
+
+
+def _extension_missing_reason(package_dir: str, error: ImportError) -> str:
+    """Why ``from kd_kernels import _C`` failed for the package in ``package_dir``, and what to do."""
+    built_here = _extension_files(package_dir)
+    if built_here:
+        return (f"kd_kernels._C at {built_here[0]} failed to load ({error}); rebuild it against this torch: "
+                f"{GPU_INSTALL} from the repository root")
+    elsewhere = _installed_extensions_elsewhere(package_dir)
+    if elsewhere:
+        return (f"the kd_kernels imported ({package_dir}) has no CUDA extension, but an installed kd_kernels has it "
+                f"({elsewhere[0]}): this source tree shadows the installed package. Run from another directory, or "
+                f"build the extension in place with the editable install: {GPU_INSTALL}")
+    return (f"the CUDA extension kd_kernels._C is not built in {package_dir} ({error}); on a machine with nvcc and a "
+            f"CUDA build of torch, from the repository root: {GPU_INSTALL}")
 
 
 @functools.lru_cache(maxsize=None)
@@ -47,8 +96,7 @@ def _cuda_status() -> tuple[bool, str]:
     try:
         from . import _C
     except ImportError as error:
-        return False, (f"the CUDA extension kd_kernels._C is not built ({error}); on a machine with nvcc and a CUDA "
-                       "build of torch: KD_KERNELS_BUILD_CUDA=1 python -m pip install --no-build-isolation .")
+        return False, _extension_missing_reason(os.path.dirname(os.path.abspath(__file__)), error)
     if not torch.cuda.is_available():
         return False, "the CUDA extension is built but there is no CUDA device"
     return True, f"kd_kernels._C built for torch {torch.__version__}, top-k up to k = {_C.MAX_TOPK}"

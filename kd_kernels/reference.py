@@ -137,24 +137,16 @@ def teacher_shard_candidates(shard: torch.Tensor, rank: int, k: int, temperature
     return values, ids, torch.logsumexp(tempered, dim=-1)
 
 
-def top_of_candidates(values: torch.Tensor, ids: torch.Tensor, k: int):
-    """The k largest of candidate sets concatenated in ascending id order (each set ordered by
-    value, lower id first on ties): a stable descending sort keeps lower ids first among
-    equal values. Returns (values ``[N, k]``, ids ``[N, k]``)."""
-    ranked, order = torch.sort(values, dim=-1, descending=True, stable=True)
-    return ranked[:, :k], ids.gather(-1, order[:, :k])
-
-
 def merge_teacher_candidates(values: torch.Tensor, ids: torch.Tensor, local_lses: torch.Tensor, k: int,
-                             temperature: float) -> TopK:
-    """Exact global top-k from ``[N, W·k]`` candidates concatenated in ascending shard order
-    and ``[N, W]`` shard logsumexps. Each shard's ties are already lower-id first, so a
-    stable sort keeps lower global ids first on ties."""
+                             temperature: float, vocab_size: int) -> TopK:
+    """Exact global top-k from ``[N, W·k]`` candidates (global ids; -inf at id 0 where a shard has
+    fewer columns) and ``[N, W]`` shard logsumexps: the candidates put back in a row of V* columns
+    (-inf elsewhere), then that row's top-k."""
     lse = torch.logsumexp(local_lses, dim=-1)
-    merged_values, merged_ids = top_of_candidates(values, ids, k)
-    logprobs = merged_values - lse.unsqueeze(-1)
-    merged_ids = torch.where(torch.isfinite(logprobs), merged_ids, 0)
-    return TopK(logprobs, merged_ids.to(torch.int32), lse, temperature)
+    row = values.new_full((values.shape[0], vocab_size), -math.inf)
+    row.scatter_reduce_(-1, ids.long(), values, reduce="amax")  # a missing entry's -inf leaves column 0 as it is
+    logprobs, indices = _sorted_topk(row - lse.unsqueeze(-1), k)
+    return TopK(logprobs, indices.to(torch.int32), lse, temperature)
 
 
 def teacher_topk_sharded(logit_shards: Sequence[torch.Tensor], k: int, temperature: float = 1.0,
@@ -164,7 +156,8 @@ def teacher_topk_sharded(logit_shards: Sequence[torch.Tensor], k: int, temperatu
     vocab_size = _global_vocab(logit_shards, vocab_size)
     parts = [teacher_shard_candidates(shard, rank, k, temperature, vocab_size) for rank, shard in enumerate(logit_shards)]
     values, ids, lses = zip(*parts)
-    return merge_teacher_candidates(torch.cat(values, -1), torch.cat(ids, -1), torch.stack(lses, -1), k, temperature)
+    return merge_teacher_candidates(torch.cat(values, -1), torch.cat(ids, -1), torch.stack(lses, -1), k, temperature,
+                                    vocab_size)
 
 
 def _owned_gather(columns: torch.Tensor, global_ids: torch.Tensor, column_offset: int):

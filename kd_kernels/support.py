@@ -1,14 +1,14 @@
 """The loss once every row is reduced to its statistics: bins, divergences, CE, reduction.
 
-Everything here is O(N·k) and differentiable with torch autograd. The reference feeds it
-float64 statistics taken from materialized logits; the fused kernels feed it float32
-statistics taken tile by tile, and differentiate it to get the gradient at the k teacher
-ids, at the label, and with respect to the row logsumexps.
+Everything here is O(N·k) and differentiable with torch autograd: the reference feeds it
+float64 statistics taken from materialized logits. The fused path computes the same loss and
+its closed-form gradients in one Triton kernel (ops/support_loss.py) and shares the counted
+rows, the metrics and the containers (`StudentRowStats`, `SupportGradients`) with it.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -196,38 +196,3 @@ class SupportGradients:
     at_label: Optional[torch.Tensor]
     lse: Optional[torch.Tensor]
     lse_tempered: Optional[torch.Tensor]
-
-
-def loss_and_gradients_from_logit_stats(logits_at_ids: torch.Tensor, logit_at_label: Optional[torch.Tensor],
-                                        lse: torch.Tensor, lse_tempered: torch.Tensor, top1: torch.Tensor,
-                                        teacher_logprobs: torch.Tensor, teacher_indices: torch.Tensor,
-                                        counted: torch.Tensor, options: DivergenceOptions, vocab_size: int,
-                                        row_weight: Optional[torch.Tensor]):
-    """Per-row loss ``kd_weight·KD + ce_weight·CE`` ``[N]`` (detached), KD and CE ``[N]``, and, when
-    ``row_weight [N]`` is given, the gradients of ``Σ row_weight · loss`` w.r.t. the raw statistics.
-
-    The loss depends on the logits z only through z[ids], z[label], logsumexp(z) and
-    logsumexp(z / τ); the kernels turn these four gradients into the full ``[N, V]`` one.
-    """
-    with torch.enable_grad():
-        leaves = [t.detach().requires_grad_(row_weight is not None) for t in
-                  (logits_at_ids, logit_at_label if logit_at_label is not None else lse, lse, lse_tempered)]
-        at_ids, at_label, lse_leaf, lse_tempered_leaf = leaves
-        stats = StudentRowStats(
-            values=at_ids / options.temperature,
-            lse_tempered=lse_tempered_leaf,
-            label_logprob=(at_label - lse_leaf) if logit_at_label is not None else None,
-            top1=top1,
-        )
-        kd, ce = row_losses(stats, teacher_logprobs, teacher_indices, counted, options, vocab_size)
-        per_row = reduce_loss(kd, ce, counted, replace(options, reduction="none"))
-        gradients = None
-        if row_weight is not None:
-            grads = torch.autograd.grad((per_row * row_weight).sum(), leaves, allow_unused=True)
-            gradients = SupportGradients(
-                at_ids=grads[0] if grads[0] is not None else torch.zeros_like(at_ids),
-                at_label=grads[1] if logit_at_label is not None else None,
-                lse=grads[2],
-                lse_tempered=grads[3],
-            )
-    return per_row.detach(), kd.detach(), None if ce is None else ce.detach(), stats, gradients

@@ -57,6 +57,16 @@ def resolve_vocab_size(vocab_size: Optional[int], columns: int, argument: str) -
     return vocab_size
 
 
+def check_schedule_options(chunk_rows, lean) -> None:
+    """``chunk_rows``: None or an int >= 1; ``lean``: a bool; not both (lean sets its own chunks)."""
+    if not isinstance(lean, bool):
+        raise TypeError(f"lean: expected a bool, got {type(lean).__name__}")
+    if chunk_rows is not None and (isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int) or chunk_rows < 1):
+        raise ValueError(f"chunk_rows: expected None or an int >= 1, got {chunk_rows!r}")
+    if lean and chunk_rows is not None:
+        raise ValueError("chunk_rows: lean=True sets its own chunks; pass lean=True or chunk_rows, not both")
+
+
 def check_k(k: int, vocab_size: int) -> None:
     if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= vocab_size:
         raise ValueError(f"k: expected an int in [1, {vocab_size}] (the vocab size V*), got {k!r}")

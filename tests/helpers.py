@@ -9,7 +9,7 @@ import torch.multiprocessing as mp
 
 HAS_CUDA = torch.cuda.is_available()
 # float32 inputs take the teacher's epilogue matmul under the interpreter only (exact products
-# for exact cases); natively the kernel refuses them (tests/test_teacher_epilogue.py)
+# for exact cases); natively the kernel refuses them (tests/test_lm_head_group_maxima.py)
 INTERPRETER_ONLY = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                       reason="float32 inputs: the epilogue matmul runs them under TRITON_INTERPRET=1 only")
 FLOAT32_INTERPRETED = pytest.param(torch.float32, marks=INTERPRETER_ONLY)
@@ -116,15 +116,13 @@ def check_schedule_with_ties_and_fewer_columns_than_k(schedule):
         assert torch.isneginf(few.logprobs[:, width:]).all() and (few.indices[:, width:] == 0).all()
 
 
-def counted_keys_case(capacity: int, k: int, rounded: bool, raw: bool, rows: int, device: str):
+def counted_keys_case(capacity: int, k: int, rounded: bool, rows: int, device: str):
     """Inputs of the per-row key sorts (kd_kernels/ops/sort_keys.py `top_of_counted_keys`):
     (keys ``[rows, capacity]`` int64, counts ``[rows]`` int32, values ``[rows, capacity]``
     float32, columns ``[capacity]`` int32). rounded: ties (at the k-th value too; row 3 of one
     value; -0.0 beside 0.0, equal values whose lower column goes first), else distinct values.
-    raw: keys as the appending matmul stores them (the column's word, then the float's bits),
-    else `value_column_keys`. Counts: 0, capacity, past it (read as capacity), then random."""
-    from kd_kernels.ops.sort_keys import value_column_keys
-
+    The keys are raw, as the appending matmul stores them (the column's word, then the float's
+    bits). Counts: 0, capacity, past it (read as capacity), then random."""
     generator = torch.Generator(device=device).manual_seed(capacity + k)
     values = torch.randn(rows, capacity, device=device, generator=generator)
     if rounded:
@@ -132,11 +130,17 @@ def counted_keys_case(capacity: int, k: int, rounded: bool, raw: bool, rows: int
         values[3] = 1.5
     columns = torch.randperm(200_000, device=device, generator=generator)[:capacity].int()
     wide = columns.expand(rows, -1)
-    keys = (torch.stack([wide, values.view(torch.int32)], dim=-1).view(torch.int64)[..., 0] if raw
-            else value_column_keys(values, wide)).contiguous()
+    keys = torch.stack([wide, values.view(torch.int32)], dim=-1).view(torch.int64)[..., 0].contiguous()
     counts = torch.randint(0, capacity + 1, (rows,), device=device, generator=generator, dtype=torch.int32)
     counts[:3] = torch.tensor([0, capacity, capacity + 50], dtype=torch.int32)
     return keys, counts, values, columns
+
+
+def decode_raw_keys(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Raw keys as the appending matmul stores them (int64: a float's bits above its column)
+    -> (float32 values, int64 columns)."""
+    words = keys.contiguous().view(torch.int32).view(*keys.shape, 2)  # little-endian: the column's word first
+    return words[..., 1].contiguous().view(torch.float32), words[..., 0].long()
 
 
 def check_counted_top(got_values, got_columns, values, columns, counts, k: int) -> None:

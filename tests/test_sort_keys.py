@@ -1,13 +1,11 @@
-"""The Triton per-row top-k of counted keys (kd_kernels/ops/sort_keys.py, order "triton": the
-appended schedule's ranking on the triton backend) against a plain stable sort: ties at the
-k-th value, -0.0 beside 0.0, empty rows, counts past the capacity, the appending matmul's raw
-keys, under both Triton kernels (`TRITON_RANKING`); and the input checks of the Triton and torch
-orders. The CUDA sort's twin test is in tests/test_teacher_topk_cuda.py."""
+"""The Triton per-row top-k of counted raw keys (kd_kernels/ops/sort_keys.py, order "triton":
+the appended schedule's ranking on the triton backend) against a plain stable sort: ties at
+the k-th value, -0.0 beside 0.0, empty rows, counts past the capacity; and its input checks.
+The CUDA sort's twin test is in tests/test_teacher_topk_cuda.py."""
 import pytest
 import torch
 
 from helpers import HAS_CUDA, check_counted_top, counted_keys_case
-from kd_kernels.ops import sort_keys
 from kd_kernels.ops.sort_keys import MAX_TRITON_SLOTS, top_of_counted_keys
 
 pytestmark = pytest.mark.interpret
@@ -18,13 +16,10 @@ SHAPES = [(8, 1), (100, 60), (300, 300), (512, 7)] + ([(4096, 1024), (2048, 1024
 
 @pytest.mark.parametrize("capacity, k", SHAPES)
 @pytest.mark.parametrize("rounded", [True, False])
-@pytest.mark.parametrize("raw", [False, True])
-@pytest.mark.parametrize("ranking", ["select", "topk"])
-def test_the_triton_order_ranks_each_rows_counted_keys(capacity, k, rounded, raw, ranking, monkeypatch):
-    monkeypatch.setattr(sort_keys, "TRITON_RANKING", ranking)
-    keys, counts, values, columns = counted_keys_case(capacity, k, rounded, raw, rows=64 if HAS_CUDA else 6,
+def test_the_triton_order_ranks_each_rows_counted_keys(capacity, k, rounded):
+    keys, counts, values, columns = counted_keys_case(capacity, k, rounded, rows=64 if HAS_CUDA else 6,
                                                       device=DEVICE)
-    got_values, got_columns = top_of_counted_keys(keys, counts, k, "triton", raw)
+    got_values, got_columns = top_of_counted_keys(keys, counts, k, "triton")
     check_counted_top(got_values, got_columns, values, columns, counts, k)
 
 
@@ -38,20 +33,5 @@ def test_the_triton_order_refuses_what_it_cannot_rank():
         top_of_counted_keys(wide, counts[:1], 4, "triton")
     with pytest.raises(ValueError, match="keys: expected contiguous int64, got torch.int32"):
         top_of_counted_keys(keys.int(), counts, 4, "triton")
-
-
-def test_an_unknown_ranking_or_order_is_refused(monkeypatch):
-    monkeypatch.setattr(sort_keys, "TRITON_RANKING", "bitonic")
-    keys = torch.zeros(2, 8, dtype=torch.int64, device=DEVICE)
-    with pytest.raises(ValueError, match="TRITON_RANKING: expected 'select' or 'topk', got 'bitonic'"):
-        top_of_counted_keys(keys, torch.full((2,), 8, dtype=torch.int32, device=DEVICE), 4, "triton")
-    monkeypatch.undo()
-    with pytest.raises(ValueError, match="order: expected 'cuda', 'triton' or 'torch', got 'radix'"):
-        top_of_counted_keys(keys, torch.full((2,), 8, dtype=torch.int32, device=DEVICE), 4, "radix")
-
-
-def test_the_torch_order_refuses_raw_keys():
-    keys = torch.zeros(2, 8, dtype=torch.int64)
-    counts = torch.full((2,), 8, dtype=torch.int32)
-    with pytest.raises(ValueError, match="raw: the torch order takes value_column_keys only; got raw=True"):
-        top_of_counted_keys(keys, counts, 4, "torch", raw=True)
+    with pytest.raises(ValueError, match="order: expected 'cuda' or 'triton', got 'torch'"):
+        top_of_counted_keys(keys, counts, 4, "torch")

@@ -2,18 +2,17 @@
 subset (ops/topk_from_appended.py), the epilogue matmul appending each element at or above its
 row's floor (ops/lm_head_group_maxima.py with `Appends`), one sort per row; rows whose floor
 kept fewer than k elements or more than the slots redone exactly. Interpreter tiles: 16 rows ×
-32 columns, groups of 8 (the real shape runs on a GPU in tests/test_teacher_epilogue.py, the 64 MiB
+32 columns, groups of 8 (the real shape runs on a GPU in tests/test_teacher_schedule.py, the 64 MiB
 bound through ``lean=True`` in tests/test_teacher_maxima.py)."""
 import pytest
 import torch
 
-from helpers import FLOAT32_INTERPRETED, HAS_CUDA, check_teacher_topk, small_teacher_problem
+from helpers import FLOAT32_INTERPRETED, HAS_CUDA, check_teacher_topk, decode_raw_keys, small_teacher_problem
 from kd_kernels import reference
 from kd_kernels.ops import topk_from_appended
 from kd_kernels.ops.lm_head_group_maxima import Appends, EpilogueMatmul, lm_head_logits_with_summaries
-from kd_kernels.ops.sort_keys import decode_keys
-from kd_kernels.ops.topk_from_appended import appended_plan, order_appended_keys, sample_floors
-from kd_kernels.teacher_chunked import teacher_topk_appended
+from kd_kernels.ops.topk_from_appended import appended_plan, sample_floors
+from kd_kernels.teacher.appended import teacher_topk_appended
 
 pytestmark = pytest.mark.interpret
 DEVICE = "cuda" if HAS_CUDA else "cpu"
@@ -37,7 +36,6 @@ def check_appends_exactly(hidden, weight, bias, width, capacity):
                                            torch.empty(rows, width + 8, dtype=torch.float32, device=DEVICE))
     for name in ("tile_max2", "tile_sum2"):  # the statistics do not change
         assert torch.equal(getattr(stored, name), getattr(summaries, name)), name
-    order_appended_keys(keys, counts)
     expected_counts = (exact >= floors[:, None].double()).sum(1)
     assert expected_counts[6] == width
     assert counts.cpu().tolist() == expected_counts.tolist()
@@ -45,7 +43,7 @@ def check_appends_exactly(hidden, weight, bias, width, capacity):
         if row == 6:  # more than the capacity: the count says so, the slots hold some of them
             assert counts[row] > capacity
             continue
-        values, columns = decode_keys(keys[row, :counts[row]].cpu())
+        values, columns = decode_raw_keys(keys[row, :counts[row]].cpu())
         assert sorted(columns.tolist()) == (exact[row] >= floors[row].double()).nonzero().flatten().tolist()
         assert torch.allclose(values.double(), exact[row, columns], atol=1e-4, rtol=0)
 
@@ -126,14 +124,3 @@ def test_the_plan_keeps_a_rows_keys_within_its_slots(width, k):
     # is redone) in well under a millionth of rows
     plan = appended_plan(width, k)
     assert plan.rank * plan.stride + 5 * plan.stride * plan.rank ** 0.5 <= plan.capacity
-
-
-def test_the_key_order_pass_before_the_sort_gives_the_same_top_k(monkeypatch):
-    # SORT_RAW_KEYS = False (the A/B's form): the raw keys made value_column_keys, then sorted as such
-    hidden, weight, bias = small_teacher_problem(11, dtype=torch.float16)
-    raw = teacher_topk_appended(hidden, weight, 9, 1.0, 200, bias, stride=4)
-    monkeypatch.setattr(topk_from_appended, "SORT_RAW_KEYS", False)
-    ordered = teacher_topk_appended(hidden, weight, 9, 1.0, 200, bias, stride=4)
-    assert torch.equal(raw.indices, ordered.indices) and torch.equal(raw.logprobs, ordered.logprobs)
-    logits = reference.lm_head_logits(hidden, weight, bias)
-    check_teacher_topk(ordered, reference.teacher_topk(hidden, weight, 9, 1.0, 200, bias), 1e-5, logits, 1.0, 200)

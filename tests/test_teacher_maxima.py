@@ -3,17 +3,16 @@ group's maximum, its column and second largest (ops/lm_head_group_maxima.py, ``g
 single-candidate groups' keys straight from them and the groups holding two or more top-k
 elements computed again (ops/topk_from_group_top2.py); overflowing rows redone exactly.
 Interpreter tiles: 16 rows × 32 columns, groups of 8 (the real shape runs on a GPU in
-tests/test_teacher_epilogue.py)."""
+tests/test_teacher_schedule.py)."""
 import pytest
 import torch
 
 from helpers import HAS_CUDA, check_teacher_topk, small_teacher_problem
 from kd_kernels import reference
 from kd_kernels.topk import TopK
-from kd_kernels.ops.lm_head_group_maxima import (lm_head_logits_with_summaries, padded_width,
-                                                 top2_group_column_table)
+from kd_kernels.ops.lm_head_group_maxima import lm_head_logits_with_summaries, top2_group_column_table
 from kd_kernels.ops.topk_from_group_top2 import topk_from_group_top2
-from kd_kernels.teacher_chunked import teacher_topk_maxima
+from kd_kernels.teacher.maxima import teacher_topk_maxima
 
 pytestmark = pytest.mark.interpret
 DEVICE = "cuda" if HAS_CUDA else "cpu"
@@ -38,7 +37,7 @@ def test_top2_groups_cover_each_column_once():
 def test_group_top2_is_each_groups_maximum_column_and_second_largest():
     hidden, weight, bias = small_teacher_problem(2, dtype=torch.float16)
     width = 200
-    logits = torch.empty(37, padded_width(width), dtype=torch.float32, device=DEVICE)
+    logits = torch.empty(37, width, dtype=torch.float32, device=DEVICE)  # 800-byte rows: TMA takes them
     stored = lm_head_logits_with_summaries(hidden, weight, bias, width, 0.7, logits)
     summaries = lm_head_logits_with_summaries(hidden, weight, bias, width, 0.7, None, group_top2=True)
     for name in ("tile_max2", "tile_sum2"):  # the top-2 changes neither
@@ -103,76 +102,26 @@ def test_maxima_schedule_matches_the_reference(k, temperature, scale, chunk_rows
                        temperature, 200)
 
 
-@pytest.mark.parametrize("k, listing_steps, kth_steps", [(12, 4, 0), (12, 0, 4), (3, 4, 2)])
-def test_thresholds_below_the_exact_ones_give_the_same_top_k(k, listing_steps, kth_steps, monkeypatch):
-    """LISTING_STEPS, KTH_STEPS: the listing's threshold and T from a few value-space bisection
-    steps (lower bounds: more groups listed, more single keys and groups computed again) leave
-    the result as the exact thresholds give it: the same ids, and the same values but where a
-    value now comes from a group computed again (another dot shape: under the interpreter the
-    host BLAS may round its last bit differently from the matmul's epilogue)."""
+@pytest.mark.parametrize("k, listing_steps, kth_steps", [(12, 2, 8), (12, 8, 2), (3, 1, 1)])
+def test_thresholds_further_below_give_the_same_top_k(k, listing_steps, kth_steps, monkeypatch):
+    """LISTING_STEPS, KTH_STEPS: the listing's threshold and T are lower bounds from a few
+    value-space bisection steps; fewer steps (lower bounds: more groups listed, more single keys
+    and groups computed again) leave the result as it was: the same ids, and the same values but
+    where a value now comes from a group computed again (another dot shape: under the
+    interpreter the host BLAS may round its last bit differently from the matmul's epilogue)."""
     from kd_kernels.ops import topk_from_group_top2 as top2_module
 
     hidden, weight, bias = small_teacher_problem(k + 30, rows=37, columns=1000, dtype=torch.float16, scale=2.0)
-    monkeypatch.setattr(top2_module, "LISTING_STEPS", 0)
-    monkeypatch.setattr(top2_module, "KTH_STEPS", 0)
-    exact = teacher_topk_maxima(hidden, weight, k, 1.0, 1000, bias)
+    default = teacher_topk_maxima(hidden, weight, k, 1.0, 1000, bias)
     monkeypatch.setattr(top2_module, "LISTING_STEPS", listing_steps)
     monkeypatch.setattr(top2_module, "KTH_STEPS", kth_steps)
     below = teacher_topk_maxima(hidden, weight, k, 1.0, 1000, bias)
-    assert torch.equal(below.indices, exact.indices)
-    logits = exact.logprobs + exact.lse[:, None]  # τ = 1: the values' own scale, their ulps
-    ulps = (below.logprobs - exact.logprobs).abs() / (torch.finfo(torch.float32).eps * logits.abs())
+    assert torch.equal(below.indices, default.indices)
+    logits = default.logprobs + default.lse[:, None]  # τ = 1: the values' own scale, their ulps
+    ulps = (below.logprobs - default.logprobs).abs() / (torch.finfo(torch.float32).eps * logits.abs())
     assert ulps.max() <= 2 and (ulps > 0).float().mean() < 0.02
     check_teacher_topk(below, reference.teacher_topk(hidden, weight, k, 1.0, 1000, bias), 2e-5,
                        reference.lm_head_logits(hidden, weight, bias), 1.0, 1000)
-
-
-def test_the_ranking_past_the_rank_limit_is_a_sort(monkeypatch):
-    from kd_kernels.ops import topk_from_group_top2 as top2_module
-
-    monkeypatch.setattr(top2_module, "RANK_MAX_K", 4)  # k = 12: the keys sorted outside the kernel
-    hidden, weight, bias = small_teacher_problem(12, dtype=torch.float16)
-    top = teacher_topk_maxima(hidden, weight, 12, 0.7, 200, bias)
-    logits = reference.lm_head_logits(hidden, weight, bias)
-    check_teacher_topk(top, reference.teacher_topk(hidden, weight, 12, 0.7, 200, bias), 1e-5, logits, 0.7, 200)
-
-
-@pytest.mark.parametrize("dtype, k, expected", [(torch.float16, 5, "maxima"), (torch.float16, 64, "maxima"),
-                                                (torch.float16, 65, "appended"), (torch.float32, 5, "tiled")])
-def test_lean_takes_the_maxima_then_the_appended_schedule_for_16_bit_inputs(monkeypatch, dtype, k, expected):
-    """``lean=True`` without the extension: 16-bit inputs the epilogue matmul takes go to the
-    maxima schedule up to k = 64, to the appended one past it, the rest to the tiled one; all
-    match the reference."""
-    import kd_kernels as kd
-    from kd_kernels import teacher_chunked
-
-    taken = []
-    for name in ("teacher_topk_maxima", "teacher_topk_appended", "teacher_topk_tiled"):
-        schedule = getattr(teacher_chunked, name)
-        monkeypatch.setattr(teacher_chunked, name, lambda *args, _schedule=schedule, _name=name, **kwargs: (
-            taken.append(_name.split("_")[-1]), _schedule(*args, **kwargs))[1])
-    hidden, weight, bias = small_teacher_problem(k, rows=6, columns=300, dtype=dtype)
-    top = kd.teacher_topk(hidden, weight, k=k, temperature=2.0, vocab_size=300, bias=bias, backend="triton",
-                          lean=True)
-    assert taken == [expected]
-    expected_top = reference.teacher_topk(hidden, weight, k, 2.0, 300, bias)
-    check_teacher_topk(top, expected_top, 1e-4, reference.lm_head_logits(hidden, weight, bias), 2.0, 300)
-
-
-@pytest.mark.parametrize("k, expected", [(64, "maxima"), (65, "appended"), (1024, "appended"), (1025, "tiled")])
-@pytest.mark.parametrize("select", ["cuda", "triton"])
-def test_lean_takes_the_appended_schedule_past_k_64_on_either_backend(monkeypatch, k, expected, select):
-    """The appended schedule is as fast as the maxima one or faster from k = 65 on, with either
-    ranking (H200, k = 256: 1.22-1.27× against the maxima schedule's 1.30-1.35× with the
-    extension's sort; NOTES e37 for the Triton one): the choice alone."""
-    from kd_kernels import teacher_chunked
-
-    taken = []
-    for name in ("teacher_topk_maxima", "teacher_topk_appended", "teacher_topk_tiled"):
-        monkeypatch.setattr(teacher_chunked, name, lambda *args, _name=name, **kwargs: taken.append(_name))
-    hidden, weight, _ = small_teacher_problem(1, rows=4, columns=2000, dtype=torch.float16)
-    teacher_chunked.teacher_topk_lean(hidden, weight, k, 2.0, 2000, select=select)
-    assert taken == [f"teacher_topk_{expected}"]
 
 
 @pytest.mark.gpu
@@ -182,8 +131,7 @@ def test_lean_takes_the_appended_schedule_past_k_64_on_either_backend(monkeypatc
 def test_gpu_teacher_stays_within_64_mib_at_8192_tokens(k, lean, backend):
     """The issue's memory target: beyond the inputs and the top-k it returns, the default
     schedules up to k = 1024 on either backend, and ``lean=True``, hold at most 64 MiB at
-    8192 × 4096 × 151,936 (the maxima schedule, measured 46-54 MiB on an H200; the appended
-    one 54-58 MiB)."""
+    8192 × 4096 × 151,936."""
     import kd_kernels as kd
 
     generator = torch.Generator(device="cuda").manual_seed(k)

@@ -28,7 +28,7 @@ def test_teacher_topk_from_hidden(k, temperature, chunk_rows, dtype, atol):
 @pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-4), (torch.float16, 1e-4)])
 @pytest.mark.parametrize("k, temperature, tile", [(1, 1.0, (37, 64)), (7, 0.7, (10, 50)), (64, 2.0, (16, 32))])
 def test_teacher_topk_lean_merges_tiles(k, temperature, tile, dtype, atol):
-    from kd_kernels.teacher_chunked import teacher_topk_tiled
+    from kd_kernels.teacher.tiled import teacher_topk_tiled
 
     generator = torch.Generator().manual_seed(k + 100)
     hidden = torch.randn(37, 16, generator=generator).to(DEVICE, dtype)
@@ -39,69 +39,8 @@ def test_teacher_topk_lean_merges_tiles(k, temperature, tile, dtype, atol):
     _check(top, reference.teacher_topk(hidden, weight, k, temperature, 200, bias), atol, logits, temperature, 200)
 
 
-@pytest.mark.parametrize("k, temperature, with_bias, dtype", [
-    (1, 1.0, True, torch.float16), (7, 0.7, False, torch.float32), (7, 0.7, True, torch.float16),
-    (20, 2.0, True, torch.float32), (100, 1.0, True, torch.float16)])
-def test_teacher_topk_fused_into_the_matmul(k, temperature, with_bias, dtype):
-    # interpreter tiles: 16 rows × 16 columns, 2 vocab splits (112 + 88 columns); k = 20 and 100
-    # exceed a tile, k = 100 the second split; every row refreshes its slots several times
-    atol = 1e-4
-    generator = torch.Generator().manual_seed(k + 200)
-    hidden = torch.randn(21, 40, generator=generator).to(DEVICE, dtype)
-    weight = torch.randn(203, 40, generator=generator).to(DEVICE, dtype)
-    bias = torch.randn(203, generator=generator).to(DEVICE, dtype) if with_bias else None
-    top = kd.teacher_topk(hidden, weight, k=k, temperature=temperature, vocab_size=200, bias=bias, fused=True)
-    logits = reference.lm_head_logits(hidden, weight, bias)
-    _check(top, reference.teacher_topk(hidden, weight, k, temperature, 200, bias), atol, logits, temperature, 200)
-    assert (top.indices < 200).all()
-
-
-def test_teacher_topk_fused_ties_go_to_the_lower_id_across_tiles_and_splits():
-    generator = torch.Generator().manual_seed(4)
-    hidden = torch.randn(9, 16, generator=generator).to(DEVICE)
-    weight = torch.randn(300, 16, generator=generator)
-    weight[[5, 40, 150, 290]] = 3 * weight[7]  # equal logits: other tiles, other split (16-column tiles, 2 splits)
-    weight = weight.to(DEVICE)
-    top = kd.teacher_topk(hidden, weight, k=4, temperature=1.0, fused=True)
-    expected = reference.teacher_topk(hidden, weight, 4, 1.0, 300)
-    assert torch.equal(top.indices.cpu(), expected.indices.cpu())
-    rows = (top.indices == 5).any(-1).nonzero().flatten().tolist()
-    assert rows, "the tied columns should lead some row"
-    for row in rows:
-        order = [i for i in top.indices[row].tolist() if i in (5, 7, 40, 150, 290)]
-        assert order == sorted(order)
-
-
-def test_teacher_topk_fused_keeps_later_elements_above_the_kth_kept():
-    # logits = weight[:, 0] (hidden = e_0): after the first refresh (2 tiles of 16 columns in
-    # the interpreter) the kept top-2 are 10 (column 3) and 5 (column 20); 7 arrives later
-    # (column 40) and must displace 5; 6 (column 45) must not; -1 elsewhere
-    logits = torch.full((200,), -1.0)
-    logits[[3, 20, 40, 45]] = torch.tensor([10.0, 5.0, 7.0, 6.0])
-    weight = torch.zeros(200, 8)
-    weight[:, 0] = logits
-    hidden = torch.zeros(3, 8)
-    hidden[:, 0] = 1.0
-    top = kd.teacher_topk(hidden.to(DEVICE), weight.to(DEVICE), k=2, fused=True)
-    assert top.indices.tolist() == [[3, 40]] * 3
-    expected = torch.log_softmax(logits.double(), -1)[[3, 40]]
-    assert torch.allclose(top.logprobs.double().cpu(), expected.expand(3, 2), atol=1e-6)
-
-
-def test_teacher_topk_fused_refuses_what_it_does_not_do():
-    hidden, weight = torch.randn(4, 8).to(DEVICE), torch.randn(50, 8).to(DEVICE)
-    with pytest.raises(ValueError, match="k: fused=True"):
-        kd.teacher_topk(hidden, torch.randn(300, 8).to(DEVICE), k=257, fused=True)
-    with pytest.raises(ValueError, match="fused=True"):
-        kd.teacher_topk(hidden, weight, k=4, fused=True, lean=True)
-    with pytest.raises(ValueError, match="fused=True"):
-        kd.teacher_topk(hidden, weight, k=4, fused=True, chunk_rows=2)
-    with pytest.raises(ValueError, match="hidden: fused=True moves rows by TMA"):  # 6 · 2 bytes a row
-        kd.teacher_topk(hidden[:, :6].half().contiguous(), weight[:, :6].half().contiguous(), k=4, fused=True)
-
-
 def test_lean_tile_bounds_the_memory_whatever_n_and_v():
-    from kd_kernels.teacher_chunked import LEAN_SLICE_BYTES, lean_tile
+    from kd_kernels.teacher.tiled import LEAN_SLICE_BYTES, lean_tile
 
     for num_rows, k in ((8192, 64), (16384, 1024), (100, 8)):
         rows, columns = lean_tile(num_rows, k)
@@ -115,7 +54,7 @@ def test_teacher_topk_lean_ties_across_tiles_go_to_the_lower_id():
     weight = torch.randn(300, 16, generator=generator)
     weight[[5, 150, 290]] = 3 * weight[7]  # equal logits in three slices
     weight = weight.to(DEVICE)
-    from kd_kernels.teacher_chunked import teacher_topk_tiled
+    from kd_kernels.teacher.tiled import teacher_topk_tiled
 
     top = teacher_topk_tiled(hidden, weight, 4, 1.0, 300, tile=(4, 100))  # 3 row chunks × 3 slices
     expected = reference.teacher_topk(hidden, weight, 4, 1.0, 300)
@@ -161,18 +100,6 @@ def test_gpu_real_shape(k, dtype):
     logits = hidden @ weight.T
     from_logits = kd.teacher_topk_from_logits(logits, k=k, temperature=2.0, vocab_size=151_900, backend="triton")
     _check(from_logits, reference.teacher_topk_from_logits(logits, k, 2.0, 151_900), 1e-4, logits, 2.0, 151_900)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("k", [8, 64, 256])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_gpu_real_shape_fused(k, dtype):
-    generator = torch.Generator(device="cuda").manual_seed(k + 1)
-    hidden = (0.2 * torch.randn(1000, 4096, device="cuda", generator=generator)).to(dtype)
-    weight = (torch.randn(151_936, 4096, device="cuda", generator=generator) * 0.02).to(dtype)
-    top = kd.teacher_topk(hidden, weight, k=k, temperature=2.0, vocab_size=151_900, fused=True)
-    exact_logits = reference.lm_head_logits(hidden, weight)
-    _check(top, reference.teacher_topk(hidden, weight, k, 2.0, 151_900), 1e-4, exact_logits, 2.0, 151_900)
 
 
 def test_triton_threshold_topk_heavy_ties_narrow_rows_and_minus_inf():

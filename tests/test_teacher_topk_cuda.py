@@ -43,74 +43,27 @@ def test_from_logits_matches_reference(dtype, k):
         assert torch.equal(top.indices.cpu(), expected.indices.cpu())
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_pass_one_through_registers_or_the_cp_async_pipeline_gives_the_same_bits(dtype, monkeypatch):
-    """KD_KERNELS_TOPK_PIPELINE only changes how 16-bit rows reach pass 1 (odd width and an
-    unaligned start exercise the head and the tail)."""
-    logits = _llm_like_logits(700, 150_003, dtype, seed=5)[:, 1:]
-    results = []
-    for choice in ("0", "1"):
-        monkeypatch.setenv("KD_KERNELS_TOPK_PIPELINE", choice)
-        results.append(kd.teacher_topk_from_logits(logits, k=64, temperature=0.5, backend="cuda"))
-    assert torch.equal(results[0].indices, results[1].indices)
-    assert torch.equal(results[0].logprobs, results[1].logprobs) and torch.equal(results[0].lse, results[1].lse)
-
-
-@pytest.mark.parametrize("switch", ["KD_KERNELS_TOPK_FILTER", "KD_KERNELS_TOPK_NARROW"])
-@pytest.mark.parametrize("k", [8, 64, 512, 1024])
+@pytest.mark.parametrize("k", [8, 512, 1024])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_speed_switches_give_the_same_bits(dtype, k, switch, monkeypatch):
-    """The kernel's speed switches (candidates below T dropped before the sort; narrow blocks,
-    four per SM, for k <= 512) give the reference's top-k either way, ties of the k-th value
-    included (rows of few levels): the same ids, and the same bits where the block shape is
-    the same (narrow blocks sum the logsumexp in another order: float32 rounding apart)."""
+def test_heavy_ties_around_the_kth_value(dtype, k):
+    """Rows of few levels (ties of the k-th value) beside ordinary rows: the reference's top-k,
+    the lower id first among ties; narrow blocks up to k = 512, wide past it."""
     logits = _llm_like_logits(2000, 151_936, dtype, seed=k)
-    logits[-300:] = logits[-300:].round()  # heavy ties around the k-th value
-    results = []
-    for choice in ("0", "1"):
-        monkeypatch.setenv(switch, choice)
-        results.append(kd.teacher_topk_from_logits(logits, k=k, temperature=2.0, backend="cuda"))
-    assert torch.equal(results[0].indices, results[1].indices)
-    if switch == "KD_KERNELS_TOPK_NARROW" and k <= 512:  # past 512 both launches are wide: same bits
-        assert torch.allclose(results[0].lse, results[1].lse, rtol=1e-6, atol=0)
-        assert torch.allclose(results[0].logprobs, results[1].logprobs, rtol=0, atol=1e-5)
-    else:
-        assert torch.equal(results[0].logprobs, results[1].logprobs) and torch.equal(results[0].lse, results[1].lse)
+    logits[-300:] = logits[-300:].round()
+    top = kd.teacher_topk_from_logits(logits, k=k, temperature=2.0, backend="cuda")
     expected = reference.teacher_topk_from_logits(logits, k, 2.0, 151_936)
-    check_teacher_topk(results[1], expected, 1e-5, logits, 2.0, 151_936)
+    check_teacher_topk(top, expected, 1e-5, logits, 2.0, 151_936)
     if dtype != torch.float32:
-        assert torch.equal(results[1].indices.cpu(), expected.indices.cpu())
+        assert torch.equal(top.indices.cpu(), expected.indices.cpu())
 
 
-@pytest.mark.parametrize("width, narrow_by_default", [(12_288, "1"), (65_536, "1"), (65_537, "0"), (151_936, "0")])
-def test_float32_rows_take_narrow_blocks_up_to_65536_columns(width, narrow_by_default, monkeypatch):
-    """The default block shape of float32 rows follows their length (short rows, such as the
-    lean schedule's tiles, are faster with narrow blocks): the default gives the bits of that
-    shape forced, and the reference's top-k."""
+@pytest.mark.parametrize("width", [12_288, 65_536, 65_537, 151_936])
+def test_float32_rows_either_side_of_the_narrow_block_width(width):
+    """float32 rows take narrow blocks up to 65,536 columns, wide ones past it: the reference's
+    top-k either way."""
     logits = _llm_like_logits(1500, width, torch.float32, seed=width)
-    monkeypatch.delenv("KD_KERNELS_TOPK_NARROW", raising=False)
-    default = kd.teacher_topk_from_logits(logits, k=64, temperature=2.0, backend="cuda")
-    monkeypatch.setenv("KD_KERNELS_TOPK_NARROW", narrow_by_default)
-    forced = kd.teacher_topk_from_logits(logits, k=64, temperature=2.0, backend="cuda")
-    assert torch.equal(default.indices, forced.indices)
-    assert torch.equal(default.logprobs, forced.logprobs) and torch.equal(default.lse, forced.lse)
-    monkeypatch.setenv("KD_KERNELS_TOPK_NARROW", "0" if narrow_by_default == "1" else "1")
-    other = kd.teacher_topk_from_logits(logits, k=64, temperature=2.0, backend="cuda")
-    assert not torch.equal(other.lse, default.lse)  # the shapes sum in other orders: the check above tells them apart
-    check_teacher_topk(default, reference.teacher_topk_from_logits(logits, 64, 2.0, width), 1e-5, logits, 2.0, width)
-
-
-def test_the_pass_one_margin_changes_no_bit(monkeypatch):
-    """KD_KERNELS_TOPK_MARGIN only decides how often pass 2 runs (0: nearly always)."""
-    logits = _llm_like_logits(1500, 151_936, torch.bfloat16, seed=9)
-    results = []
-    for margin in ("0", "2", "8"):
-        monkeypatch.setenv("KD_KERNELS_TOPK_MARGIN", margin)
-        results.append(kd.teacher_topk_from_logits(logits, k=64, temperature=2.0, backend="cuda"))
-    for other in results[1:]:
-        assert torch.equal(results[0].indices, other.indices) and torch.equal(results[0].logprobs, other.logprobs)
-    check_teacher_topk(results[0], reference.teacher_topk_from_logits(logits, 64, 2.0, 151_936), 1e-5, logits, 2.0,
-                       151_936)
+    top = kd.teacher_topk_from_logits(logits, k=64, temperature=2.0, backend="cuda")
+    check_teacher_topk(top, reference.teacher_topk_from_logits(logits, 64, 2.0, width), 1e-5, logits, 2.0, width)
 
 
 def test_unaligned_rows_and_row_stride():
@@ -198,22 +151,13 @@ def test_bad_inputs_raise_clear_errors():
         _C.topk_candidates(logits, 4, 0.0, 3000)
 
 
-# (KD_KERNELS_SORT_REGISTERS, KD_KERNELS_SORT_SELECT): csrc/sort_keys.cu reads them at each launch
-SORTS = {"registers, the keys reaching the k-th value first": ("1", "1"), "registers, every key": ("1", "0"),
-         "shared memory": ("0", "1")}
-
-
-@pytest.mark.parametrize("sort", SORTS)
 @pytest.mark.parametrize("capacity, k", [(2048, 1024), (300, 300), (4096, 7), (100, 60), (4096, 1024), (4096, 2500)])
 @pytest.mark.parametrize("rounded", [True, False])
-@pytest.mark.parametrize("raw", [False, True])
-def test_sort_keys_orders_each_rows_counted_keys(capacity, k, sort, rounded, raw, monkeypatch):
-    monkeypatch.setenv("KD_KERNELS_SORT_REGISTERS", SORTS[sort][0])
-    monkeypatch.setenv("KD_KERNELS_SORT_SELECT", SORTS[sort][1])
+def test_sort_keys_orders_each_rows_counted_keys(capacity, k, rounded):
     # rounded: the selection keeps more than k keys where the k-th value ties; distinct values run
     # its bisection to a floor exactly k keys reach
-    keys, counts, values, columns = counted_keys_case(capacity, k, rounded, raw, rows=64, device="cuda")
-    got_values, got_columns = _extension().sort_keys(keys, counts, k, raw)
+    keys, counts, values, columns = counted_keys_case(capacity, k, rounded, rows=64, device="cuda")
+    got_values, got_columns = _extension().sort_keys(keys, counts, k)
     check_counted_top(got_values, got_columns, values, columns, counts, k)
 
 
@@ -240,61 +184,3 @@ def test_sort_keys_checks_its_inputs():
         sort_keys(keys, counts.long(), 4)
     with pytest.raises(ValueError, match="k: expected 1 <= k <= keys.size"):
         sort_keys(keys, counts, 17)
-
-
-@pytest.mark.parametrize("k", [300, 1024])
-def test_epilogue_schedule_orders_large_k_by_the_cuda_sort(k, monkeypatch):
-    monkeypatch.setenv("KD_KERNELS_TEACHER_SCHEDULE", "epilogue")
-    generator = torch.Generator(device="cuda").manual_seed(k)
-    hidden = (0.2 * torch.randn(1024, 4096, device="cuda", generator=generator)).bfloat16()
-    weight = (torch.randn(151_936, 4096, device="cuda", generator=generator) * 0.02).bfloat16()
-    top = kd.teacher_topk(hidden, weight, k=k, temperature=2.0, vocab_size=151_900, backend="cuda")
-    exact_logits = reference.lm_head_logits(hidden, weight)
-    check_teacher_topk(top, reference.teacher_topk(hidden, weight, k, 2.0, 151_900), 1e-4, exact_logits, 2.0, 151_900)
-    torch_sorted = kd.teacher_topk(hidden, weight, k=k, temperature=2.0, vocab_size=151_900, backend="triton")
-    assert torch.equal(top.indices, torch_sorted.indices) and torch.equal(top.logprobs, torch_sorted.logprobs)
-
-
-@pytest.mark.parametrize("k", [300, 1024])
-def test_candidates_gathered_in_cuda_equal_the_triton_gather(k, monkeypatch):
-    from kd_kernels.ops import topk_from_groups
-    from kd_kernels.teacher_chunked import teacher_topk_epilogue
-
-    generator = torch.Generator(device="cuda").manual_seed(k + 11)
-    hidden = (0.2 * torch.randn(1100, 4096, device="cuda", generator=generator)).bfloat16()
-    hidden[[5, 1099]] = 0  # logits = the bias: every element ties, more candidates than slots: redone
-    weight = (torch.randn(151_936, 4096, device="cuda", generator=generator) * 0.02).bfloat16()
-    bias = torch.zeros(151_936, device="cuda", dtype=torch.bfloat16)
-    bias[151_899] = 1
-    tops = {}
-    for gather_in_cuda in (False, True):
-        monkeypatch.setattr(topk_from_groups, "GATHER_IN_CUDA", gather_in_cuda)
-        tops[gather_in_cuda] = teacher_topk_epilogue(hidden, weight, k, 2.0, 151_900, bias, chunk_rows=1024,
-                                                     select="cuda")
-    assert torch.equal(tops[True].indices, tops[False].indices)
-    assert torch.equal(tops[True].logprobs, tops[False].logprobs) and torch.equal(tops[True].lse, tops[False].lse)
-    assert tops[True].indices[[5, 1099], 0].tolist() == [151_899, 151_899]
-    exact_logits = reference.lm_head_logits(hidden, weight, bias)
-    check_teacher_topk(tops[True], reference.teacher_topk(hidden, weight, k, 2.0, 151_900, bias), 1e-4, exact_logits,
-                       2.0, 151_900)
-
-
-def test_candidates_from_groups_checks_its_inputs():
-    gather = _extension().candidates_from_groups
-    logits = torch.zeros(4, 64, device="cuda")
-    ids = torch.zeros(4, 8, dtype=torch.int32, device="cuda")
-    counts = torch.zeros(4, dtype=torch.int32, device="cuda")
-    with pytest.raises(ValueError, match="logits: expected a CUDA tensor"):
-        gather(logits.cpu(), ids, counts, counts, 64, 1.0, 4, 16)
-    with pytest.raises(TypeError, match="logits: expected dtype float32"):
-        gather(logits.half(), ids, counts, counts, 64, 1.0, 4, 16)
-    with pytest.raises(ValueError, match="group_ids: expected a contiguous int32"):
-        gather(logits, ids.long(), counts, counts, 64, 1.0, 4, 16)
-    with pytest.raises(ValueError, match="thresholds: expected a contiguous int32"):
-        gather(logits, ids, counts, counts[:3], 64, 1.0, 4, 16)
-    with pytest.raises(ValueError, match="width: expected 1 <= width <= logits.size"):
-        gather(logits, ids, counts, counts, 65, 1.0, 4, 16)
-    with pytest.raises(ValueError, match="key_capacity: expected"):
-        gather(logits, ids, counts, counts, 64, 1.0, 4, 5000)
-    with pytest.raises(ValueError, match="k: expected 1 <= k <= key_capacity"):
-        gather(logits, ids, counts, counts, 64, 1.0, 17, 16)

@@ -70,17 +70,25 @@ def test_reductions_and_ignored_rows(reduction, ignored):
     _compare(_problem(ignored=ignored, seed=5), 1e-5, reduction=reduction, support="tail")
 
 
+def _two_passes(monkeypatch):
+    """The two-pass gradient (the form of fp16 rows and of two dense terms) for every input."""
+    from kd_kernels.autograd import student_loss
+
+    monkeypatch.setattr(student_loss, "one_read_exp_weight", lambda *args: None)
+
+
 @pytest.mark.parametrize("passes", ["one", "two"])
 @pytest.mark.parametrize("support, temperature, ce_weight", [
     ("tail", 1.0, 0.5),  # one read, w = 1: CE's and the tail's softmax are one term
     ("tail", 2.0, 0.0),  # one read, w = 1 / τ: the tail's term alone
     ("renormalized", 2.0, 0.5),  # one read, w = 1: CE's term alone
-    ("tail", 2.0, 0.5),  # two dense terms: two passes whatever the switch
+    ("tail", 2.0, 0.5),  # two dense terms: two passes either way
 ])
 def test_one_read_and_two_passes_match_the_reference(monkeypatch, passes, support, temperature, ce_weight):
     # a bias spike 30 above every other logit at a column no id or label holds, past the
     # interpreter's first blocks of 64: the one-read pass must move its shift and rescale
-    monkeypatch.setenv("KD_KERNELS_STUDENT_PASSES", passes)
+    if passes == "two":
+        _two_passes(monkeypatch)
     hidden, weight, bias, teacher, labels = _problem(seed=11, temperature=temperature)
     bias = bias.clone()
     bias[150] = 30.0 + 20.0 / temperature
@@ -91,11 +99,20 @@ def test_one_read_and_two_passes_match_the_reference(monkeypatch, passes, suppor
              chunk_rows=8)
 
 
-def test_the_passes_switch_is_checked(monkeypatch):
-    monkeypatch.setenv("KD_KERNELS_STUDENT_PASSES", "three")
-    hidden, weight, _, teacher, labels = _problem(n=4, temperature=1.0)
-    with pytest.raises(ValueError, match="KD_KERNELS_STUDENT_PASSES"):
-        kd.topk_divergence(hidden.requires_grad_(), weight, teacher, labels, vocab_size=200, backend="triton")
+def test_the_gradient_takes_one_read_where_it_has_one_dense_term_in_bf16_or_fp32():
+    from kd_kernels.autograd.student_loss import one_read_exp_weight
+    from kd_kernels.options import DivergenceOptions
+
+    def weight(dtype=torch.float32, has_labels=True, **options):
+        return one_read_exp_weight(DivergenceOptions(**options), has_labels, dtype)
+
+    assert weight(support="renormalized", temperature=2.0, ce_weight=0.5) == 1.0  # CE's softmax(z) alone
+    assert weight(support="tail", temperature=1.0, ce_weight=0.5) == 1.0  # one softmax at τ = 1
+    assert weight(support="tail", temperature=4.0, ce_weight=0.0) == 0.25  # the tail's softmax(z / τ) alone
+    assert weight(support="tail", temperature=4.0, ce_weight=0.0, dtype=torch.bfloat16) == 0.25
+    assert weight(support="tail", temperature=4.0, ce_weight=0.5, has_labels=False) == 0.25  # no CE without labels
+    assert weight(support="tail", temperature=4.0, ce_weight=0.5) is None  # two dense terms
+    assert weight(support="renormalized", temperature=2.0, dtype=torch.float16) is None  # e' could leave fp16
 
 
 def test_num_tokens_and_one_chunk_and_beta_endpoints():
@@ -287,7 +304,8 @@ def test_gpu_one_read_against_two_passes_and_the_reference(monkeypatch, dtype, s
     expected_grads = torch.autograd.grad(expected, (hidden64, weight64))
     errors = {}
     for passes in ("one", "two"):
-        monkeypatch.setenv("KD_KERNELS_STUDENT_PASSES", passes)
+        if passes == "two":
+            _two_passes(monkeypatch)
         leaves = [t.detach().clone().requires_grad_() for t in (hidden, weight)]
         got = kd.topk_divergence(*leaves, teacher, labels, backend="triton", **kwargs)
         grads = torch.autograd.grad(got, leaves)

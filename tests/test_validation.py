@@ -59,6 +59,10 @@ def _raises(error, match, **overrides):
     (dict(teacher=TopK(torch.full((4, 3), -1.0), torch.zeros(4, 3, dtype=torch.int32), temperature=2.0)), ValueError,
      "temperature"),
     (dict(backend="gpu"), ValueError, "backend"),
+    (dict(chunk_rows=0), ValueError, "chunk_rows: expected None or an int >= 1, got 0"),
+    (dict(chunk_rows=2.0), ValueError, "chunk_rows: expected None or an int >= 1, got 2.0"),
+    (dict(chunk_rows=2, lean=True), ValueError, "chunk_rows: lean=True sets its own chunks"),
+    (dict(lean="yes"), TypeError, "lean: expected a bool, got str"),
 ])
 def test_topk_divergence_rejects(overrides, error, match):
     _raises(error, match, **overrides)
@@ -79,6 +83,10 @@ def test_ids_past_vocab_size_are_rejected_and_check_can_be_turned_off():
     (lambda: kd.teacher_topk(torch.randn(4, 3), torch.randn(10, 3), k=2, temperature=0), "temperature"),
     (lambda: kd.teacher_topk(torch.randn(4, 3), torch.randn(10, 4), k=2), "weight"),
     (lambda: kd.teacher_topk(torch.randn(4, 3), torch.randn(10, 3), k=2, logprobs_dtype=torch.int8), "logprobs_dtype"),
+    (lambda: kd.teacher_topk(torch.randn(4, 3), torch.randn(10, 3), k=2, chunk_rows=-1), "chunk_rows: expected None"),
+    (lambda: kd.teacher_topk(torch.randn(4, 3), torch.randn(10, 3), k=2, chunk_rows=4, lean=True),
+     "chunk_rows: lean=True sets its own chunks"),
+    (lambda: kd.teacher_topk(torch.randn(4, 3), torch.randn(10, 3), k=2, lean=1), "lean: expected a bool, got int"),
     (lambda: kd.teacher_topk_from_logits(torch.randint(0, 5, (4, 10)), k=2), "logits"),
     (lambda: kd.teacher_topk_from_logits(torch.randn(10), k=2), "logits"),
     (lambda: kd.teacher_topk_from_logits(torch.randn(4, 10), k=2, vocab_size=12), "vocab_size"),

@@ -2,8 +2,8 @@
 
 2 and 4 processes; V not divisible by the group (Megatron-padded shards, vocab_size < V);
 ignored rows; every divergence and support mode on the torch backend, a subset on the
-Triton backend (interpreter), both schedules; the teacher's epilogue schedule (16-bit inputs);
-teacher TP ≠ student TP.
+Triton backend (interpreter), both student schedules; the teacher's maxima and appended
+schedules (16-bit inputs); teacher TP ≠ student TP.
 """
 import os
 import sys
@@ -57,23 +57,24 @@ def _check_teacher(rank, world, group, teacher_hidden, teacher_weight, backend):
     return got
 
 
-def _check_teacher_epilogue(rank, world, group, teacher_hidden, teacher_weight):
-    """16-bit inputs take the maxima schedule on each shard (and the epilogue and appended ones,
-    forced); the merge is the same."""
-    from kd_kernels.teacher_chunked import teacher_schedule
+def _check_teacher_no_logits_schedules(rank, world, group, teacher_hidden, teacher_weight):
+    """16-bit inputs take the maxima schedule on each shard, and the appended one gives the same
+    merge."""
+    from kd_kernels.distributed import vocab_shard
+    from kd_kernels.teacher.appended import teacher_topk_appended
+    from kd_kernels.teacher.maxima import teacher_topk_maxima
+    from kd_kernels.teacher.schedule import teacher_schedule
 
     hidden, weight = teacher_hidden.half(), teacher_weight.half()
     local = _shard(weight, rank, world)
     assert teacher_schedule(hidden, local, K) == "maxima"
     expected = reference.teacher_topk(hidden, weight, K, 2.0, VOCAB)
-    for schedule in ("maxima", "epilogue", "appended"):
-        os.environ["KD_KERNELS_TEACHER_SCHEDULE"] = schedule
-        try:
-            got = kd.teacher_topk(hidden, local, k=K, temperature=2.0, vocab_size=VOCAB, group=group,
-                                  backend="triton")
-        finally:
-            del os.environ["KD_KERNELS_TEACHER_SCHEDULE"]
-        assert torch.equal(got.indices.long(), expected.indices.long()), (rank, schedule)
+    shard = vocab_shard(group, local.shape[0], VOCAB)
+    public = kd.teacher_topk(hidden, local, k=K, temperature=2.0, vocab_size=VOCAB, group=group, backend="triton")
+    for name, got in (("public", public),
+                      ("maxima", teacher_topk_maxima(hidden, local, K, 2.0, VOCAB, shard=shard)),
+                      ("appended", teacher_topk_appended(hidden, local, K, 2.0, VOCAB, shard=shard))):
+        assert torch.equal(got.indices.long(), expected.indices.long()), (rank, name)
         assert torch.allclose(got.logprobs.double(), expected.logprobs, atol=1e-5)
         assert torch.allclose(got.lse.double(), expected.lse, atol=1e-5)
 
@@ -140,7 +141,7 @@ def _worker(rank, world, init_file):
         teacher = None
         for backend in ("torch", "triton"):
             teacher = _check_teacher(rank, world, group, problem[3], problem[4], backend)
-        _check_teacher_epilogue(rank, world, group, problem[3], problem[4])
+        _check_teacher_no_logits_schedules(rank, world, group, problem[3], problem[4])
         for divergence in DIVERGENCES:
             for support in ("renormalized", "tail"):
                 _check_student(rank, world, group, problem, teacher, "torch", divergence=divergence, support=support)

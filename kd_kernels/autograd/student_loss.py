@@ -1,6 +1,6 @@
 """Autograd of the fused student loss: top-k divergence + CE through the lm_head.
 
-Design (measured reasons in benchmarks/NOTES.md):
+Design:
 - Fast schedule: rows are processed in chunks of ``chunk_rows``. For each chunk one cuBLAS
   matmul writes float32 logits ``[C, V]`` (bf16 inputs, fp32 accumulator and output:
   bf16-rounded logits would move probabilities by several percent), one Triton pass takes
@@ -17,12 +17,11 @@ Design (measured reasons in benchmarks/NOTES.md):
   logit a second time, is gone. The gradient is ``diag(s) · e'`` (e' = e with the sparse
   columns stored as value / s; s = coef · exp(shift · w - lse_w) per row, known after the
   loss math), so ``dX = diag(s) (e' @ W)`` and ``dW += e'ᵀ @ (diag(s) X)``: two O(R·H)
-  scalings instead of an O(R·V) pass. ``KD_KERNELS_STUDENT_PASSES=two`` forces two passes.
+  scalings instead of an O(R·V) pass. Two dense terms, or fp16 rows, take the two passes.
 - For reduction "none" the upstream gradient is per row, so backward recomputes the chunks.
 - Lean schedule (``lean=True``): the same passes in short chunks whose float32 logits stay
   under ``LEAN_CHUNK_BYTES`` (384 rows at V = 151,936): ≤ 256 MiB whatever N, for one
-  extra read-modify-write of dW (bf16) per chunk. It replaced two passes over vocab slices
-  (4 matmuls), which were slower at more memory (benchmarks/NOTES.md, L3).
+  extra read-modify-write of dW (bf16) per chunk.
 - Vocab parallel (a `VocabShard`): the same passes over this rank's columns, statistics
   combined over the group before the loss math, dX summed over the group.
 Memory beyond inputs and outputs: ``chunk_rows · V · 4`` bytes plus O(N·k) (fast schedule).
@@ -31,15 +30,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 from typing import Optional
 
 import torch
 
 from ..lm_head import lm_head_logits_fp32 as _lm_head_logits_fp32
-from ..options import DIVERGENCES, DivergenceOptions
-from ..support import (SupportGradients, StudentRowStats, counted_rows, loss_and_gradients_from_logit_stats,
-                       row_metrics)
+from ..options import DivergenceOptions
+from ..support import SupportGradients, StudentRowStats, counted_rows, row_metrics
 from ..topk import TopK
 
 _METRIC_NAMES = ("kd_sum", "ce_sum", "teacher_mass_sum", "student_mass_sum", "top1_agreement_sum", "rows")
@@ -61,8 +58,9 @@ def default_chunk_rows(num_rows: int, num_columns: int) -> int:
 
 
 def _fused_support(stats, teacher_logprobs, counted, options: DivergenceOptions, vocab_size, row_weight):
-    """The O(N·k) loss math in one Triton kernel (closed-form gradients); same outputs as
-    `loss_and_gradients_from_logit_stats`. CE and its two gradients are O(N) torch ops."""
+    """The O(N·k) loss math in one Triton kernel (closed-form gradients): (per-row loss, KD,
+    CE, row stats, `SupportGradients` w.r.t. the statistics, or None without ``row_weight``).
+    CE and its two gradients are O(N) torch ops."""
     from ..ops.support_loss import support_loss
 
     kd_scale = None if row_weight is None else row_weight * options.kd_weight
@@ -91,13 +89,10 @@ def lean_chunk_rows(num_rows: int, num_columns: int) -> int:
 
 
 def one_read_exp_weight(options: DivergenceOptions, has_labels: bool, grad_dtype: torch.dtype) -> Optional[float]:
-    """``w`` of the one-read gradient (module docstring), or None where it does not apply: two
-    dense terms (CE's softmax(z) and the tail mode's softmax(z / τ) at τ ≠ 1), fp16 rows (e'
-    could leave fp16's range), or ``KD_KERNELS_STUDENT_PASSES=two``."""
-    passes = os.environ.get("KD_KERNELS_STUDENT_PASSES", "one")
-    if passes not in ("one", "two"):
-        raise ValueError(f"KD_KERNELS_STUDENT_PASSES: expected 'one' or 'two', got {passes!r}")
-    if passes == "two" or grad_dtype not in (torch.bfloat16, torch.float32):
+    """``w`` of the one-read gradient (module docstring), or None where it does not apply and
+    the gradient takes two passes: two dense terms (CE's softmax(z) and the tail mode's
+    softmax(z / τ) at τ ≠ 1), or fp16 rows (e' could leave fp16's range)."""
+    if grad_dtype not in (torch.bfloat16, torch.float32):
         return None
     # the renormalized support's gradient lives on the ids alone: no dense KD term
     kd_dense = options.support == "tail" and options.temperature != 1.0
@@ -105,12 +100,6 @@ def one_read_exp_weight(options: DivergenceOptions, has_labels: bool, grad_dtype
         return 1.0
     with_ce = has_labels and options.ce_weight != 0.0
     return None if with_ce else 1.0 / options.temperature
-
-
-def fused_divergence_available(divergence: str) -> bool:
-    """Every divergence has the closed-form support kernel (adaptive_kl since its sort-free
-    head / tail split); kept as the one switch should one ever need the torch path again."""
-    return divergence in DIVERGENCES
 
 
 def _statistics_kernel():
@@ -257,11 +246,7 @@ class _ChunkedStudentPass:
 
     def support(self, stats: "_ChunkStats", teacher_logprobs, teacher_indices, counted, row_weight):
         """(per-row loss, KD, CE, row stats, gradients w.r.t. the statistics or None)."""
-        if fused_divergence_available(self.options.divergence):
-            return _fused_support(stats, teacher_logprobs, counted, self.options, self.vocab_size, row_weight)
-        return loss_and_gradients_from_logit_stats(
-            stats.at_ids, stats.at_label, stats.lse, stats.lse_tempered, stats.top1, teacher_logprobs,
-            teacher_indices, counted, self.options, self.vocab_size, row_weight)
+        return _fused_support(stats, teacher_logprobs, counted, self.options, self.vocab_size, row_weight)
 
     def rows(self, start, stop):
         """(teacher log-probs, teacher ids, counted-row mask) of rows [start, stop)."""

@@ -1,6 +1,6 @@
-"""Several work tensors from one allocation: each `torch.empty` on a CUDA device costs the host
-~5 µs (a chunk's summaries in one: the host's time per call 3.6 → 3.0 ms at k = 64, NOTES e30),
-and the parts can share bytes over time (the appended schedule's sample, then its keys)."""
+"""Several work tensors from one allocation: each `torch.empty` on a CUDA device is host work
+on the hot path (a chunk's summaries take one), and the parts can share bytes over time (the
+appended schedule's sample, then its keys)."""
 from __future__ import annotations
 
 import torch

@@ -2,8 +2,8 @@
 (and the label) its column and full gradient value, the dense part ``coef · softmax(z) +
 coef_tempered · softmax(z / τ)`` at that column plus every sparse term landing on it, so that
 duplicate columns (invalid entries' id 0, the label among the ids) carry equal values and
-`store_columns` may write them in any order. One kernel where torch took ~25 small ones per
-chunk (each a launch and a gap on the device).
+`store_columns` may write them in any order. One kernel instead of a chain of small torch
+ops per chunk (each a launch and a gap on the device).
 
 With a ``shift`` (the row holds ``exp((z - shift) · w)``, not the dense gradient: see
 `row_statistics`), the row's factor ``scale = coef_w · exp(shift · w - lse_w)`` is returned

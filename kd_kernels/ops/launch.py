@@ -4,26 +4,26 @@ import os
 
 import torch
 
-# Columns per step of the row-streaming kernels; small under the CPU interpreter.
-# H200, [2048, 151,936] fp32 (benchmarks/tune_row_kernels.py, NOTES.md): 2048 columns with
-# 16 warps read 3.97 TB/s (logsumexp, τ = 1), 2.99 TB/s (two sums, τ ≠ 1), and the in-place
-# gradient moves 4.06 TB/s; a device copy reaches 4.22 TB/s.
-ROW_BLOCK_V = 64 if os.environ.get("TRITON_INTERPRET") == "1" else 2048
+# Under Triton's CPU interpreter (tests) the kernels take small blocks and one warp: it pays
+# per element and per step, and runs fp32 / fp16 only. Read once: TRITON_INTERPRET must be set
+# before the kernels are defined anyway.
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+# Columns per step of the row-streaming kernels: wide steps of 16 warps keep HBM busy.
+ROW_BLOCK_V = 64 if INTERPRETED else 2048
 
 
 # The statistics pass that also writes the exponentials (one read). Its per-block maximum (does
 # the row's shift move?) is a block-wide reduction, which small programs take cheaply, many of
-# them per SM keeping HBM busy. H200, [2048, 151,936] (tune_row_kernels.py, 4 B read + 2 B
-# written per column): 1024 columns / 4 warps 3.46 TB/s, 2048 / 8 3.31, 4096 / 16 3.09; fewer
-# rows (the lean schedule's 384) leave 4-warp programs too few warps per SM, so the program
-# grows until the launch holds ~8192 warps.
+# them per SM keeping HBM busy; with few rows (the lean schedule's chunks) 4-warp programs leave
+# too few warps per SM, so the program grows until the launch holds ~ONE_READ_TARGET_WARPS.
 ONE_READ_COLUMNS_PER_WARP = 256
 ONE_READ_TARGET_WARPS = 8192
 
 
 def one_read_launch(rows: int):
     """(BLOCK_V, num_warps) of the one-read pass over ``rows`` rows."""
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    if INTERPRETED:
         return 64, 1
     warps = 4
     while warps < 16 and rows * warps < ONE_READ_TARGET_WARPS:
@@ -37,7 +37,7 @@ def num_warps_for(block: int) -> int:
 
 # Bisection steps of the top-k threshold (ops/topk_threshold.py): any lower bound is exact,
 # fewer steps only admit more candidates; the interpreter pays per step, the GPU does not.
-THRESHOLD_BISECTIONS = 8 if os.environ.get("TRITON_INTERPRET") == "1" else 24
+THRESHOLD_BISECTIONS = 8 if INTERPRETED else 24
 
 
 def multiprocessor_count(device: torch.device) -> int:

@@ -1,29 +1,23 @@
 """The lm_head matmul whose epilogue also summarizes each row for the teacher's top-k.
 
 A persistent Triton matmul (TMA tiles, programs walking output tiles in groups of row tiles so
-weight tiles are reused from L2) writes the float32 logits of columns ``[0, width)`` and, from
-the same float32 accumulator, per row:
+weight tiles are reused from L2) computes ``hidden @ weight[:width].T (+ bias)`` in a float32
+accumulator and leaves, per row:
 
 - per tile of ``BLOCK_N`` columns: the max and the sum of exp at τ, in log2 units
   (``tile_max2``, ``tile_sum2``): the row's logsumexp without reading the logits back;
-- per group of ``GROUP_COLUMNS`` columns: the largest logit (``group_max``, before τ). The
-  k-th largest group maximum T is a lower bound of the row's k-th largest logit (k distinct
-  groups each hold an element ≥ T), and every element ≥ T lies in a group whose maximum is
-  ≥ T, so the top-k is found among ~k groups (ops/topk_from_groups.py), not the whole row.
-
-Asked for no logits and ``group_top2`` (the maxima schedule), it stores none and keeps, per
-group, the maximum's lane and the second largest too, over groups that interleave so that one
-thread of the matrix units holds a whole group (`RowSummaries`, ops/topk_from_group_top2.py):
-1.038× cuBLAS on an H200 against 1.063× for runs of columns (NOTES e28).
-
-H200, 8192 × 4096 × 151,936 bf16 (benchmarks/triton_matmul_probe.py): 128 × 256 × 64 tiles,
-8 warps, 3 stages, the flattened loop: 15.68 ms with the float32 store and these statistics,
-against cuBLAS 14.68 (bf16 out) / 15.40 (float32 out); the statistics alone cost ~0.3 %.
+- with ``group_top2`` (the maxima schedule), per group of ``GROUP_COLUMNS`` columns: the
+  largest logit, its lane and the second largest, over groups that interleave so that one
+  thread of the matrix units holds a whole group (`RowSummaries`,
+  ops/topk_from_group_top2.py); no logits are stored;
+- with `Appends` (the appended schedule), every element at or above the row's floor appended
+  to the row's keys (ops/topk_from_appended.py); no logits are stored;
+- otherwise the logits themselves, in float32 or the inputs' dtype (the appended schedule's
+  sample of every stride-th column), and each group's maximum.
 """
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import torch
 import triton
@@ -31,8 +25,9 @@ import triton.language as tl
 from triton.language.extra.cuda import libdevice
 
 from .buffers import empty_parts
-from .launch import multiprocessor_count
+from .launch import INTERPRETED, multiprocessor_count
 from .tma import row_tile_descriptor, tma_rows
+from .utils import LOG2E
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,7 +48,7 @@ class GroupMaximaConfig:
 
 def default_config() -> GroupMaximaConfig:
     """Small tiles under the CPU interpreter (several groups per tile, several tiles per row)."""
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    if INTERPRETED:
         return GroupMaximaConfig(block_m=16, block_n=32, block_k=16, num_warps=1, num_stages=1, group_m=2,
                                  group_columns=8, subtile=False, flatten=False)
     return GroupMaximaConfig()
@@ -83,10 +78,10 @@ class RowSummaries:
 class Appends:
     """Where an appending matmul puts each row's elements at or above the row's floor:
     ``floors [R]`` float32 (logits before τ, bias included), ``keys [R, capacity]`` int64
-    (raw: the float's bits above the column, in no order: the row sorts take them so, the A/B's
-    `order_appended_keys` makes them `value_column_keys` first; slots past a row's count are
-    junk), ``counts [R]`` int32 (zero before the matmul; after it, the elements at or above the
-    floor, which may pass the capacity: such a row's keys are incomplete)."""
+    (raw: the float's bits above the column, in no order, as the row sorts take them; slots past
+    a row's count are junk), ``counts [R]`` int32 (zero before the matmul; after it, the
+    elements at or above the floor, which may pass the capacity: such a row's keys are
+    incomplete)."""
     floors: torch.Tensor
     keys: torch.Tensor
     counts: torch.Tensor
@@ -118,7 +113,7 @@ def _thread_groups(z, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_COLUMN
     """``z`` [BLOCK_M, BLOCK_N] -> [BLOCK_M, groups, GROUP_COLUMNS]: group 4·h + q holds columns
     4·GROUP_COLUMNS·h + 8·j + 2·q + b (lane 2·j + b; j < GROUP_COLUMNS / 2, b < 2). A thread of the
     Hopper matrix units' accumulator holds a row's columns 8·j + 2·q + b for one q, so a group is
-    reduced in registers, with no shuffles (contiguous groups took 3 shuffle reductions each)."""
+    reduced in registers, with no shuffles (contiguous groups would need shuffle reductions)."""
     halves: tl.constexpr = BLOCK_N // (4 * GROUP_COLUMNS)
     z5 = tl.reshape(z, (BLOCK_M, halves, GROUP_COLUMNS // 2, 4, 2))
     return tl.reshape(tl.permute(z5, (0, 1, 3, 2, 4)), (BLOCK_M, halves * 4, GROUP_COLUMNS))
@@ -143,7 +138,7 @@ def top2_group_column_table(groups: int, group_columns: int) -> torch.Tensor:
 
 
 # the interpreter has no libdevice: a bit-twiddling popcount there (tests), the hardware's on GPUs
-POPC_IN_HARDWARE = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
+POPC_IN_HARDWARE = tl.constexpr(not INTERPRETED)
 
 
 @triton.jit
@@ -159,16 +154,14 @@ def _popcount(bits, HARDWARE: tl.constexpr):
 
 
 # the interpreter has no inline PTX: the appends' stores in Triton there (tests), in PTX on GPUs
-STORE_APPENDS_IN_PTX = os.environ.get("TRITON_INTERPRET") != "1"
+STORE_APPENDS_IN_PTX = not INTERPRETED
 
 # one element's append, its group's slots taken: where value >= floor, the slot first + the
 # group's lanes below it (bits & below), the 8-byte key (column, value bits) stored below the
 # capacity. Every element computes its slot and address and stores under a predicate, without a
-# branch: a branch skipping that for the ~99 % of elements below the floor made every warp with
-# one element kept (~30 % of positions at k = 1024 if the ~1 % kept fall at random: 1 - 0.99^32)
-# diverge and reconverge (sm_90 loop 3652 instructions and 250 reconvergence barriers against
-# 3280 and 2; in one process on an H200 the appending matmul at k = 1024 1.185-1.192x cuBLAS
-# against 1.122-1.123x predicated: NOTES e33-e34)
+# branch: a branch skipping that for the elements below the floor (nearly all of them) would make
+# every warp holding one kept element diverge and reconverge, and with ~1 % kept at random that
+# is a large share of the warps at large k.
 _STORE_APPENDED_PTX = tl.constexpr("""
 {
 .reg .pred taken, kept;
@@ -198,8 +191,8 @@ def _reserve_slots(grouped, row_offsets, floor_ptr, counts_ptr, GROUP_COLUMNS: t
     floor = tl.load(floor_ptr + row_offsets, mask=row_offsets >= 0, other=float("inf"))
     bits = tl.sum(tl.where(grouped >= floor[:, None, None], 1 << lane, 0), axis=2)  # lane l's bit, in registers
     count = _popcount(bits, POPC_IN_HARDWARE)
-    # one atomic a row of the tile (~60 % fewer than one a row and group by count at k = 1024; 13.76
-    # against 13.85 ms with nothing appended, NOTES e32), the groups' first slots by an exclusive prefix sum
+    # one atomic a row of the tile (not one a row and group), the groups' first slots by an exclusive
+    # prefix sum
     row_count = tl.sum(count, axis=1)
     row_first = tl.atomic_add(counts_ptr + row_offsets, row_count, mask=row_count > 0, sem="relaxed")
     first = row_first[:, None] + tl.cumsum(count, axis=1) - count
@@ -283,8 +276,8 @@ def _lm_head_group_maxima_kernel(hidden_desc, weight_desc, logits_desc, bias_ptr
                 (tl.maximum(even, odd), pair_lane, tl.minimum(even, odd)), 2, _combine_top2)
             tl.store(group_arg_ptr + group_offsets, group_arg.to(tl.int8), mask=rows_ok[:, None])
             tl.store(group_second_ptr + group_offsets, group_second, mask=rows_ok[:, None])
-            # rounding is monotone: the maximum of z · log2e / τ (from groups in registers, no pass over z;
-            # from groups that are runs of columns this took a layout conversion through shared memory)
+            # rounding is monotone: the maximum of z · log2e / τ, from the groups already in registers
+            # (no pass over z)
             tile_max2 = tl.max(group_max, axis=1) * log2e_over_t
         elif APPEND:
             grouped = _thread_groups(z, BLOCK_M, BLOCK_N, GROUP_COLUMNS)
@@ -317,11 +310,6 @@ def _check_appends(appends: Appends, rows: int) -> None:
                              f"{list(tensor.shape)} with strides {tensor.stride()}")
 
 
-def padded_width(width: int) -> int:
-    """Row length of the float32 logits buffer: TMA stores rows starting at 16-byte boundaries."""
-    return -(-width // 4) * 4
-
-
 def epilogue_applies(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether this kernel takes these inputs: 16-bit (float32 would need IEEE products, far
     slower than cuBLAS) with rows TMA can move (a hidden size that is a multiple of 8)."""
@@ -334,26 +322,26 @@ def lm_head_logits_with_summaries(hidden: torch.Tensor, weight: torch.Tensor, bi
                                   config: GroupMaximaConfig | None = None, group_top2: bool = False) -> RowSummaries:
     """hidden ``[R, H]``, weight ``[≥ width, H]`` (bf16 / fp16, or float32 with IEEE products:
     the interpreter's tests), bias ``[≥ width]`` or None -> the float32 logits
-    ``hidden @ weight[:width].T + bias`` written into ``logits [R, ≥ width]`` (rows 16-byte
-    aligned: `padded_width`), and the rows' `RowSummaries`. ``logits=None``: the summaries
+    ``hidden @ weight[:width].T + bias`` written into ``logits [R, ≥ width]`` (rows starting at
+    16-byte boundaries), and the rows' `RowSummaries`. ``logits=None``: the summaries
     only, no logits stored (the maxima schedule recomputes the few groups it needs).
-    ``group_top2``: each group's maximum column and second largest too (`RowSummaries`; the
-    Hopper ping-pong kernel's form of them: ops/lm_head_group_top2_hopper.py)."""
+    ``group_top2``: each group's maximum column and second largest too (`RowSummaries`)."""
     return EpilogueMatmul(hidden, weight, bias, width, temperature, logits, config, group_top2)(0, width)
 
 
 class EpilogueMatmul:
     """The epilogue matmul of one block of rows against column slices of the weight (each at
     most ``max_width`` columns) into one logits buffer, its descriptors, summaries and grid made
-    once: a slice's host work is then one launch (a schedule of ~100 vocab slices a call, since
-    removed, was bound by the host otherwise). Arguments as `lm_head_logits_with_summaries`'s, ``weight`` and
-    ``bias`` whole (the slices are offsets into them)."""
+    once, so that a call's host work is one launch. Arguments as
+    `lm_head_logits_with_summaries`'s, ``weight`` and ``bias`` whole (the slices are offsets into
+    them); ``appends``: append each element at or above its row's floor (`Appends`) instead of
+    storing logits or group maxima."""
 
     def __init__(self, hidden: torch.Tensor, weight: torch.Tensor, bias, max_width: int, temperature: float,
                  logits: torch.Tensor | None, config: GroupMaximaConfig | None = None, group_top2: bool = False,
                  appends: "Appends | None" = None):
         config = config or default_config()
-        if hidden.dtype == torch.float32 and os.environ.get("TRITON_INTERPRET") != "1":
+        if hidden.dtype == torch.float32 and not INTERPRETED:
             # the float32 tiles need ~320 KiB of shared memory, and IEEE products would trail cuBLAS far
             raise ValueError("hidden: the epilogue matmul takes bf16 / fp16 on a GPU (float32 only under "
                              "TRITON_INTERPRET=1, for the tests; the schedules send float32 to cuBLAS), got "
@@ -363,7 +351,7 @@ class EpilogueMatmul:
         if appends is not None:
             _check_appends(appends, hidden.shape[0])
         if logits is not None and logits.dtype not in (torch.float32, hidden.dtype):
-            raise ValueError(f"logits: expected a float32 buffer (rows of padded_width(width)) or one of the "
+            raise ValueError(f"logits: expected a float32 buffer (rows starting at 16-byte boundaries) or one of the "
                              f"inputs' dtype {hidden.dtype} (rounded logits), got {logits.dtype}")
         if config.block_n % config.group_columns:
             raise ValueError(f"config: group_columns {config.group_columns} must divide block_n {config.block_n}")
@@ -371,7 +359,7 @@ class EpilogueMatmul:
             raise ValueError(f"config: group_top2 takes an even group_columns whose 4 groups divide block_n, got "
                              f"{config.group_columns} and {config.block_n}")
         self.hidden, self.bias, self.max_width, self.config = hidden, bias, max_width, config
-        self.log2e_over_t = 1.4426950408889634 / temperature
+        self.log2e_over_t = LOG2E / temperature
         self.store_logits = logits is not None
         self.group_top2 = group_top2
         self.appends = appends

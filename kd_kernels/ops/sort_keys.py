@@ -1,6 +1,8 @@
 """(value, column) pairs as one 64-bit key whose descending order is value descending, then
 the lower column first: the float's bits made to order as a signed integer, above the
-complemented column. One sort of keys replaces a two-key stable sort."""
+complemented column. One sort of keys replaces a two-key stable sort. The appending matmul
+stores raw keys (a float's bits above its column, ops/lm_head_group_maxima.py), which the
+per-row rankings (`top_of_counted_keys`) convert as they load them."""
 import torch
 import triton
 import triton.language as tl
@@ -35,40 +37,22 @@ _EMPTY_KEY = value_column_keys(torch.tensor([float("-inf")]), torch.tensor([EMPT
 
 
 MAX_TRITON_SLOTS = 4096  # a row's keys in one program's registers: the extension's sort takes as many
-# the triton order's kernel: "select" (the k-th largest key by bisection over its bits, then a sort
-# of the k selected: `_select_then_sort_kernel`) or "topk" (a bitonic top-k over every slot:
-# `_top_of_counted_keys_kernel`); an A/B switch. H200, 8192 rows of real appended keys, ms at
-# k = 64 / 256 / 1024: select 0.37 / 0.65 / 1.02, topk 0.64 / 2.32 / 3.65, the extension's sort
-# 0.12 / 0.17 / 0.48 (benchmarks/rank_keys_ab.py, NOTES e37)
-TRITON_RANKING = "select"
 
 
-def top_of_counted_keys(keys: torch.Tensor, counts: torch.Tensor, k: int, order: str, raw: bool = False):
-    """The k largest of each row's first ``counts [R]`` int32 keys (``keys [R, C]`` int64,
-    contiguous; the slots past a row's count are ignored), decoded: (values ``[R, k]`` float32,
-    -inf past the count; columns ``[R, k]`` int32, 0 there). ``order``: "cuda" (a bitonic sort
-    per row in the extension, C <= 4096), "triton" (one program a row, C <= MAX_TRITON_SLOTS:
-    the k-th key found by bisection, then a sort of k, or a top-k network over every slot;
-    `TRITON_RANKING`) or "torch" (one torch.sort). ``raw``:
-    the keys as the appending matmul stores them (a float's bits above its column;
-    ops/topk_from_appended.py), made sortable as they are loaded ("cuda" and "triton"), else
-    `value_column_keys`."""
-    if order not in ("cuda", "triton", "torch"):
-        raise ValueError(f"order: expected 'cuda', 'triton' or 'torch', got {order!r}")
+def top_of_counted_keys(keys: torch.Tensor, counts: torch.Tensor, k: int, order: str):
+    """The k largest of each row's first ``counts [R]`` int32 raw keys (``keys [R, C]`` int64,
+    contiguous, as the appending matmul stores them: a float's bits above its column,
+    ops/topk_from_appended.py; the slots past a row's count are ignored), in the order of
+    `value_column_keys` (value descending, then the lower column), decoded: (values ``[R, k]``
+    float32, -inf past the count; columns ``[R, k]`` int32, 0 there). ``order``: "cuda" (a
+    bitonic sort per row in the extension, C <= 4096) or "triton" (one program a row, C <=
+    MAX_TRITON_SLOTS: the k-th key found by bisection, then a sort of k)."""
+    if order not in ("cuda", "triton"):
+        raise ValueError(f"order: expected 'cuda' or 'triton', got {order!r}")
     if order == "cuda":
         from .topk_candidates import load_extension
 
-        return load_extension().sort_keys(keys, counts, k, raw)
-    if order == "triton":
-        return _triton_top_of_counted_keys(keys, counts, k, raw)
-    if raw:
-        raise ValueError(f"raw: the torch order takes value_column_keys only; got raw=True with order {order!r}")
-    filled = torch.arange(keys.shape[1], device=keys.device) < counts.unsqueeze(1)
-    values, columns = top_of_keys(torch.where(filled, keys, _EMPTY_KEY), k)
-    return values, columns.to(torch.int32)
-
-
-def _triton_top_of_counted_keys(keys: torch.Tensor, counts: torch.Tensor, k: int, raw: bool):
+        return load_extension().sort_keys(keys, counts, k)
     rows, capacity = keys.shape
     if not 1 <= k <= capacity <= MAX_TRITON_SLOTS:
         raise ValueError(f"k, keys: the triton order takes 1 <= k <= slots a row <= {MAX_TRITON_SLOTS}; "
@@ -77,47 +61,27 @@ def _triton_top_of_counted_keys(keys: torch.Tensor, counts: torch.Tensor, k: int
         raise ValueError(f"keys: expected contiguous int64, got {keys.dtype}, contiguous={keys.is_contiguous()}")
     values = torch.empty(rows, k, dtype=torch.float32, device=keys.device)
     columns = torch.empty(rows, k, dtype=torch.int32, device=keys.device)
-    if TRITON_RANKING not in ("select", "topk"):
-        raise ValueError(f"TRITON_RANKING: expected 'select' or 'topk', got {TRITON_RANKING!r}")
     if rows:
-        slots = max(2, triton.next_power_of_2(capacity))  # tl.topk of one key reduces to a scalar
+        slots = max(2, triton.next_power_of_2(capacity))
         top, warps = max(2, triton.next_power_of_2(k)), max(1, min(8, slots // 256))
-        if TRITON_RANKING == "select":
-            # the outputs hold the selected keys' two words between the kernel's two steps
-            _select_then_sort_kernel[(rows,)](keys, counts, values, values.view(torch.int32), columns, capacity, k,
-                                              _EMPTY_KEY, SLOTS=slots, TOP=top, RAW=raw, num_warps=warps)
-        else:
-            _top_of_counted_keys_kernel[(rows,)](keys, counts, values, columns, capacity, k, _EMPTY_KEY,
-                                                 SLOTS=slots, TOP=top, RAW=raw, num_warps=warps)
+        # the outputs hold the selected keys' two words between the kernel's two steps
+        _select_then_sort_kernel[(rows,)](keys, counts, values, values.view(torch.int32), columns, capacity, k,
+                                          _EMPTY_KEY, SLOTS=slots, TOP=top, num_warps=warps)
     return values, columns
 
 
 @triton.jit
-def _top_of_counted_keys_kernel(keys, counts, values, columns, capacity, k, empty_key, SLOTS: tl.constexpr,
-                                TOP: tl.constexpr, RAW: tl.constexpr):
-    """One row a program: its first min(count, capacity) keys (``RAW``: a float's bits above its
-    column, made `value_column_key` here), the TOP largest by a bitonic top-k over SLOTS (powers
-    of two, TOP <= SLOTS), the first k decoded."""
-    row = tl.program_id(0).to(tl.int64)
-    key = _row_keys(keys, counts, row, capacity, empty_key, SLOTS, RAW)
-    if TOP == SLOTS:
-        top = tl.sort(key, descending=True)
-    else:
-        top = tl.topk(key, TOP)
-    _store_top(values, columns, row, k, top, TOP)
-
-
-@triton.jit
 def _select_then_sort_kernel(keys, counts, values, value_words, columns, capacity, k, empty_key,
-                             SLOTS: tl.constexpr, TOP: tl.constexpr, RAW: tl.constexpr):
-    """`_top_of_counted_keys_kernel`'s result by less work: the row's k-th largest key is found
-    by bisection over its two 32-bit words (each step a count over the row's SLOTS keys: 32
-    steps, 64 where values tie at the k-th), the k keys at or above it are written compacted to
-    the row's outputs (``value_words``: ``values`` as int32), read back as TOP and sorted there
-    (TOP = k rounded up to a power of two, against a top-k network over all SLOTS)."""
+                             SLOTS: tl.constexpr, TOP: tl.constexpr):
+    """One row a program: its first min(count, capacity) raw keys made `value_column_key`s
+    (SLOTS, a power of two, with ``empty_key`` past them); the row's k-th largest key found by
+    bisection over its two 32-bit words (each step a count over the row's keys: 32 steps, 64
+    where values tie at the k-th); the k keys at or above it written compacted to the row's
+    outputs (``value_words``: ``values`` as int32), read back as TOP (k rounded up to a power
+    of two), sorted there and decoded."""
     row = tl.program_id(0).to(tl.int64)
     # empty slots take part (as empty_key): the k-th may be one where count < k
-    key = _row_keys(keys, counts, row, capacity, empty_key, SLOTS, RAW)
+    key = _row_keys(keys, counts, row, capacity, empty_key, SLOTS)
     # both words as uint32 whose order is the key's: the high one signed, its sign bit flipped
     high = ((key >> 32).to(tl.int32) ^ -2147483648).to(tl.uint32, bitcast=True)
     low = key.to(tl.int32).to(tl.uint32, bitcast=True)
@@ -146,14 +110,13 @@ def _select_then_sort_kernel(keys, counts, values, value_words, columns, capacit
 
 
 @triton.jit
-def _row_keys(keys, counts, row, capacity, empty_key, SLOTS: tl.constexpr, RAW: tl.constexpr):
-    """Row ``row``'s first min(count, capacity) keys as `value_column_key`s (``RAW``: a float's
-    bits above its column, converted here), ``empty_key`` in the other of its SLOTS."""
+def _row_keys(keys, counts, row, capacity, empty_key, SLOTS: tl.constexpr):
+    """Row ``row``'s first min(count, capacity) raw keys (a float's bits above its column) as
+    `value_column_key`s, ``empty_key`` in the other of its SLOTS."""
     slot = tl.arange(0, SLOTS)
     filled = slot < tl.minimum(tl.load(counts + row), capacity)
     key = tl.load(keys + row * capacity + slot, mask=filled, other=0)
-    if RAW:
-        key = key_of_raw(key)
+    key = key_of_raw(key)
     return tl.where(filled, key, empty_key)
 
 
@@ -170,9 +133,7 @@ def _store_top(values, columns, row, k, top, TOP: tl.constexpr):
 @triton.jit
 def _kth_largest_word(words, counted, k):
     """The k-th largest of the uint32 ``words`` where ``counted``: the largest w with at least k
-    counted words >= w, built from the top bit down, one count over the row a bit. (Two bits a
-    step, three counts each, ran slower on an H200: 0.75 against 0.65 ms at k = 256 over 8192
-    rows in three sums, 1.07 in one tl.reduce; NOTES e37.)"""
+    counted words >= w, built from the top bit down, one count over the row a bit."""
     kth = tl.zeros((), tl.uint32)
     bit = tl.full((), 1 << 31, tl.uint32)
     for _ in range(32):

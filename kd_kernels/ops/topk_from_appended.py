@@ -2,9 +2,9 @@
 with `Appends`): no logits stored, no group summaries, memory independent of V.
 
 Before a chunk's matmul, a sample of its columns (every ``stride``-th, by the epilogue matmul:
-1/50 of the flops) gives each row a floor: a lower bound of the sample's r-th largest logit, with r a few
-standard deviations above the k/stride top-k elements a sample holds on average. The matmul
-then appends every element at or above its row's floor (~r · stride a row, ~2.2k at k = 1024)
+1/stride of the flops) gives each row a floor: a lower bound of the sample's r-th largest
+logit, with r a few standard deviations above the k/stride top-k elements a sample holds on
+average. The matmul then appends every element at or above its row's floor (~r · stride a row)
 to the row's keys, and one sort per row ranks them. Exact whatever the floor: when at least k
 elements reach it, the row's k-th largest does too, so every top-k element (and every tie of
 the k-th) is among the keys; rows with fewer than k (a floor above the k-th largest: a sample
@@ -15,32 +15,27 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from .sort_keys import key_of_raw, top_of_counted_keys
-from .topk_from_groups import row_logsumexp
-from .utils import kth_largest_lower_bound
+from .launch import INTERPRETED
+from .sort_keys import top_of_counted_keys
+from .utils import kth_largest_lower_bound, row_logsumexp
 
-# every SAMPLE_STRIDE-th column sampled for the floors: 1/50 of the flops, ~3k columns at V =
-# 151,936 (a floors kernel block of 4096), ~2.2k keys a row at k = 1024 against ~1.7k at stride 18:
-# the sum of the schedule's kernels 16.34 -> 15.37 ms at k = 1024 and 15.50 -> 14.86 at k = 256 on
-# an H200 (stride 38: 15.61 / 14.90; NOTES e34)
+# every SAMPLE_STRIDE-th column sampled for the floors: a sparser sample costs the sampling matmul
+# less and the sorts more (more keys a row); at LLM vocabularies a sample fits one block of the
+# floors kernel
 SAMPLE_STRIDE = 50
 # the sample keeps at least this many columns per k (the stride falls below SAMPLE_STRIDE where it
-# would not), so the floor's rank r ~ k / stride + 5 sigmas sits well inside it; 8 before e34,
-# which held the stride at 18 / 15 at k = 1024 and V = 151,936 / 128,256
+# would not), so the floor's rank r ~ k / stride + 5 sigmas sits well inside it
 SAMPLE_COLUMNS_PER_K = 2
 SAMPLE_SIGMAS = 5.0  # r over the sample's mean count of top-k elements, in its standard deviations
 KEY_SIGMAS = 6.0  # the key slots over the elements a floor keeps on average, in standard deviations
 FLOOR_STEPS = 12  # value-space bisection steps of the floor (a lower bound: more steps, fewer keys)
 MAX_KEYS = 4096  # the extension's sort per row (csrc/sort_keys.cu) takes at most this many slots
-ROW_WARPS = 1 if os.environ.get("TRITON_INTERPRET") == "1" else 4  # the floors, key order and lse: a program a row
-SORT_RAW_KEYS = True  # the sorts take the matmul's raw keys (False: the key order pass first; an A/B)
-ORDER_BLOCK = 64 if os.environ.get("TRITON_INTERPRET") == "1" else 1024
+ROW_WARPS = 1 if INTERPRETED else 4  # the floors and the lse: a program a row
 
 
 def sample_rank(k: int, stride: int, sample_width: int) -> int:
@@ -95,26 +90,6 @@ def _sample_floor_kernel(sample_ptr, stride_row, floors_ptr, sample_width, rank,
     tl.store(floors_ptr + row, tl.maximum(low, -3.4028234663852886e38))
 
 
-@triton.jit
-def _order_keys_kernel(keys_ptr, counts_ptr, capacity, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    count = tl.minimum(tl.load(counts_ptr + row), capacity)
-    for start in range(0, count, BLOCK):
-        slot = start + tl.arange(0, BLOCK)
-        raw = tl.load(keys_ptr + row * capacity + slot, mask=slot < count, other=0)
-        tl.store(keys_ptr + row * capacity + slot, key_of_raw(raw), mask=slot < count)
-
-
-def order_appended_keys(keys: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """The appending matmul's raw keys ``[R, capacity]`` int64 (a float's bits above its
-    column) made `value_column_keys` in place, each row's first ``counts [R]`` (at most the
-    capacity); returns ``keys``. The matmul leaves the ordering to this pass: ~6 instructions
-    an element fewer in its epilogue, for the ~1 % of elements appended."""
-    if keys.shape[0]:
-        _order_keys_kernel[(keys.shape[0],)](keys, counts, keys.shape[1], BLOCK=ORDER_BLOCK, num_warps=ROW_WARPS)
-    return keys
-
-
 def sample_floors(sample: torch.Tensor, rank: int, floors: torch.Tensor) -> torch.Tensor:
     """sample ``[R, S]`` logits (any float dtype, unit stride along a row) -> ``floors [R]``
     float32 filled: per row a lower bound of its rank-th largest (its smallest where S <= rank),
@@ -151,9 +126,5 @@ def rank_appended(keys: torch.Tensor, counts: torch.Tensor, k: int, order: str):
     redo)."""
     capacity = keys.shape[1]
     overflow = (counts < k) | (counts > capacity)
-    kept = counts.clamp(max=capacity)
-    if SORT_RAW_KEYS:  # both sorts make the raw keys sortable as they load them
-        values, columns = top_of_counted_keys(keys, kept, k, order, raw=True)
-    else:
-        values, columns = top_of_counted_keys(order_appended_keys(keys, counts), kept, k, order)
+    values, columns = top_of_counted_keys(keys, counts.clamp(max=capacity), k, order)
     return values, columns, overflow

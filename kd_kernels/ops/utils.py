@@ -1,6 +1,10 @@
-"""`@triton.jit` helpers shared by the kernels."""
+"""`@triton.jit` helpers shared by the kernels, and the constant their launchers scale by."""
+import math
+
 import triton
 import triton.language as tl
+
+LOG2E = math.log2(math.e)  # the kernels take exp and log in base 2: z · log2e / τ
 
 
 @triton.jit
@@ -27,3 +31,18 @@ def kth_largest_lower_bound(values, valid, k, STEPS: tl.constexpr):
         low = tl.where(enough, middle, low)
         high = tl.where(enough, high, middle)
     return low
+
+
+@triton.jit
+def row_logsumexp(tile_max2_ptr, tile_sum2_ptr, lse_ptr, row, tiles, TILES: tl.constexpr):
+    """The row's logsumexp at τ (natural units) stored from its tiles' (max, sum of exp) in
+    log2 units; returns the tile maxima ``[TILES]`` (-inf past ``tiles``)."""
+    t = tl.arange(0, TILES)
+    tile_max2 = tl.load(tile_max2_ptr + row * tiles + t, mask=t < tiles, other=float("-inf"))
+    tile_sum2 = tl.load(tile_sum2_ptr + row * tiles + t, mask=t < tiles, other=0.0)
+    row_max2 = tl.max(tile_max2, axis=0)
+    safe_max2 = tl.where(row_max2 == float("-inf"), 0.0, row_max2)
+    total = tl.sum(tile_sum2 * tl.exp2(tile_max2 - safe_max2), axis=0)
+    tl.store(lse_ptr + row, tl.where(row_max2 == float("-inf"), float("-inf"),
+                                     (safe_max2 + tl.log2(total)) * 0.6931471805599453))
+    return tile_max2
