@@ -38,7 +38,8 @@ def _triton_status() -> tuple[bool, str]:
     if torch.cuda.is_available():
         return True, f"triton {triton.__version__} on CUDA"
     if triton_interpreter_enabled():
-        return True, f"triton {triton.__version__} under TRITON_INTERPRET=1 (CPU, slow, tests only)"
+        return True, (f"triton {triton.__version__} under TRITON_INTERPRET=1 (CPU, slow, tests only; bf16 teacher_topk "
+                      "refused; set it before Python starts: this status is cached)")
     return False, "no CUDA device (set TRITON_INTERPRET=1 to run the kernels on CPU, slowly)"
 
 

@@ -50,10 +50,11 @@ def _sorted_topk(scores: torch.Tensor, k: int, column_offset: int = 0):
 
 def teacher_topk_from_logits(logits: torch.Tensor, k: int, temperature: float = 1.0,
                              vocab_size: Optional[int] = None) -> TopK:
-    """``topk(log_softmax(logits[:, :V*] / τ), k)``, float64 log-probs, int32 ids, float64 lse."""
+    """``topk(log_softmax(logits[:, :V*] / τ), k)``, float64 log-probs, int32 ids, float64 lse.
+    A row of only -inf logits has lse -inf and only missing entries (-inf, id 0), not NaN."""
     tempered = _existing_columns(logits, vocab_size).double() / temperature
     lse = torch.logsumexp(tempered, dim=-1)
-    logprobs, indices = _sorted_topk(tempered - lse.unsqueeze(-1), k)
+    logprobs, indices = _sorted_topk(tempered - torch.where(torch.isneginf(lse), 0.0, lse).unsqueeze(-1), k)
     return TopK(logprobs, indices.to(torch.int32), lse, temperature)
 
 
@@ -152,7 +153,7 @@ def merge_teacher_candidates(values: torch.Tensor, ids: torch.Tensor, local_lses
     stable sort keeps lower global ids first on ties."""
     lse = torch.logsumexp(local_lses, dim=-1)
     merged_values, merged_ids = top_of_candidates(values, ids, k)
-    logprobs = merged_values - lse.unsqueeze(-1)
+    logprobs = merged_values - torch.where(torch.isneginf(lse), 0.0, lse).unsqueeze(-1)  # -inf rows stay -inf
     merged_ids = torch.where(torch.isfinite(logprobs), merged_ids, 0)
     return TopK(logprobs, merged_ids.to(torch.int32), lse, temperature)
 

@@ -94,11 +94,20 @@ def _outputs(num_rows: int, k: int, device, with_overflow: bool = False) -> tupl
     return outputs + (torch.empty(num_rows, dtype=torch.bool, device=device),) if with_overflow else outputs
 
 
+def _logprobs_(values: torch.Tensor, indices: torch.Tensor, lse: torch.Tensor):
+    """Tempered values ``[R, k]`` minus their rows' logsumexp ``lse [R]``, in place, and the ids
+    ``[R, k]`` of the -inf (missing) entries set to 0 in place; a row without a finite column
+    (lse = -inf) keeps -inf entries, not NaN. Returns (values, indices)."""
+    values.sub_(torch.where(torch.isneginf(lse), 0.0, lse).unsqueeze(-1))
+    return values, indices.masked_fill_(torch.isneginf(values), 0)
+
+
 def _finish(values, indices, lse_tempered, k, temperature, shard) -> TopK:
     """`TopK` from tempered values ``[N, k]`` float32 (turned into log-probs in place: no copy
     of N·k) and int32 ids."""
     if shard is None:
-        return TopK(values.sub_(lse_tempered.unsqueeze(-1)), indices.to(torch.int32), lse_tempered, temperature)
+        values, indices = _logprobs_(values, indices, lse_tempered)
+        return TopK(values, indices.to(torch.int32), lse_tempered, temperature)
     from .vocab_parallel import merge_teacher_candidates
 
     return merge_teacher_candidates(values, indices, lse_tempered, k, temperature, shard)
@@ -337,10 +346,10 @@ def _finish_with_redo(overflow: torch.Tensor, hidden: torch.Tensor, weight: torc
     if shard is not None:
         _redo_rows(overflow, hidden, weight, k, temperature, width, bias, chunk_rows, select, outputs)
         return _finish(values, indices.add_(shard.vocab_start), lse, k, temperature, shard)
-    values.sub_(lse.unsqueeze(-1))
+    _logprobs_(values, indices, lse)
     if bool(overflow.any()):
         rows = _redo_rows(overflow, hidden, weight, k, temperature, width, bias, chunk_rows, select, outputs)
-        values[rows] = values[rows] - lse[rows].unsqueeze(-1)
+        values[rows], indices[rows] = _logprobs_(values[rows], indices[rows], lse[rows])
     return TopK(values, indices, lse, temperature)
 
 
