@@ -116,8 +116,8 @@ def _by_hand(divergence, support, teacher_logprobs, student_at_ids, student_lse,
 def test_the_limit_drops_the_bins_the_student_gives_no_mass(divergence, support):
     teacher, _ = _teacher(3)
     logits, _ = _masked_student(teacher, 3)
-    got = kd.topk_divergence_from_logits(logits.double().to(DEVICE), teacher, None, divergence=divergence, support=support,
-                                         temperature=TAU, vocab_size=VOCAB, beta=0.3, reduction="none",
+    got = kd.topk_divergence_from_logits(logits.double().to(DEVICE), teacher, None, divergence=divergence,
+                                         support=support, temperature=TAU, vocab_size=VOCAB, beta=0.3, reduction="none",
                                          backend="torch").cpu()
     tempered = logits[:, :VOCAB].double() / TAU
     lse = torch.logsumexp(tempered, -1)
@@ -318,7 +318,8 @@ def test_empty_teacher_rows_in_the_vocab_sharded_reference():
     top = reference.teacher_topk_sharded(list(logits.split(20, dim=-1)), k=6)
     _check_empty_rows(top, [2])
     unsharded = reference.teacher_topk_from_logits(logits, 6)
-    assert torch.equal(top.indices, unsharded.indices) and torch.equal(top.logprobs.isneginf(), unsharded.logprobs.isneginf())
+    assert torch.equal(top.indices, unsharded.indices)
+    assert torch.equal(top.logprobs.isneginf(), unsharded.logprobs.isneginf())
 
 
 # ---- 5. bf16 under the Triton interpreter -----------------------------------------------------
@@ -407,7 +408,8 @@ def test_float32_on_the_triton_backend_never_reaches_the_epilogue_matmul(monkeyp
 
     monkeypatch.setattr(lm_head_group_maxima.EpilogueMatmul, "__init__", refuse_float32)
     generator = torch.Generator().manual_seed(14)
-    hidden, weight = torch.randn(N, 16, generator=generator).to(DEVICE), torch.randn(V, 16, generator=generator).to(DEVICE)
+    hidden = torch.randn(N, 16, generator=generator).to(DEVICE)
+    weight = torch.randn(V, 16, generator=generator).to(DEVICE)
     exact = reference.lm_head_logits(hidden, weight)
     for k, lean in ((8, False), (8, True), (100, False)):
         top = kd.teacher_topk(hidden, weight, k=k, temperature=TAU, vocab_size=VOCAB, backend="triton", lean=lean)
