@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 
 from . import torch_backend
-from .backends import CUDA_MAX_TOPK, resolve_backend
+from .backends import CUDA_MAX_TOPK, resolve_backend, triton_interpreter_enabled
 from .distributed import vocab_shard
 from .options import DivergenceOptions, check_temperature
 from .topk import TopK
@@ -22,6 +22,7 @@ from .validation import (
     check_teacher,
     check_teacher_values,
     resolve_vocab_size,
+    without_out_of_range_ids,
 )
 
 _LOGPROBS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -108,6 +109,9 @@ def teacher_topk(hidden: torch.Tensor, weight: torch.Tensor, k: int = 64, *, tem
     check_k(k, vocab_size)
     _check_logprobs_dtype(logprobs_dtype)
     chosen = _teacher_backend(backend, "teacher_topk", hidden.device, k)
+    if chosen == "triton" and hidden.dtype == torch.bfloat16 and triton_interpreter_enabled():
+        raise TypeError("hidden: bfloat16 on the triton backend under TRITON_INTERPRET=1 is refused (the "
+                        "interpreter's bf16 tl.dot is wrong); pass float32 or float16 inputs, or backend='torch'")
     if chosen in ("cuda", "triton"):
         from .teacher.schedule import teacher_topk as scheduled, teacher_topk_lean
 
@@ -166,13 +170,17 @@ def _student_options(group, local_columns: int, argument: str, teacher: TopK, kw
 
 
 def _check_student_inputs(num_rows: int, device, teacher: TopK, labels, options: DivergenceOptions,
-                          num_tokens, check_values: bool) -> None:
+                          num_tokens, check_values: bool) -> TopK:
+    """Checks; returns the teacher to use: with the value checks off, entries whose ids lie
+    outside [0, V*) are made invalid (with them on, such ids are refused)."""
     check_teacher(teacher, num_rows, device)
     check_labels(labels, num_rows, device, options.ce_weight)
     check_num_tokens(num_tokens)
-    if check_values:
-        check_teacher_values(teacher, options.vocab_size, options.support)
-        check_label_values(labels, options.ignore_index, options.vocab_size)
+    if not check_values:
+        return without_out_of_range_ids(teacher, options.vocab_size)
+    check_teacher_values(teacher, options.vocab_size, options.support)
+    check_label_values(labels, options.ignore_index, options.vocab_size)
+    return teacher
 
 
 def _loss_dtype_result(result, input_dtype: torch.dtype, return_metrics: bool):
@@ -212,6 +220,7 @@ def topk_divergence(hidden: torch.Tensor, weight: torch.Tensor, teacher: TopK, l
         reduction: "mean" (over ``num_tokens`` if given, else counted rows), "sum" or "none" (``[N]``).
         return_metrics: also return a dict of detached sums (see SPEC "Loss").
         check_values: check teacher ids, NaN log-probs and labels on the device (one host sync).
+            Off, an entry whose teacher id lies outside [0, V*) counts as invalid (log-prob -inf).
         backend: "auto" | "triton" | "cuda" | "torch".
         chunk_rows: None or rows per chunk of the default schedule (triton backend): extra memory
             is ``chunk_rows · V · 4`` bytes; None picks ~1.25 GiB worth.
@@ -225,7 +234,8 @@ def topk_divergence(hidden: torch.Tensor, weight: torch.Tensor, teacher: TopK, l
     check_lm_head(hidden, weight, bias)
     check_schedule_options(chunk_rows, lean)
     options, shard = _student_options(group, weight.shape[0], "weight", teacher, _loss_options(locals()))
-    _check_student_inputs(hidden.shape[0], hidden.device, teacher, labels, options, num_tokens, check_values)
+    teacher = _check_student_inputs(hidden.shape[0], hidden.device, teacher, labels, options, num_tokens,
+                                    check_values)
     chosen = resolve_backend(backend, "topk_divergence", hidden.device)
     if chosen == "triton":
         from .autograd.student_loss import fused_topk_divergence
@@ -250,7 +260,8 @@ def topk_divergence_from_logits(logits: torch.Tensor, teacher: TopK, labels: Opt
     """
     check_logits(logits)
     options, shard = _student_options(group, logits.shape[1], "logits", teacher, _loss_options(locals()))
-    _check_student_inputs(logits.shape[0], logits.device, teacher, labels, options, num_tokens, check_values)
+    teacher = _check_student_inputs(logits.shape[0], logits.device, teacher, labels, options, num_tokens,
+                                    check_values)
     chosen = resolve_backend(backend, "topk_divergence_from_logits", logits.device)
     if chosen == "triton":
         from .autograd.student_loss import fused_topk_divergence_from_logits

@@ -41,7 +41,8 @@ def _triton_status() -> tuple[bool, str]:
     if torch.cuda.is_available():
         return True, f"triton {triton.__version__} on CUDA"
     if triton_interpreter_enabled():
-        return True, f"triton {triton.__version__} under TRITON_INTERPRET=1 (CPU, slow, tests only)"
+        return True, (f"triton {triton.__version__} under TRITON_INTERPRET=1 (CPU, slow, tests only; bf16 teacher_topk "
+                      "refused: the interpreter's bf16 tl.dot is wrong; it takes effect when set before Python starts)")
     return False, ("no CUDA device (to run the kernels on CPU, slowly, set TRITON_INTERPRET=1 before Python starts: "
                    "the kernels read it when they are defined, and this status is cached)")
 

@@ -24,6 +24,13 @@ def merge_candidates(values: torch.Tensor, ids: torch.Tensor, local_lses: torch.
     logsumexp; id 0 where a log-prob is -inf."""
     lse = torch.logsumexp(local_lses, dim=-1)
     merged_values, merged_ids = top_of_candidates(values, ids, k)
-    logprobs = merged_values - lse.unsqueeze(-1)
-    merged_ids = torch.where(torch.isfinite(logprobs), merged_ids, 0)
+    logprobs, merged_ids = logprobs_(merged_values, merged_ids, lse)
     return TopK(logprobs, merged_ids.to(torch.int32), lse, temperature)
+
+
+def logprobs_(values: torch.Tensor, ids: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tempered values ``[R, k]`` minus their rows' logsumexp ``lse [R]``, in place, and the ids
+    ``[R, k]`` of the -inf (missing) entries set to 0, in place. A row without a finite column
+    (lse = -inf) keeps -inf entries, not NaN. Returns (values, ids)."""
+    values.sub_(torch.where(torch.isneginf(lse), 0.0, lse).unsqueeze(-1))
+    return values, ids.masked_fill_(torch.isneginf(values), 0)

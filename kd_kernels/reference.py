@@ -50,10 +50,11 @@ def _sorted_topk(scores: torch.Tensor, k: int, column_offset: int = 0):
 
 def teacher_topk_from_logits(logits: torch.Tensor, k: int, temperature: float = 1.0,
                              vocab_size: Optional[int] = None) -> TopK:
-    """``topk(log_softmax(logits[:, :V*] / τ), k)``, float64 log-probs, int32 ids, float64 lse."""
+    """``topk(log_softmax(logits[:, :V*] / τ), k)``, float64 log-probs, int32 ids, float64 lse.
+    A row of only -inf logits has lse -inf and only missing entries (-inf, id 0), not NaN."""
     tempered = _existing_columns(logits, vocab_size).double() / temperature
     lse = torch.logsumexp(tempered, dim=-1)
-    logprobs, indices = _sorted_topk(tempered - lse.unsqueeze(-1), k)
+    logprobs, indices = _sorted_topk(tempered - torch.where(torch.isneginf(lse), 0.0, lse).unsqueeze(-1), k)
     return TopK(logprobs, indices.to(torch.int32), lse, temperature)
 
 
@@ -145,7 +146,7 @@ def merge_teacher_candidates(values: torch.Tensor, ids: torch.Tensor, local_lses
     lse = torch.logsumexp(local_lses, dim=-1)
     row = values.new_full((values.shape[0], vocab_size), -math.inf)
     row.scatter_reduce_(-1, ids.long(), values, reduce="amax")  # a missing entry's -inf leaves column 0 as it is
-    logprobs, indices = _sorted_topk(row - lse.unsqueeze(-1), k)
+    logprobs, indices = _sorted_topk(row - torch.where(torch.isneginf(lse), 0.0, lse).unsqueeze(-1), k)  # -inf rows stay -inf
     return TopK(logprobs, indices.to(torch.int32), lse, temperature)
 
 

@@ -41,16 +41,22 @@ def counted_rows(labels: Optional[torch.Tensor], num_rows: int, ignore_index: in
 
 
 def tail_log_mass(log_mass: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """``log(max(1 - Σ_mask exp(log_mass), TAIL_FLOOR))`` per row, computed as -expm1(logsumexp)."""
-    covered = torch.logsumexp(log_mass.masked_fill(~mask, -math.inf), dim=-1)
+    """``log(max(1 - Σ_mask exp(log_mass), TAIL_FLOOR))`` per row, computed as -expm1(logsumexp);
+    0 (and no gradient, not NaN) on rows without mass on the mask."""
+    log_mass = log_mass.masked_fill(~mask, -math.inf)
+    massless = torch.isneginf(log_mass).all(dim=-1)
+    covered = torch.logsumexp(torch.where(massless.unsqueeze(-1), 0.0, log_mass), dim=-1)
+    covered = torch.where(massless, -math.inf, covered)
     return torch.log(torch.clamp(-torch.expm1(covered), min=TAIL_FLOOR))
 
 
 def masked_log_softmax(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """log_softmax over the masked entries of each row; 0 elsewhere (and on rows with none)."""
-    any_valid = mask.any(dim=-1, keepdim=True)
+    """log_softmax over the masked entries of each row; 0 elsewhere (and on rows with none). A row
+    whose masked entries are all -inf gets the uniform distribution over them (equal logits),
+    and they receive no gradient."""
     x = torch.where(mask, x, -math.inf)
-    x = torch.where(any_valid, x, 0.0)
+    flat = torch.isneginf(x).all(dim=-1, keepdim=True)
+    x = torch.where(flat, torch.where(mask | ~mask.any(dim=-1, keepdim=True), 0.0, -math.inf), x)
     return torch.where(mask, torch.log_softmax(x, dim=-1), 0.0)
 
 
@@ -58,11 +64,24 @@ def _log_weight(weight: float) -> float:
     return math.log(weight) if weight > 0 else -math.inf
 
 
+def _logaddexp(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """torch.logaddexp, whose gradient is 0 (not NaN) where both are -inf."""
+    both = torch.isneginf(a) & torch.isneginf(b)
+    return torch.where(both, -math.inf, torch.logaddexp(torch.where(both, 0.0, a), torch.where(both, 0.0, b)))
+
+
+def _weighted_log_ratio(weight: torch.Tensor, log_weight: torch.Tensor, log_other: torch.Tensor) -> torch.Tensor:
+    """``weight · (log_weight − log_other)``, 0 where weight is 0 (0 · log 0 = 0), gradients without NaN."""
+    some = weight > 0
+    return torch.where(some, weight * (torch.where(some, log_weight, 0.0) - torch.where(some, log_other, 0.0)), 0.0)
+
+
 def bin_divergence(log_p: torch.Tensor, log_q: torch.Tensor, mask: torch.Tensor, options: DivergenceOptions) -> torch.Tensor:
     """``[N]`` divergence between teacher p and student q over the masked bins of each row.
 
     log_p, log_q: ``[N, B]`` log-probabilities of the bins; mask: ``[N, B]`` bool.
-    Bins outside the mask contribute exactly 0.
+    Bins outside the mask contribute exactly 0. A bin of probability 0 (log -inf) adds its limit
+    (0 · log 0 = 0): forward_kl is +inf where q = 0 < p, the others stay finite.
     """
     log_p = torch.where(mask, log_p, 0.0)
     log_q = torch.where(mask, log_q, 0.0)
@@ -72,10 +91,10 @@ def bin_divergence(log_p: torch.Tensor, log_q: torch.Tensor, mask: torch.Tensor,
         return torch.where(mask, terms, 0.0).sum(dim=-1)
 
     def forward_kl():
-        return total(p * (log_p - log_q))
+        return total(_weighted_log_ratio(p, log_p, log_q))
 
     def reverse_kl():
-        return total(q * (log_q - log_p))
+        return total(_weighted_log_ratio(q, log_q, log_p))
 
     name = options.divergence
     if name == "forward_kl":
@@ -89,15 +108,20 @@ def bin_divergence(log_p: torch.Tensor, log_q: torch.Tensor, mask: torch.Tensor,
         if beta == 1.0:
             return reverse_kl()
         log_m = torch.logaddexp(math.log(beta) + log_p, math.log1p(-beta) + log_q)
-        return beta * total(p * (log_p - log_m)) + (1.0 - beta) * total(q * (log_q - log_m))
+        return (beta * total(_weighted_log_ratio(p, log_p, log_m))
+                + (1.0 - beta) * total(_weighted_log_ratio(q, log_q, log_m)))
     if name == "skewed_forward_kl":
         lam = options.skew_lambda
-        log_mix = torch.logaddexp(_log_weight(lam) + log_p, _log_weight(1.0 - lam) + log_q)
-        return total(p * (log_p - log_mix))
+        if lam == 0.0:  # the mixture is q
+            return forward_kl()
+        log_mix = _logaddexp(_log_weight(lam) + log_p, _log_weight(1.0 - lam) + log_q)
+        return total(_weighted_log_ratio(p, log_p, log_mix))
     if name == "skewed_reverse_kl":
         lam = options.skew_lambda
-        log_mix = torch.logaddexp(_log_weight(1.0 - lam) + log_p, _log_weight(lam) + log_q)
-        return total(q * (log_q - log_mix))
+        if lam == 0.0:  # the mixture is p
+            return reverse_kl()
+        log_mix = _logaddexp(_log_weight(1.0 - lam) + log_p, _log_weight(lam) + log_q)
+        return total(_weighted_log_ratio(q, log_q, log_mix))
     if name == "adaptive_kl":
         p_bins, q_bins = torch.where(mask, p, 0.0), torch.where(mask, q, 0.0)
         with torch.no_grad():
@@ -106,7 +130,9 @@ def bin_divergence(log_p: torch.Tensor, log_q: torch.Tensor, mask: torch.Tensor,
             in_tail = torch.cumsum(p_bins.gather(-1, order), dim=-1) <= options.adaptive_alpha
             gap_tail = torch.where(in_tail, gap, 0.0).sum(dim=-1)
             gap_head = torch.where(in_tail, 0.0, gap).sum(dim=-1)
-        return (gap_head * forward_kl() + gap_tail * reverse_kl()) / (gap_head + gap_tail + ADAPTIVE_EPS)
+        # a zero weight drops its term, even an infinite forward KL
+        head = torch.where(gap_head > 0, gap_head * forward_kl(), 0.0)
+        return (head + gap_tail * reverse_kl()) / (gap_head + gap_tail + ADAPTIVE_EPS)
     if name == "tvd":
         return 0.5 * total(torch.abs(p - q))
     raise ValueError(f"divergence: unknown {name!r}")
@@ -116,15 +142,16 @@ def row_bins(student: StudentRowStats, teacher_logprobs: torch.Tensor, valid: to
     """Teacher and student log-probabilities of each row's bins and their mask.
 
     renormalized: the k valid entries, each side softmax-normalized over them.
-    tail: the k entries normalized over the vocab plus one tail bin (absent when the valid
-    entries already cover all ``vocab_size`` columns).
+    tail: the k entries normalized over the vocab plus one tail bin, absent when the valid
+    entries already cover all ``vocab_size`` columns or the row has an invalid entry (the
+    teacher ran out of finite columns: its tail mass is exactly 0).
     Returns (log_p, log_q, mask), each ``[N, k]`` or ``[N, k + 1]``.
     """
     teacher_logprobs = teacher_logprobs.to(student.values.dtype)
     if support == "renormalized":
         return masked_log_softmax(teacher_logprobs, valid), masked_log_softmax(student.values, valid), valid
     student_logprobs = student.values - student.lse_tempered.unsqueeze(-1)
-    has_tail = valid.sum(dim=-1, keepdim=True) < vocab_size
+    has_tail = valid.all(dim=-1, keepdim=True) & (valid.sum(dim=-1, keepdim=True) < vocab_size)
     log_p = torch.cat([teacher_logprobs, tail_log_mass(teacher_logprobs, valid).unsqueeze(-1)], dim=-1)
     log_q = torch.cat([student_logprobs, tail_log_mass(student_logprobs, valid).unsqueeze(-1)], dim=-1)
     return log_p, log_q, torch.cat([valid, has_tail], dim=-1)

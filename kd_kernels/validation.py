@@ -108,6 +108,16 @@ def check_teacher_values(teacher: TopK, vocab_size: int, support: str) -> None:
                          "not logits)")
 
 
+def without_out_of_range_ids(teacher: TopK, vocab_size: int) -> TopK:
+    """The teacher with every entry whose id lies outside [0, V*) made invalid (log-prob -inf):
+    what such an entry means when the value checks are off. No host sync; the caller's tensors
+    are not modified."""
+    indices = teacher.indices
+    in_range = (indices >= 0) & (indices < vocab_size)
+    logprobs = torch.where(in_range, teacher.logprobs, float("-inf"))
+    return TopK(logprobs, indices, teacher.lse, teacher.temperature)
+
+
 def check_labels(labels: Optional[torch.Tensor], num_rows: int, device: torch.device, ce_weight: float) -> None:
     if labels is None:
         if ce_weight != 0:

@@ -211,7 +211,9 @@ def test_invalid_entries_contribute_exactly_nothing():
     top3 = reference.teacher_topk_from_logits(teacher_logits, k=3)
     padded = TopK(torch.cat([top3.logprobs, torch.full((3, 2), -math.inf, dtype=torch.float64)], -1),
                   torch.cat([top3.indices, torch.zeros(3, 2, dtype=torch.int32)], -1))
-    for support in ("renormalized", "tail"):
+    # renormalized only: in the tail support a -inf entry also says that the teacher has no other
+    # finite column, so the row has no tail bin (tests/test_edge_numerics.py)
+    for support in ("renormalized",):
         for name in ("forward_kl", "reverse_kl", "jsd", "adaptive_kl", "tvd", "skewed_forward_kl"):
             options = DivergenceOptions(divergence=name, support=support, reduction="none")
             expected = reference.topk_divergence_from_logits(student_logits, top3, None, options)

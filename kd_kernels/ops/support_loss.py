@@ -46,27 +46,29 @@ def _neg_expm1(x):
 @triton.jit
 def _bin_terms(lp, lq, DIVERGENCE: tl.constexpr, log_beta, log_one_minus_beta, beta, lam, log_lam,
                log_one_minus_lam):
-    """(divergence term, u = ∂term/∂log q) of each bin."""
+    """(divergence term, u = ∂term/∂log q) of each bin. A bin of probability 0 adds the limit
+    (0 · log 0 = 0): where q = 0 every q-weighted term and u are 0 (forward_kl's term is +inf)."""
     p = tl.exp(lp)
     q = tl.exp(lq)
+    some_q = q > 0.0
     if DIVERGENCE == 0:
-        term = p * (lp - lq)
+        term = tl.where(p > 0.0, p * (lp - lq), 0.0)
         u = -p
     elif DIVERGENCE == 1:
-        term = q * (lq - lp)
-        u = q * (lq - lp + 1.0)
+        term = tl.where(some_q, q * (lq - lp), 0.0)
+        u = tl.where(some_q, q * (lq - lp + 1.0), 0.0)
     elif DIVERGENCE == 2:
         lm = logaddexp(log_beta + lp, log_one_minus_beta + lq)
-        term = beta * p * (lp - lm) + (1.0 - beta) * q * (lq - lm)
-        u = (1.0 - beta) * q * (lq - lm)
+        term = beta * p * (lp - lm) + tl.where(some_q, (1.0 - beta) * q * (lq - lm), 0.0)
+        u = tl.where(some_q, (1.0 - beta) * q * (lq - lm), 0.0)
     elif DIVERGENCE == 3:
         lmix = logaddexp(log_lam + lp, log_one_minus_lam + lq)
         term = p * (lp - lmix)
         u = -(1.0 - lam) * p * tl.exp(lq - lmix)
     elif DIVERGENCE == 4:
         lmix = logaddexp(log_one_minus_lam + lp, log_lam + lq)
-        term = q * (lq - lmix)
-        u = q * (lq - lmix + 1.0 - lam * tl.exp(lq - lmix))
+        term = tl.where(some_q, q * (lq - lmix), 0.0)
+        u = tl.where(some_q, q * (lq - lmix + 1.0 - lam * tl.exp(lq - lmix)), 0.0)
     else:
         term = 0.5 * tl.abs(p - q)
         sign = tl.where(p > q, 1.0, tl.where(p < q, -1.0, 0.0))
@@ -157,7 +159,10 @@ def _support_loss_kernel(teacher_ptr, at_ids_ptr, lse_tempered_ptr, counted_ptr,
         t_max = tl.max(tl.where(valid, t, float("-inf")), axis=0)
         t_max = tl.where(num_valid > 0, t_max, 0.0)
         s_max = tl.max(tl.where(valid, s, float("-inf")), axis=0)
-        s_max = tl.where(num_valid > 0, s_max, 0.0)
+        # no finite student logit on the valid ids (or no valid id): equal logits, no gradient to them
+        flat = s_max == float("-inf")
+        s = tl.where(flat, 0.0, s)
+        s_max = tl.where(flat, 0.0, s_max)
         t_lse = t_max + tl.log(tl.sum(tl.where(valid, tl.exp(t - t_max), 0.0), axis=0))
         s_lse = s_max + tl.log(tl.sum(tl.where(valid, tl.exp(s - s_max), 0.0), axis=0))
         lp = tl.where(valid, t - t_lse, 0.0)
@@ -175,12 +180,14 @@ def _support_loss_kernel(teacher_ptr, at_ids_ptr, lse_tempered_ptr, counted_ptr,
     divergence = tl.sum(term, axis=0)
     q = tl.where(valid, tl.exp(lq), 0.0)
     if TAIL:
-        has_tail = num_valid < vocab_size
+        # no tail bin where the ids cover the vocab, or where the row has an invalid entry (the
+        # teacher ran out of finite columns: its tail mass is exactly 0)
+        has_tail = (num_valid == k) & (num_valid < vocab_size)
         p_max = tl.max(tl.where(valid, lp, float("-inf")), axis=0)
         p_max = tl.where(num_valid > 0, p_max, 0.0)
         log_covered_p = p_max + tl.log(tl.sum(tl.where(valid, tl.exp(lp - p_max), 0.0), axis=0))
         q_max = tl.max(tl.where(valid, lq, float("-inf")), axis=0)
-        q_max = tl.where(num_valid > 0, q_max, 0.0)
+        q_max = tl.where(q_max > float("-inf"), q_max, 0.0)  # no valid id, or q = 0 on all of them
         log_covered_q = q_max + tl.log(tl.sum(tl.where(valid, tl.exp(lq - q_max), 0.0), axis=0))
         tail_p = tl.maximum(_neg_expm1(tl.minimum(log_covered_p, 0.0)), tail_floor)
         uncovered_q = _neg_expm1(tl.minimum(log_covered_q, 0.0))
@@ -228,7 +235,9 @@ def _support_loss_kernel(teacher_ptr, at_ids_ptr, lse_tempered_ptr, counted_ptr,
         gap_head = tl.sum(tl.where(valid & (mass > alpha), gap, 0.0), axis=0) + tl.where(tail_bin_in_tail, 0.0,
                                                                                          gap_tail_bin)
         gap_total = gap_head + gap_tail + adaptive_eps
-        divergence = (gap_head * divergence + gap_tail * (tl.sum(term_r, axis=0) + term_tail_r)) / gap_total
+        # a zero weight drops its term, even an infinite forward KL
+        head = tl.where(gap_head > 0.0, gap_head * divergence, 0.0)
+        divergence = (head + gap_tail * (tl.sum(term_r, axis=0) + term_tail_r)) / gap_total
         u = (gap_head * u + gap_tail * u_r) / gap_total
         u_tail = (gap_head * u_tail + gap_tail * u_tail_r) / gap_total
     if TAIL:
@@ -241,6 +250,8 @@ def _support_loss_kernel(teacher_ptr, at_ids_ptr, lse_tempered_ptr, counted_ptr,
     tl.store(kd_ptr + row, tl.where(counted, divergence, 0.0))
     if GRADS:
         scale = tl.where(counted, tl.load(scale_ptr + row), 0.0)
+        if not TAIL:
+            w = tl.where(flat, 0.0, w)
         w = tl.where(valid, w, 0.0) * scale
         tl.store(grad_ids_ptr + row.to(tl.int64) * stride_grad + offsets, w * inv_temperature, mask=in_k)
         if TAIL:
@@ -261,6 +272,8 @@ def support_loss(teacher_logprobs: torch.Tensor, logits_at_ids: torch.Tensor, ls
     divergence = options.divergence
     if divergence == "jsd" and options.beta in (0.0, 1.0):
         divergence = "forward_kl" if options.beta == 0.0 else "reverse_kl"
+    if divergence.startswith("skewed_") and options.skew_lambda == 0.0:  # the mixture is q (forward) or p
+        divergence = divergence[len("skewed_"):]
     tail = options.support == "tail"
     grads = grad_scale is not None
     kd = torch.empty(rows, dtype=torch.float32, device=device)

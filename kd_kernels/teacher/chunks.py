@@ -7,6 +7,7 @@ from typing import Optional
 
 import torch
 
+from ..candidates import logprobs_
 from ..distributed import combine_topk
 from ..lm_head import lm_head_logits_fp32
 from ..topk import TopK
@@ -57,7 +58,8 @@ def finish(values, indices, lse_tempered, k, temperature, shard) -> TopK:
     """`TopK` from tempered values ``[N, k]`` float32 (turned into log-probs in place: no copy
     of N·k) and ids; under a `VocabShard`, the exact merge of every rank's candidates."""
     if shard is None:
-        return TopK(values.sub_(lse_tempered.unsqueeze(-1)), indices.to(torch.int32), lse_tempered, temperature)
+        values, indices = logprobs_(values, indices, lse_tempered)
+        return TopK(values, indices.to(torch.int32), lse_tempered, temperature)
     return combine_topk(values, indices, lse_tempered, k, temperature, shard)
 
 
@@ -72,10 +74,10 @@ def finish_with_redo(overflow: torch.Tensor, hidden: torch.Tensor, weight: torch
     if shard is not None:
         redo_rows(overflow, hidden, weight, k, temperature, width, bias, chunk_rows, select, outputs)
         return finish(values, indices.add_(shard.vocab_start), lse, k, temperature, shard)
-    values.sub_(lse.unsqueeze(-1))
+    logprobs_(values, indices, lse)
     if bool(overflow.any()):
         rows = redo_rows(overflow, hidden, weight, k, temperature, width, bias, chunk_rows, select, outputs)
-        values[rows] = values[rows] - lse[rows].unsqueeze(-1)
+        values[rows], indices[rows] = logprobs_(values[rows], indices[rows], lse[rows])
     return TopK(values, indices, lse, temperature)
 
 
