@@ -40,6 +40,7 @@ def run(config, progress: bool = True, return_parameters: bool = False) -> dict:
         raise UsageError(problems)
     report = Progress(progress)
     resume_from = _resume_point(config, report)
+    os.makedirs(config.output_dir, exist_ok=True)
     import ray
 
     device = device_type(config.device)
@@ -194,7 +195,7 @@ class _Session:
                     self.teacher_pretrain_loss = self.get([self.actors.call(first, "pretrain", steps)],
                                                           "during teacher pretraining")[0]
                     bar.update(steps)
-                    bar.set_postfix(loss=f"{self.teacher_pretrain_loss:.3f}")
+                    bar.set_postfix(loss=f"{self.teacher_pretrain_loss:.3f}", refresh=False)
         self.get(self.each(self.teachers, "finish_pretraining"), "during setup")
         if total and len(self.teachers) > 1:
             import ray
@@ -266,7 +267,8 @@ class _Session:
                 self.metrics.write(result)
                 last_step = step
                 bar.update(1)
-                bar.set_postfix(loss=f"{result['loss']:.3f}", kd=f"{result['kd']:.3f}", ce=f"{result['ce']:.3f}")
+                bar.set_postfix(loss=f"{result['loss']:.3f}", kd=f"{result['kd']:.3f}", ce=f"{result['ce']:.3f}",
+                                refresh=False)
                 if config.checkpoint_every and (step + 1) % config.checkpoint_every == 0:
                     self.save(step)
                 if stop.requested:

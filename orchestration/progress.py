@@ -15,10 +15,7 @@ class _Silent:
     def update(self, count: int = 1) -> None:
         pass
 
-    def set_postfix(self, **values) -> None:
-        pass
-
-    def set_description(self, text: str) -> None:
+    def set_postfix(self, refresh: bool = True, **values) -> None:
         pass
 
 
