@@ -39,9 +39,6 @@ class Actors:
             self.handles[name] = remote.remote(*arguments(rank))
         return names
 
-    def names(self, role: str) -> list[str]:
-        return [name for name in self.handles if name.rsplit("-", 1)[0] == role]
-
     def call(self, worker: str, method: str, *args) -> Call:
         return Call(worker, getattr(self.handles[worker], method).remote(*args))
 

@@ -256,11 +256,10 @@ def _read_yaml(path: str) -> tuple[dict, list[str]]:
     return loaded, []
 
 
-def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = None, resume: bool = False,
-                check_run: bool = True) -> Config:
+def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = None, resume: bool = False) -> Config:
     """Defaults, then the YAML file ``path``, then ``key=value`` ``overrides``, then
     ``resume``; on a CUDA device the GPU default of every option not set. Raises UsageError
-    with every problem (one line each). ``check_run``: also check the disk and the machine
+    with every problem (one line each): the values (`check_rules`), the disk and the machine
     (`check_machine`)."""
     import yaml
 
@@ -301,8 +300,7 @@ def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = Non
     if "device" not in bad and device_type(values["device"]) == "cuda":
         values.update({name: value for name, value in GPU_DEFAULTS.items() if name not in sources})
     problems += check_rules(values, bad, sources)
-    if check_run:
-        problems += check_machine(values, bad, sources)
+    problems += check_machine(values, bad, sources)
     if problems:
         raise UsageError(problems)
     return Config(**values)
@@ -311,7 +309,10 @@ def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = Non
 # ---- help and docs -------------------------------------------------------------------------
 
 def _shown(value) -> str:
-    return "null" if value is None else repr(value)
+    """A value as YAML spells it (null, true) or as Python does (strings quoted)."""
+    if value is None or isinstance(value, bool):
+        return {None: "null", True: "true", False: "false"}[value]
+    return repr(value)
 
 
 def help_text() -> str:

@@ -52,7 +52,8 @@ def test_config_fields_help_and_markdown_come_from_the_table():
     text, markdown = help_text(), options_markdown()
     for option in OPTIONS:
         gpu = f", GPU {option.gpu_default!r}" if option.gpu_default is not UNSET else ""
-        default = "null" if option.default is None else repr(option.default)
+        default = ("null" if option.default is None else str(option.default).lower()
+                   if isinstance(option.default, bool) else repr(option.default))
         assert f"  {option.name} = {default}{gpu}  ({option.expected()}) " in text
         assert f"| `{option.name}` |" in markdown
     assert "tokenizer_vocab = 1024, GPU 8192" in text and "steps = 100, GPU 300" in text

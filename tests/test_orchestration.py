@@ -185,6 +185,48 @@ def test_a_dead_worker_stops_the_run_naming_it_and_the_last_checkpoint(ray_clust
         run(_tiny(tmp_path, "dies", fail_student_at_step=4), progress=False)
 
 
+def test_a_failed_call_names_the_worker_that_died_not_the_one_waiting_on_it(ray_cluster):
+    """A student waiting on a teacher's reply fails first when the teacher's process is
+    killed; the message names the teacher. A worker that raises is named with its error."""
+    import signal
+    import time
+
+    from orchestration.actors import Actors
+    from orchestration.errors import WorkerDied, WorkerFailed
+
+    class Toy:  # defined here: Ray sends the class itself to the workers
+        def ping(self):
+            return True
+
+        def pid(self):
+            return os.getpid()
+
+        def fail(self):
+            raise ValueError("boom\nsecond line")
+
+        def sleep(self, seconds):
+            time.sleep(seconds)
+
+        def wait_for(self, refs):
+            return ray.get(refs[0])
+
+    actors = Actors(ray, lambda: "runs/x/checkpoints/step_0000004")
+    try:
+        actors.start("teacher", Toy, 1, dict(num_cpus=0), lambda rank: ())
+        actors.start("student", Toy, 2, dict(num_cpus=0), lambda rank: ())
+        with pytest.raises(WorkerFailed, match=r"^worker teacher-0 failed at step 3: ValueError: boom$"):
+            actors.get([actors.call("student-1", "pid"), actors.call("teacher-0", "fail")], "at step 3")
+        pid = actors.get([actors.call("teacher-0", "pid")], "during setup")[0]
+        waiting = actors.call("student-0", "wait_for", [actors.call("teacher-0", "sleep", 60).ref])
+        time.sleep(0.5)
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(WorkerDied, match=r"^worker teacher-0 died at step 7; last good checkpoint: "
+                                             r"runs/x/checkpoints/step_0000004$"):
+            actors.get([waiting], "at step 7")
+    finally:
+        actors.kill_all()
+
+
 def test_two_teacher_and_two_student_workers_resume_exactly(ray_cluster, tmp_path):
     from orchestration.driver import run
 
