@@ -32,7 +32,7 @@ RUNS = (("distilled", []), (FLOOR, ["kd_weight=0", "ce_weight=1", "teacher_pretr
 
 
 def measure(name, overrides, output_dir) -> dict:
-    config = load_config(None, overrides + [f"output_dir={output_dir}/{name.replace(' ', '_')}"])
+    config = load_config(None, overrides + [f"output_dir={output_dir}/{name.replace(' ', '_')}", "overwrite=true"])
     summary = run(config, progress=False)
     with open(summary["metrics"]) as handle:
         records = [json.loads(line) for line in handle]

@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from harness import add_results_arguments, append_rows, environment, print_table, result_row  # noqa: E402
 from orchestration.config import load_config  # noqa: E402
 from orchestration.driver import run  # noqa: E402
-from orchestration.workers import build_model  # noqa: E402
+from orchestration.models import build_model  # noqa: E402
 
 BENCHMARK = "bench_e2e_throughput"
 FLOOR = "single process, full-logits KD (PyTorch)"
@@ -43,7 +43,7 @@ PARTS = ("teacher_seconds", "wait_seconds", "transfer_seconds", "student_seconds
 def driver_measurement(name, steps, output_dir, extra, *overrides) -> dict:
     # throughput does not depend on how much text the tokenizer and rows come from: 4 MB is quicker
     config = load_config(None, [f"output_dir={output_dir}/{name}", f"steps={steps}", "teacher_pretrain_steps=20",
-                                "checkpoint_every=0", "max_corpus_bytes=4000000", *extra, *overrides])
+                                "checkpoint_every=0", "max_corpus_bytes=4000000", "overwrite=true", *extra, *overrides])
     summary = run(config, progress=False)
     with open(summary["metrics"]) as handle:
         records = [json.loads(line) for line in handle][WARMUP:]

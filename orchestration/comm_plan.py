@@ -31,11 +31,11 @@ class CommPlan:
                 raise ValueError(f"{name}: expected an int >= 1, got {value!r}")
         larger, smaller = max(self.teacher_ranks, self.student_ranks), min(self.teacher_ranks, self.student_ranks)
         if larger % smaller:
-            raise ValueError(f"teacher_ranks={self.teacher_ranks}, student_ranks={self.student_ranks}: one must divide "
-                             "the other (integer ratios only); change the number of workers")
+            raise ValueError(f"teacher_workers, student_workers: expected one to divide the other (integer ratios "
+                             f"only), got {self.teacher_ranks} and {self.student_ranks}")
         if self.num_micro_batches % larger:
-            raise ValueError(f"num_micro_batches: expected a multiple of {larger} (the larger rank count), got "
-                             f"{self.num_micro_batches}")
+            raise ValueError(f"micro_batches: expected a multiple of {larger} (the larger of teacher_workers and "
+                             f"student_workers), got {self.num_micro_batches}")
 
     def teacher_of(self, micro_batch: int) -> int:
         return micro_batch * self.teacher_ranks // self.num_micro_batches

@@ -1,152 +1,338 @@
-"""The run configuration: an embedded default, a YAML file on top, ``--set key=value`` on top."""
+"""The run configuration: defaults, a YAML file on top, ``--set key=value`` on top, GPU
+defaults for what was not set on a CUDA device; every option checked before any work.
+
+`load_config` reports every problem at once, one line each (`UsageError.lines`), each
+naming the option, the value and what is expected: types, ranges and choices from the
+option table (`options.OPTIONS`), the loss options through `kd_kernels.DivergenceOptions`,
+cross-option rules, and what the machine and the disk must offer (paths, a writable
+output_dir, checkpoints to resume, GPUs for the placement). No torch, Ray or transformers
+import happens here on a CPU machine.
+"""
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+import difflib
+import json
+import os
+import tempfile
 from typing import Optional
 
-import yaml
+import kd_kernels as kd
+
+from . import checkpoint
+from .comm_plan import CommPlan
+from .errors import UsageError
+from .options import GPU_DEFAULTS, LOSS_OPTION_NAMES, OPTIONS, OPTIONS_BY_NAME, UNSET
+from .placement import device_type, gpu_count, resolve_layout
 
 
-def _option(default, help_text):
-    return field(default=default, metadata={"help": help_text})
+def _check_config(self) -> None:
+    """Config.__post_init__: each value parsed by its option (floats given as ints become
+    floats), then the cross-option rules; UsageError with every problem."""
+    problems, bad = [], set()
+    for option in OPTIONS:
+        try:
+            object.__setattr__(self, option.name, option.parse(getattr(self, option.name)))
+        except ValueError as error:
+            problems.append(f"{option.name}: expected {error}, got {getattr(self, option.name)!r}")
+            bad.add(option.name)
+    problems += check_rules(vars(self), bad)
+    if problems:
+        raise UsageError(problems)
 
 
-@dataclass
-class Config:
-    output_dir: str = _option("runs/default", "where metrics.jsonl, checkpoints/ and the tokenizer go")
-    seed: int = _option(0, "seed of models, data order and sampling")
-    device: str = _option("auto", "auto | cpu | cuda")
-    data_path: Optional[str] = _option(None, "JSONL (prompt/response or text) or a text file; none: the Python "
-                                             "standard library's sources, which every machine has")
-    chat_template: Optional[str] = _option(None, "format string with {prompt} and {response}; prompt tokens are "
-                                                 "not trained")
-    tokenizer_path: Optional[str] = _option(None, "a saved Hugging Face tokenizer; none: train a byte-level BPE "
-                                                  "on the data")
-    tokenizer_vocab: int = _option(1024, "vocab size of the trained tokenizer")
-    max_corpus_bytes: int = _option(1_500_000, "read at most this much of the default corpus")
-    row_tokens: int = _option(128, "tokens per packed row")
-    rows_per_micro_batch: int = _option(8, "rows per micro-batch")
-    micro_batches: int = _option(2, "micro-batches per optimizer step")
-    teacher_path: Optional[str] = _option(None, "a local Hugging Face causal LM; none: build one from the "
-                                                "teacher_* sizes and pretrain it")
-    teacher_hidden: int = _option(128, "teacher hidden size when built from a config")
-    teacher_layers: int = _option(4, "teacher layers when built from a config")
-    teacher_pretrain_steps: int = _option(250, "CE steps for a teacher built from a config")
-    teacher_lr: Optional[float] = _option(None, "the teacher pretraining's LR after its warm-up (none: lr)")
-    student_path: Optional[str] = _option(None, "a local Hugging Face causal LM; none: build one")
-    student_hidden: int = _option(64, "student hidden size when built from a config")
-    student_layers: int = _option(2, "student layers when built from a config")
-    heads: int = _option(4, "attention heads of built models")
-    attention: str = _option("sdpa", "sdpa | eager: the models' attention (eager has a deterministic backward on "
-                                     "GPUs, for runs compared bit for bit; sdpa's fused kernels may accumulate "
-                                     "with atomics)")
-    steps: int = _option(100, "student optimizer steps")
-    lr: float = _option(3e-3, "AdamW peak learning rate")
-    warmup_steps: int = _option(10, "linear warm-up steps, then cosine decay to 10 %")
-    grad_clip: float = _option(1.0, "gradient norm clip")
-    k: int = _option(32, "teacher top-k entries per token")
-    temperature: float = _option(1.0, "distillation temperature (teacher and student)")
-    divergence: str = _option("forward_kl", "forward_kl | reverse_kl | jsd | skewed_forward_kl | "
-                                            "skewed_reverse_kl | adaptive_kl | tvd")
-    support: str = _option("renormalized", "renormalized | tail")
-    kd_weight: float = _option(1.0, "weight of the KD term")
-    ce_weight: float = _option(0.5, "weight of the CE term")
-    teacher_workers: int = _option(1, "teacher data-parallel workers (one must divide the other with "
-                                      "student_workers, and both must divide micro_batches)")
-    student_workers: int = _option(1, "student data-parallel workers (gradients summed with gloo / NCCL; the loss "
-                                      "is normalized by the step's global token count)")
-    placement: str = _option("auto", "auto | colocated | disaggregated: on GPUs, teacher and student workers "
-                                     "share each GPU (colocated) or get their own (disaggregated; auto picks it "
-                                     "when there are teacher_workers + student_workers GPUs)")
-    transfer: str = _option("auto", "auto | object_store | cuda_ipc | nccl: how teacher top-k reaches the student "
-                                    "(auto: CUDA IPC when colocated, NCCL when disaggregated, the object store on "
-                                    "CPU)")
-    teacher_offload: bool = _option(False, "keep the teacher's weights on the CPU between its scoring calls "
-                                           "(colocated runs short of GPU memory)")
-    overlap: bool = _option(True, "score step i + 1 on the teacher while the student trains step i")
-    checkpoint_every: int = _option(40, "save the student every N steps (0: only at the end)")
-    resume: bool = _option(False, "continue from the latest checkpoint in output_dir")
-    stop_after: Optional[int] = _option(None, "stop after this step (for tests of resume)")
-    fail_student_at_step: Optional[int] = _option(None, "fault injection for tests: the student worker's process "
-                                                        "exits at this step")
-
-    def __post_init__(self):
-        if self.micro_batches < 1 or self.rows_per_micro_batch < 1 or self.row_tokens < 2:
-            raise ValueError("micro_batches, rows_per_micro_batch: expected >= 1; row_tokens: expected >= 2")
-        if self.transfer not in ("auto", "object_store", "cuda_ipc", "nccl"):
-            raise ValueError(f"transfer: expected auto, object_store, cuda_ipc or nccl, got {self.transfer!r}")
-        if self.attention not in ("sdpa", "eager"):
-            raise ValueError(f"attention: expected sdpa or eager, got {self.attention!r}")
-        if self.placement not in ("auto", "colocated", "disaggregated"):
-            raise ValueError(f"placement: expected auto, colocated or disaggregated, got {self.placement!r}")
+def _loss_options(self) -> dict:
+    """The keyword arguments of kd.topk_divergence that the options set (divergence,
+    support, temperature, weights, beta, ...): the fields of kd.DivergenceOptions the driver
+    does not own."""
+    return {name: getattr(self, name) for name in LOSS_OPTION_NAMES}
 
 
-# The embedded default on a GPU: larger models, longer rows, more data (options not set
-# explicitly take these when the run's device is CUDA). One micro-batch of 32 rows a step:
-# these small models are bound by kernel launches, which two micro-batches would double.
-GPU_DEFAULTS = dict(max_corpus_bytes=30_000_000, tokenizer_vocab=8192, row_tokens=512, rows_per_micro_batch=32,
-                    micro_batches=1, teacher_hidden=768, teacher_layers=8, teacher_pretrain_steps=800, teacher_lr=1e-3,
-                    student_hidden=384, student_layers=4, heads=8, steps=300, warmup_steps=30, k=64,
-                    checkpoint_every=100)
+Config = dataclasses.make_dataclass(
+    "Config", [(option.name, option.annotation, dataclasses.field(default=option.default)) for option in OPTIONS],
+    namespace=dict(__post_init__=_check_config, loss_options=_loss_options,
+                   __doc__="One run's options (fields: `options.OPTIONS`); checked when built."),
+    frozen=True)
+Config.__module__ = __name__  # pickled by reference (Ray sends it to the workers)
+
+
+# ---- cross-option rules: (the options they read, the check); skipped if one of them is bad --
+
+def _comm_plan(values: dict) -> Optional[str]:
+    try:
+        CommPlan(values["teacher_workers"], values["student_workers"], values["micro_batches"])
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+def _heads_divide(side: str):
+    def check(values: dict) -> Optional[str]:
+        hidden, heads = values[f"{side}_hidden"], values["heads"]
+        if values[f"{side}_path"] is None and hidden % heads:
+            return f"{side}_hidden: expected a multiple of heads ({heads}), got {hidden}"
+        return None
+    return check
+
+
+def _k_within_trained_vocab(values: dict) -> Optional[str]:
+    if values["tokenizer_path"] is None and values["k"] > values["tokenizer_vocab"]:
+        return f"k: expected at most the vocab (tokenizer_vocab = {values['tokenizer_vocab']}), got {values['k']}"
+    return None
+
+
+def _chat_template(values: dict) -> Optional[str]:
+    template = values["chat_template"]
+    if template is None:
+        return None
+    try:
+        template.format(prompt="", response="")
+    except (KeyError, IndexError, ValueError) as error:
+        return (f"chat_template: expected a format string with only {{prompt}} and {{response}} fields, got "
+                f"{template!r} ({error.__class__.__name__}: {error})")
+    if "{prompt}" not in template or "{response}" not in template:
+        return f"chat_template: expected both {{prompt}} and {{response}}, got {template!r}"
+    return None
+
+
+def _divergence_options(values: dict) -> Optional[str]:
+    """The loss options together (each one alone was checked already)."""
+    try:
+        kd.DivergenceOptions(**{name: values[name] for name in LOSS_OPTION_NAMES})
+    except (ValueError, TypeError) as error:
+        return str(error)
+    return None
+
+
+RULES = (
+    (("teacher_workers", "student_workers", "micro_batches"), _comm_plan),
+    (("teacher_hidden", "teacher_path", "heads"), _heads_divide("teacher")),
+    (("student_hidden", "student_path", "heads"), _heads_divide("student")),
+    (("k", "tokenizer_vocab", "tokenizer_path"), _k_within_trained_vocab),
+    (("chat_template",), _chat_template),
+    (LOSS_OPTION_NAMES, _divergence_options),
+)
+
+
+def check_rules(values: dict, bad: set, sources: Optional[dict] = None) -> list[str]:
+    """Problems of the parsed ``values`` beyond each option's type and range: each loss
+    option through kd.DivergenceOptions, then `RULES`. Options in ``bad`` are skipped."""
+    problems = []
+    for name in LOSS_OPTION_NAMES:
+        if name in bad:
+            continue
+        try:
+            kd.DivergenceOptions(**{name: values[name]})
+        except (ValueError, TypeError) as error:
+            problems.append(_sourced(str(error), name, sources))
+            bad.add(name)
+    for names, rule in RULES:
+        if not bad.intersection(names) and (problem := rule(values)):
+            problems.append(problem)
+    return problems
+
+
+def _sourced(line: str, name: str, sources: Optional[dict]) -> str:
+    return f"{line} ({sources[name]})" if sources and name in sources else line
+
+
+# ---- what the disk and the machine must offer -----------------------------------------------
+
+def _trained_tokenizer_vocab(directory: str) -> Optional[int]:
+    """The vocab of a saved tokenizer, read from its tokenizer.json or vocab.json (None: neither)."""
+    try:
+        with open(os.path.join(directory, "tokenizer.json"), encoding="utf-8") as handle:
+            saved = json.load(handle)
+        ids = set(saved["model"]["vocab"].values()) | {token["id"] for token in saved.get("added_tokens", [])}
+        return len(ids)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        pass
+    try:
+        with open(os.path.join(directory, "vocab.json"), encoding="utf-8") as handle:
+            return len(json.load(handle))
+    except (OSError, ValueError):
+        return None
+
+
+def _output_dir_problem(path: str) -> Optional[str]:
+    if os.path.exists(path) and not os.path.isdir(path):
+        return f"output_dir: expected a directory, got {path!r}, which is a file"
+    existing = os.path.abspath(path)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    try:  # a probe, not os.access: root passes os.access on read-only file systems too
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as error:
+        return f"output_dir: expected a writable directory, got {path!r} ({existing}: {error.strerror})"
+    return None
+
+
+def _path_problem(name: str, path: str, kind: str) -> Optional[str]:
+    if kind == "output":
+        return _output_dir_problem(path)
+    if kind == "file" and not os.path.isfile(path):
+        return f"{name}: expected an existing file, got {path!r}"
+    if kind == "dir" and not os.path.isdir(path):
+        return f"{name}: expected an existing directory, got {path!r}"
+    return None
+
+
+def check_machine(values: dict, bad: set, sources: Optional[dict] = None) -> list[str]:
+    """Problems of the run on this machine and disk: paths, the tokenizer's vocab against k,
+    checkpoints for resume (or in the way of a fresh run), the device and GPUs for the
+    placement and transfer."""
+    problems = []
+    for option in OPTIONS:
+        value = values[option.name]
+        if option.path and value is not None and option.name not in bad:
+            if problem := _path_problem(option.name, value, option.path):
+                problems.append(_sourced(problem, option.name, sources))
+                bad.add(option.name)
+    if not bad.intersection(("tokenizer_path", "k")) and values["tokenizer_path"] is not None:
+        vocab = _trained_tokenizer_vocab(values["tokenizer_path"])
+        if vocab is not None and values["k"] > vocab:
+            problems.append(f"k: expected at most the vocab of tokenizer_path ({vocab}), got {values['k']}")
+    if not bad.intersection(("output_dir", "resume", "overwrite")):
+        problems += _checkpoint_problems(values)
+    if not bad.intersection(("device", "placement", "transfer", "teacher_workers", "student_workers")):
+        device = device_type(values["device"])
+        gpus = gpu_count() if device == "cuda" else 0
+        if values["device"] == "cuda" and gpus == 0:
+            problems.append("device: 'cuda' needs a CUDA device and torch sees none (use cpu or auto)")
+        else:
+            try:
+                resolve_layout(values["placement"], values["transfer"], device, gpus, values["teacher_workers"],
+                               values["student_workers"])
+            except ValueError as error:
+                problems.append(str(error))
+    return problems
+
+
+def _checkpoint_problems(values: dict) -> list[str]:
+    found = checkpoint.candidates(values["output_dir"])
+    where = checkpoint.directory_of(values["output_dir"])
+    if values["resume"] and not found:
+        return [f"resume: no checkpoint to resume from in {where} (looked for step_NNNNNNN/ directories); "
+                "run without --resume to start"]
+    if not values["resume"] and found and not values["overwrite"]:
+        return [f"output_dir: {values['output_dir']!r} holds checkpoints of an earlier run (newest "
+                f"{os.path.basename(found[0])}): pass --resume to continue it, --set overwrite=true to replace "
+                "it, or another output_dir"]
+    return []
+
+
+# ---- loading -------------------------------------------------------------------------------
+
+def _unknown(key, where: str) -> str:
+    close = difflib.get_close_matches(str(key), OPTIONS_BY_NAME, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else " (see --help)"
+    return f"{where}: unknown option {key!r}{hint}"
+
+
+def _read_yaml(path: str) -> tuple[dict, list[str]]:
+    """(the file's mapping, problems) for a YAML config file."""
+    import yaml
+
+    try:
+        with open(path, encoding="utf-8") as handle:
+            loaded = yaml.safe_load(handle)
+    except FileNotFoundError:
+        return {}, [f"config: no such file: {path!r}"]
+    except IsADirectoryError:
+        return {}, [f"config: expected a YAML file, got the directory {path!r}"]
+    except OSError as error:
+        return {}, [f"config: cannot read {path!r} ({error.strerror})"]
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(error, "problem", None) or error.__class__.__name__
+        return {}, [f"config: {path!r} is not valid YAML{where}: {problem}"]
+    if loaded is None:
+        return {}, []
+    if not isinstance(loaded, dict):
+        return {}, [f"config: expected a mapping of option: value at the top level of {path!r}, got a "
+                    f"{type(loaded).__name__}"]
+    return loaded, []
+
+
+def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = None, resume: bool = False) -> Config:
+    """Defaults, then the YAML file ``path``, then ``key=value`` ``overrides``, then
+    ``resume``; on a CUDA device the GPU default of every option not set. Raises UsageError
+    with every problem (one line each): the values (`check_rules`), the disk and the machine
+    (`check_machine`)."""
+    import yaml
+
+    values = {option.name: option.default for option in OPTIONS}
+    sources, bad, problems = {}, set(), []
+    given = []  # (name, value, raw text or None, source)
+    if path:
+        loaded, problems = _read_yaml(path)
+        for key, value in loaded.items():
+            if key in OPTIONS_BY_NAME:
+                given.append((key, value, None, path))
+            else:
+                problems.append(_unknown(key, path))
+    for override in overrides or []:
+        key, separator, text = override.partition("=")
+        key = key.strip()
+        if not separator:
+            problems.append(f"--set {override!r}: expected KEY=VALUE")
+        elif key not in OPTIONS_BY_NAME:
+            problems.append(_unknown(key, f"--set {override}"))
+        else:
+            try:
+                value = yaml.safe_load(text)
+            except yaml.YAMLError:
+                value = text
+            given.append((key, value, text, f"--set {override}"))
+    if resume:
+        given.append(("resume", True, None, "--resume"))
+    for name, value, text, source in given:
+        sources[name] = source
+        try:
+            values[name] = OPTIONS_BY_NAME[name].parse(value, text)
+            bad.discard(name)
+        except ValueError as error:
+            shown = text if text is not None else value
+            problems.append(f"{name}: expected {error}, got {shown!r} ({source})")
+            bad.add(name)
+    if "device" not in bad and device_type(values["device"]) == "cuda":
+        values.update({name: value for name, value in GPU_DEFAULTS.items() if name not in sources})
+    problems += check_rules(values, bad, sources)
+    problems += check_machine(values, bad, sources)
+    if problems:
+        raise UsageError(problems)
+    return Config(**values)
+
+
+# ---- help and docs -------------------------------------------------------------------------
+
+def _shown(value) -> str:
+    """A value as YAML spells it (null, true) or as Python does (strings quoted)."""
+    if value is None or isinstance(value, bool):
+        return {None: "null", True: "true", False: "false"}[value]
+    return repr(value)
 
 
 def help_text() -> str:
-    lines = ["options (YAML keys, or --set key=value; on a CUDA device, options not set take the GPU default "
-             "in brackets):"]
-    for option in dataclasses.fields(Config):
-        gpu = f" [GPU {GPU_DEFAULTS[option.name]!r}]" if option.name in GPU_DEFAULTS else ""
-        lines.append(f"  {option.name} (default {option.default!r}{gpu}): {option.metadata['help']}")
+    """Every option with its allowed values, default and GPU default, by section."""
+    lines = ["options (YAML keys, or --set key=value; on a CUDA device an option not set takes its GPU default):"]
+    section = None
+    for option in OPTIONS:
+        if option.section != section:
+            section = option.section
+            lines.append(f" {section}:")
+        gpu = f", GPU {_shown(option.gpu_default)}" if option.gpu_default is not UNSET else ""
+        lines.append(f"  {option.name} = {_shown(option.default)}{gpu}  ({option.expected()}) {option.help}")
     return "\n".join(lines)
 
 
-def _runs_on_cuda(device: str) -> bool:
-    if device == "cpu":
-        return False
-    import torch
-
-    return device == "cuda" or torch.cuda.is_available()
-
-
-def _parse_value(option: dataclasses.Field, text: str):
-    value = yaml.safe_load(text)
-    default = option.default
-    if value is None:
-        return value
-    if default is None:  # Optional[...]: the annotation names the type (YAML reads "1e-3" as a string)
-        kind = {"Optional[float]": float, "Optional[int]": int}.get(str(option.type))
-        if kind is None:
-            return value
-        try:
-            return kind(value)
-        except (TypeError, ValueError) as error:
-            raise ValueError(f"{option.name}: expected a {kind.__name__} or null, got {text!r}") from error
-    if isinstance(default, bool):
-        if not isinstance(value, bool):
-            raise ValueError(f"{option.name}: expected true or false, got {text!r}")
-        return value
-    try:
-        return type(default)(value)
-    except (TypeError, ValueError) as error:
-        raise ValueError(f"{option.name}: expected a {type(default).__name__}, got {text!r}") from error
-
-
-def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = None) -> Config:
-    """Defaults, then the YAML file, then ``key=value`` overrides; unknown keys are errors."""
-    fields = {option.name: option for option in dataclasses.fields(Config)}
-    values = {}
-    if path:
-        with open(path, encoding="utf-8") as handle:
-            loaded = yaml.safe_load(handle) or {}
-        for key, value in loaded.items():
-            if key not in fields:
-                raise ValueError(f"{path}: unknown option {key!r} (see --help)")
-            values[key] = _parse_value(fields[key], yaml.safe_dump(value))
-    for override in overrides or []:
-        key, separator, text = override.partition("=")
-        if not separator or key not in fields:
-            raise ValueError(f"--set {override!r}: expected key=value with a known key (see --help)")
-        values[key] = _parse_value(fields[key], text)
-    if _runs_on_cuda(values.get("device", Config.device)):
-        values = {**{key: value for key, value in GPU_DEFAULTS.items() if key not in values}, **values}
-    return Config(**values)
+def options_markdown() -> str:
+    """The option table as Markdown, for the docs."""
+    lines = ["| option | allowed | default | GPU default | what |", "| --- | --- | --- | --- | --- |"]
+    for option in OPTIONS:
+        gpu = f"`{_shown(option.gpu_default)}`" if option.gpu_default is not UNSET else ""
+        lines.append(f"| `{option.name}` | {option.expected()} | `{_shown(option.default)}` | {gpu} | "
+                     f"{option.help.replace('|', '/')} |")
+    return "\n".join(lines)

@@ -1,13 +1,9 @@
 """Evaluation and monitoring during training: held-out CE and KD of the student, throughput,
-memory, teacher tail mass, and the metrics log (JSONL, plus TensorBoard event files when the
-``tensorboard`` package is installed)."""
+memory and teacher tail mass (the rows the metrics log writes: `metrics_log`)."""
 from __future__ import annotations
 
-import json
-import os
 import resource
 import time
-import warnings
 from typing import Optional
 
 import torch
@@ -91,39 +87,3 @@ class Throughput:
         rate = tokens / max(now - self._last, 1e-9)
         self._last = now
         return rate
-
-
-class MetricsLog:
-    """Appends one JSON object a step to ``directory/metrics.jsonl`` and, with ``tensorboard``
-    and the package installed, writes every numeric value as a scalar to TensorBoard event files
-    in ``directory/tensorboard`` (``torch.utils.tensorboard.SummaryWriter``); when it is not
-    installed, warns once and writes the JSONL alone."""
-
-    def __init__(self, directory: str, *, tensorboard: bool = True):
-        os.makedirs(directory, exist_ok=True)
-        self.path = os.path.join(directory, "metrics.jsonl")
-        self.writer = None
-        if tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError:
-                warnings.warn("tensorboard is not installed: metrics go to metrics.jsonl only "
-                              "(pip install tensorboard for event files)", stacklevel=2)
-            else:
-                self.writer = SummaryWriter(os.path.join(directory, "tensorboard"))
-
-    def write(self, row: dict) -> None:
-        """``row`` must hold ``step``; non-numeric values go to the JSONL only."""
-        if "step" not in row:
-            raise ValueError(f"row: expected a 'step' key, got keys {sorted(row)}")
-        with open(self.path, "a", encoding="utf-8") as handle:
-            handle.write(json.dumps(row) + "\n")
-        if self.writer is not None:
-            for name, value in row.items():
-                if name != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
-                    self.writer.add_scalar(name, value, row["step"])
-            self.writer.flush()
-
-    def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()

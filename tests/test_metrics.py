@@ -11,7 +11,8 @@ import torch.nn.functional as F
 import kd_kernels as kd
 from helpers_hf import VOCAB, tiny_causal_lm
 from orchestration.distillation import DistillationStudent
-from orchestration.metrics import (MetricsLog, Throughput, held_out_losses, memory_mib, should_evaluate,
+from orchestration.metrics_log import MetricsLog
+from orchestration.metrics import (Throughput, held_out_losses, memory_mib, should_evaluate,
                                    teacher_tail_mass)
 from orchestration.packing import PackedRows, attention_mask, from_lists
 
@@ -63,7 +64,7 @@ def test_monitoring_values():
 
 def test_metrics_log_writes_jsonl_and_tensorboard_events(tmp_path):
     pytest.importorskip("tensorboard")  # optional: pip install tensorboard
-    log = MetricsLog(str(tmp_path), tensorboard=True)
+    log = MetricsLog(str(tmp_path / "metrics.jsonl"), tensorboard=True)
     for step in range(3):
         log.write({"step": step, "loss": 2.0 - step / 10, "lr": 1e-3, "note": "text", "held_out_ce": None})
     log.close()
@@ -75,14 +76,14 @@ def test_metrics_log_writes_jsonl_and_tensorboard_events(tmp_path):
     events.Reload()
     assert sorted(events.Tags()["scalars"]) == ["loss", "lr"]
     assert [round(event.value, 5) for event in events.Scalars("loss")] == [2.0, 1.9, 1.8]
-    with pytest.raises(ValueError, match="'step' key"):
-        MetricsLog(str(tmp_path), tensorboard=False).write({"loss": 1.0})
+    with pytest.raises(ValueError, match="int 'step' key"):
+        MetricsLog(str(tmp_path / "metrics.jsonl")).write({"loss": 1.0})
 
 
 def test_metrics_log_without_tensorboard_warns_once_and_writes_jsonl(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # import fails as if not installed
     with pytest.warns(UserWarning, match="tensorboard is not installed"):
-        log = MetricsLog(str(tmp_path), tensorboard=True)
+        log = MetricsLog(str(tmp_path / "metrics.jsonl"), tensorboard=True)
     log.write({"step": 0, "loss": 1.0})
     assert not (tmp_path / "tensorboard").exists() and (tmp_path / "metrics.jsonl").read_text().count("\n") == 1
 

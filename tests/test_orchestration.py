@@ -1,6 +1,9 @@
-"""The Ray driver's parts: config, comm plan, label shifting and packing, object-store
-transfer, checkpoint / resume equality, and a dead worker (CPU, tiny sizes)."""
+"""The Ray driver's parts: comm plan, label shifting and packing, object-store transfer,
+layouts, exact resume (past a corrupt checkpoint), a dead worker, several workers and the
+process-group transfer (CPU, tiny sizes). Options: test_driver_config.py; checkpoints,
+metrics, Ctrl-C and a killed teacher: test_driver_resume.py."""
 import math
+import os
 
 import numpy as np
 import pytest
@@ -8,55 +11,11 @@ import torch
 
 import kd_kernels as kd
 from orchestration.comm_plan import CommPlan
-from orchestration.config import Config, help_text, load_config
-from orchestration.data import (IGNORE_INDEX, Document, encode, encode_all, pack, shifted_labels, stdlib_sources,
-                                train_tokenizer)
+from orchestration.config import Config
+from orchestration.data import (IGNORE_INDEX, Document, encode, encode_all, encoded, pack, shifted_labels,
+                                stdlib_sources, train_tokenizer)
 
 ray = pytest.importorskip("ray")
-
-
-# ---- config ---------------------------------------------------------------------------
-
-def test_config_defaults_yaml_and_overrides(tmp_path):
-    path = tmp_path / "run.yaml"
-    path.write_text("steps: 7\nk: 16\n")
-    config = load_config(str(path), ["output_dir=runs/x", "lr=0.01", "overlap=false", "k=8"])
-    assert (config.steps, config.k, config.output_dir, config.lr, config.overlap) == (7, 8, "runs/x", 0.01, False)
-    assert Config().steps == load_config(None, ["device=cpu"]).steps
-    with pytest.raises(ValueError, match="unknown"):
-        path.write_text("stepz: 1\n")
-        load_config(str(path))
-    with pytest.raises(ValueError, match="steps"):
-        load_config(None, ["steps=many"])
-    with pytest.raises(ValueError, match="key=value"):
-        load_config(None, ["nokey"])
-    optional = load_config(None, ["teacher_lr=1e-3", "stop_after=5", "teacher_path=null"])  # typed by annotation
-    assert (optional.teacher_lr, optional.stop_after, optional.teacher_path) == (1e-3, 5, None)
-    assert isinstance(optional.teacher_lr, float)
-    with pytest.raises(ValueError, match="teacher_lr"):
-        load_config(None, ["teacher_lr=fast"])
-    assert all(f"  {name} (" in help_text() for name in ("steps", "output_dir", "transfer", "k"))
-
-
-def test_the_attention_option_builds_that_attention():
-    from orchestration.workers import build_model
-
-    for attention in ("eager", "sdpa"):
-        model = build_model(None, 32, 1, Config(heads=4, attention=attention), 100, seed=0)
-        assert model.config._attn_implementation == attention
-    with pytest.raises(ValueError, match="attention: expected sdpa or eager, got 'flash'"):
-        Config(attention="flash")
-
-
-def test_gpu_defaults_apply_on_cuda_only_where_not_set(monkeypatch):
-    from orchestration.config import GPU_DEFAULTS
-
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    on_gpu = load_config(None, ["steps=5"])
-    assert on_gpu.steps == 5  # set explicitly: kept
-    assert (on_gpu.teacher_hidden, on_gpu.row_tokens) == (GPU_DEFAULTS["teacher_hidden"], GPU_DEFAULTS["row_tokens"])
-    on_cpu = load_config(None, ["device=cpu"])
-    assert (on_cpu.teacher_hidden, on_cpu.row_tokens) == (Config().teacher_hidden, Config().row_tokens)
 
 
 # ---- comm plan ---------------------------------------------------------------------------
@@ -77,7 +36,7 @@ def test_comm_plan_maps_integer_ratios_both_ways(teachers, students):
 
 
 @pytest.mark.parametrize("teachers, students, micro, match", [(2, 3, 6, "divide"), (3, 2, 6, "divide"),
-                                                               (2, 4, 6, "num_micro_batches"), (0, 1, 1, "teacher")])
+                                                               (2, 4, 6, "micro_batches"), (0, 1, 1, "teacher")])
 def test_comm_plan_refuses_non_divisible_layouts(teachers, students, micro, match):
     with pytest.raises(ValueError, match=match):
         CommPlan(teachers, students, micro)
@@ -124,10 +83,14 @@ def test_batched_encoding_equals_one_record_at_a_time(tmp_path):
                {"text": "class A:\n    pass\n" * 3}, {"prompt": "say", "response": " hi"}]
     tokenizer = train_tokenizer(records * 4, 300, str(tmp_path / "tokenizer"))
     template = "<{prompt}> {response}"
-    batched = encode_all(records, tokenizer, template)
     single = [encode(record, tokenizer, template) for record in records]
-    assert [(d.tokens, d.trained) for d in batched] == [(d.tokens, d.trained) for d in single]
-    assert all(len(d.tokens) > 3 for d in batched)
+    done = []
+    for batched in (encode_all(records, tokenizer, template),
+                    list(encoded(records, tokenizer, template, done=done.append, batch_characters=30))):
+        assert [(d.tokens, d.trained) for d in batched] == [(d.tokens, d.trained) for d in single]
+        assert all(len(d.tokens) > 3 for d in batched)
+    assert len(done) > 1 and sum(done) == sum(len(r.get("text", "")) + len(r.get("prompt", "") + r.get("response", ""))
+                                               for r in records)
 
 
 def test_stdlib_corpus_reads_the_top_level_first_and_no_installed_packages():
@@ -152,50 +115,116 @@ def ray_cluster():
 
 
 def test_object_store_transfer_round_trip(ray_cluster):
-    from orchestration.transfer import TopKSender, receive_topk
+    from orchestration.transfer import TRANSFERS, ObjectStore, transfer_for
 
     logprobs = torch.log_softmax(torch.randn(6, 40), -1).topk(5).values
     logprobs[0, -1] = -math.inf
     top = kd.TopK(logprobs, torch.randint(0, 40, (6, 5), dtype=torch.int32), torch.randn(6), 2.0)
-    ref = ray.put(TopKSender("object_store").send(top, step=0, student_rank=0))
-    fetched = ray.get(ref)
-    assert isinstance(fetched[1], np.ndarray) and not fetched[1].flags.writeable  # shared memory, read in place
-    back = receive_topk(fetched, torch.device("cpu"))
+    sender, receiver = transfer_for("object_store"), transfer_for("object_store")
+    assert isinstance(sender, ObjectStore) and set(TRANSFERS) == {"object_store", "cuda_ipc", "nccl"}
+    fetched = ray.get(ray.put(sender.send(top, step=0, student_rank=0)))
+    assert isinstance(fetched, np.ndarray) and not fetched.flags.writeable  # shared memory, read in place
+    back = receiver.receive(fetched, torch.device("cpu"))
     assert torch.equal(back.indices, top.indices) and torch.equal(back.logprobs, top.logprobs.to(torch.bfloat16))
     assert back.temperature == 2.0
+    with pytest.raises(ValueError, match="transfer: expected one of 'object_store', 'cuda_ipc', 'nccl', got 'tcp'"):
+        transfer_for("tcp")
 
 
 # ---- runs ---------------------------------------------------------------------------------
 
 def _tiny(tmp_path, name, **overrides):
-    values = dict(output_dir=str(tmp_path / name), device="cpu", max_corpus_bytes=60_000, tokenizer_vocab=300, row_tokens=32,
-                  rows_per_micro_batch=4, micro_batches=2, teacher_hidden=32, teacher_layers=1,
+    values = dict(output_dir=str(tmp_path / name), device="cpu", max_corpus_bytes=60_000, tokenizer_vocab=300,
+                  row_tokens=32, rows_per_micro_batch=4, micro_batches=2, teacher_hidden=32, teacher_layers=1,
                   teacher_pretrain_steps=3, student_hidden=16, student_layers=1, heads=2, steps=6, k=8,
                   warmup_steps=2, checkpoint_every=3)
     values.update(overrides)
     return Config(**values)
 
 
-def test_resume_equals_an_uninterrupted_run(ray_cluster, tmp_path):
+def test_resume_past_a_corrupt_checkpoint_equals_an_uninterrupted_run(ray_cluster, tmp_path, capsys):
+    """Stopped after step 3 (checkpoints of steps 2 and 3), the newest checkpoint truncated
+    as a kill during a plain write would leave it, and a staging directory left by a kill
+    during a save: the resume names the corrupt one, restores step 2, and ends equal to an
+    uninterrupted run, with each step once in metrics.jsonl."""
+    from orchestration import checkpoint
     from orchestration.driver import run
+    from orchestration.metrics_log import read_rows
 
     whole = run(_tiny(tmp_path, "whole"), progress=False, return_parameters=True)
     expected = whole["student_parameters"][0]
-    # kill after step 2 (of 0..5): the checkpoint at step 2 is the last good one, then resume
-    first = run(_tiny(tmp_path, "resumed", stop_after=2), progress=False)
-    assert first["last_step"] == 2
+    first = run(_tiny(tmp_path, "resumed", stop_after=3), progress=False)
+    assert first["last_step"] == 3
+    output_dir = str(tmp_path / "resumed")
+    newest = checkpoint.path_of(output_dir, 3)
+    assert checkpoint.candidates(output_dir) == [newest, checkpoint.path_of(output_dir, 2)]
+    state = os.path.join(newest, "student.pt")
+    with open(state, "r+b") as handle:
+        handle.truncate(os.path.getsize(state) // 2)
+    os.makedirs(checkpoint.path_of(output_dir, 4) + ".tmp")  # a save killed before its rename
+    capsys.readouterr()
     resumed = run(_tiny(tmp_path, "resumed", resume=True), progress=False, return_parameters=True)
-    assert resumed["last_step"] == 5
+    notes = capsys.readouterr().err
+    assert f"skipped checkpoint {newest}: student.pt has" in notes
+    assert f"resuming from {checkpoint.path_of(output_dir, 2)}" in notes
+    assert resumed["last_step"] == 5 and resumed["segment"] == 1
     assert torch.equal(resumed["student_parameters"][0], expected)
-    lines = open(resumed["metrics"]).read().splitlines()
-    assert len(lines) == 6  # steps 0..2, then 3..5 appended
+    rows = read_rows(resumed["metrics"])
+    assert [row["step"] for row in rows] == list(range(6))  # step 3 of the first run was dropped
+    assert [row["segment"] for row in rows] == [0, 0, 0, 1, 1, 1]
+    by_step = {row["step"]: row["loss"] for row in read_rows(whole["metrics"])}
+    assert [row["loss"] for row in rows] == [by_step[step] for step in range(6)]
+    assert checkpoint.newest_good(output_dir) == checkpoint.path_of(output_dir, 5)
 
 
 def test_a_dead_worker_stops_the_run_naming_it_and_the_last_checkpoint(ray_cluster, tmp_path):
-    from orchestration.driver import WorkerDied, run
+    from orchestration.driver import run
+    from orchestration.errors import WorkerDied
 
-    with pytest.raises(WorkerDied, match=r"student-0 died at step 4; last good checkpoint: .*step_0000002\.pt"):
+    with pytest.raises(WorkerDied, match=r"^worker student-0 died at step 4; last good checkpoint: .*step_0000002$"):
         run(_tiny(tmp_path, "dies", fail_student_at_step=4), progress=False)
+
+
+def test_a_failed_call_names_the_worker_that_died_not_the_one_waiting_on_it(ray_cluster):
+    """A student waiting on a teacher's reply fails first when the teacher's process is
+    killed; the message names the teacher. A worker that raises is named with its error."""
+    import signal
+    import time
+
+    from orchestration.actors import Actors
+    from orchestration.errors import WorkerDied, WorkerFailed
+
+    class Toy:  # defined here: Ray sends the class itself to the workers
+        def ping(self):
+            return True
+
+        def pid(self):
+            return os.getpid()
+
+        def fail(self):
+            raise ValueError("boom\nsecond line")
+
+        def sleep(self, seconds):
+            time.sleep(seconds)
+
+        def wait_for(self, refs):
+            return ray.get(refs[0])
+
+    actors = Actors(ray, lambda: "runs/x/checkpoints/step_0000004")
+    try:
+        actors.start("teacher", Toy, 1, dict(num_cpus=0), lambda rank: ())
+        actors.start("student", Toy, 2, dict(num_cpus=0), lambda rank: ())
+        with pytest.raises(WorkerFailed, match=r"^worker teacher-0 failed at step 3: ValueError: boom$"):
+            actors.get([actors.call("student-1", "pid"), actors.call("teacher-0", "fail")], "at step 3")
+        pid = actors.get([actors.call("teacher-0", "pid")], "during setup")[0]
+        waiting = actors.call("student-0", "wait_for", [actors.call("teacher-0", "sleep", 60).ref])
+        time.sleep(0.5)
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(WorkerDied, match=r"^worker teacher-0 died at step 7; last good checkpoint: "
+                                             r"runs/x/checkpoints/step_0000004$"):
+            actors.get([waiting], "at step 7")
+    finally:
+        actors.kill_all()
 
 
 def test_two_teacher_and_two_student_workers_resume_exactly(ray_cluster, tmp_path):
@@ -211,15 +240,8 @@ def test_two_teacher_and_two_student_workers_resume_exactly(ray_cluster, tmp_pat
         assert torch.equal(vector, vectors[0])
 
 
-def test_uneven_worker_layouts_are_refused(ray_cluster, tmp_path):
-    from orchestration.driver import run
-
-    with pytest.raises(ValueError, match="divide"):
-        run(_tiny(tmp_path, "uneven", teacher_workers=2, student_workers=3, micro_batches=6), progress=False)
-
-
 def test_gpu_layouts_the_machine_cannot_honour_are_refused():
-    from orchestration.transfer import resolve_layout
+    from orchestration.placement import resolve_layout
 
     with pytest.raises(ValueError, match="one GPU per worker"):
         resolve_layout("disaggregated", "auto", "cuda", 1, 1, 1)
@@ -240,7 +262,7 @@ def test_process_group_transfer_trains_like_the_object_store(ray_cluster, tmp_pa
     handshake, isend / recv in micro-batch order, a gradient subgroup of the students), run
     with gloo on CPU: the same training as the object store."""
     from orchestration import driver
-    from orchestration.transfer import Layout
+    from orchestration.placement import Layout
 
     layout = dict(teacher_workers=teachers, student_workers=students, micro_batches=2, steps=4, checkpoint_every=0)
     by_store = driver.run(_tiny(tmp_path, f"store_{teachers}{students}", **layout), progress=False,

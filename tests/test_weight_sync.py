@@ -2,7 +2,6 @@
 stateless gloo group between a trainer that has its own data-parallel group and a rollout worker
 (3 processes); CUDA IPC and NCCL on GPUs."""
 import multiprocessing
-import os
 
 import pytest
 import torch

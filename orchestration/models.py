@@ -1,0 +1,71 @@
+"""The models the workers hold: built (a small Llama) or loaded (a local Hugging Face causal
+LM), their final hidden states and lm_head inputs for the kd_kernels API, and held-out CE."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from .data import IGNORE_INDEX
+
+LM_HEAD_ROW_MULTIPLE = 64  # lm_head rows padded like real models'; kd vocab_size keeps the real count
+
+
+def pick_device(config) -> torch.device:
+    if config.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(config.device)
+
+
+def build_model(path: Optional[str], hidden: int, layers: int, config, vocab: int, seed: int):
+    """A Hugging Face causal LM from a local path, or a small Llama built from a config."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    if path:
+        return AutoModelForCausalLM.from_pretrained(path, local_files_only=True, attn_implementation=config.attention)
+    torch.manual_seed(seed)
+    padded = -(-vocab // LM_HEAD_ROW_MULTIPLE) * LM_HEAD_ROW_MULTIPLE
+    model_config = LlamaConfig(vocab_size=padded, hidden_size=hidden, intermediate_size=2 * hidden,
+                               num_hidden_layers=layers, num_attention_heads=config.heads,
+                               num_key_value_heads=config.heads, max_position_embeddings=config.row_tokens,
+                               tie_word_embeddings=False, attn_implementation=config.attention)
+    return LlamaForCausalLM(model_config)
+
+
+def final_hidden_states(model, tokens: torch.Tensor) -> torch.Tensor:
+    """``[B·T, H]`` last hidden states (rows in (batch, position) order), no logits."""
+    hidden = model.model(input_ids=tokens).last_hidden_state
+    return hidden.reshape(-1, hidden.shape[-1])
+
+
+def lm_head_inputs(model, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(hidden, lm_head weight) in the dtype the lm_head matmul runs in: bfloat16 on GPUs, as
+    autocast would run the model's own Linear (the final norm hands over float32, and a float32
+    matmul of the lm_head costs more than the rest of a small student), the hidden dtype on
+    CPU. The casts are differentiable."""
+    weight = model.get_output_embeddings().weight
+    dtype = torch.bfloat16 if hidden.is_cuda else hidden.dtype
+    return hidden.to(dtype), weight.to(dtype)
+
+
+def autocast(device: torch.device):
+    """bf16 autocast on CUDA, none on CPU."""
+    if device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return torch.autocast("cpu", enabled=False)
+
+
+@torch.no_grad()
+def held_out_sums(model, rows: torch.Tensor, labels: torch.Tensor, vocab: int, device: torch.device):
+    """(summed CE in nats, counted tokens) of ``model`` on ``rows`` / shifted ``labels`` ``[R, T]``."""
+    model.eval()
+    total, count = 0.0, 0
+    for start in range(0, rows.shape[0], 8):
+        tokens, targets = rows[start:start + 8].to(device), labels[start:start + 8].to(device)
+        logits = model(input_ids=tokens).logits[..., :vocab].float()
+        mask = targets != IGNORE_INDEX
+        total += F.cross_entropy(logits.reshape(-1, vocab), targets.reshape(-1), ignore_index=IGNORE_INDEX,
+                                 reduction="sum").item()
+        count += mask.sum().item()
+    return total, count

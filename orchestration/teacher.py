@@ -1,0 +1,109 @@
+"""The teacher worker: a frozen causal LM that scores micro-batches into packed top-k
+(`kd_kernels.teacher_topk`) and sends them by its `Transfer`; a teacher built from a config
+pretrains itself first, in chunks the driver calls (so it can show progress)."""
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+import kd_kernels as kd
+
+from .data import IGNORE_INDEX
+from .models import autocast, build_model, final_hidden_states, held_out_sums, lm_head_inputs, pick_device
+from .process_group import World, join_world
+from .transfer import transfer_for
+from .workers import Worker
+
+
+class TeacherWorker(Worker):
+    """Frozen teacher (eval, no grad). Builds itself when no path is given."""
+
+    def __init__(self, config, vocab: int, transfer: str = "object_store", world: Optional[World] = None):
+        self.config, self.vocab = config, vocab
+        self.device = pick_device(config)
+        join_world(world)
+        self.transfer = transfer_for(transfer)
+        self.model = build_model(config.teacher_path, config.teacher_hidden, config.teacher_layers, config, vocab,
+                                 config.seed).to(self.device)
+        self._pretraining = None
+
+    def pretrain(self, steps: int) -> float:
+        """``steps`` more CE steps on the training rows (`set_rows`), continuing the earlier
+        calls' optimizer, schedule and data order; the last loss. The whole pretraining is
+        ``config.teacher_pretrain_steps`` steps, for a teacher built from a config."""
+        if self._pretraining is None:
+            lr = self.config.lr if self.config.teacher_lr is None else self.config.teacher_lr
+            optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, fused=self.device.type == "cuda")
+            # warm-up, then constant: the 768 x 8 GPU teacher at 3e-3 from step 0 ended worse than the
+            # students it was to teach; it warms up and uses teacher_lr
+            warmup = max(1, self.config.warmup_steps)
+            scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup))
+            self._pretraining = optimizer, scheduler, torch.Generator().manual_seed(self.config.seed + 17)
+        optimizer, scheduler, generator = self._pretraining
+        loss = torch.full((), float("nan"))
+        self.model.train()
+        for _ in range(steps):
+            batch_rows = self.config.rows_per_micro_batch * self.config.micro_batches  # a student step's rows
+            pick = torch.randint(0, self.rows.shape[0], (batch_rows,), generator=generator)
+            tokens, targets = (part.to(self.device) for part in self.micro_batch(pick))
+            with autocast(self.device):
+                logits = self.model(input_ids=tokens).logits[..., :self.vocab]
+            loss = F.cross_entropy(logits.float().reshape(-1, self.vocab), targets.reshape(-1),
+                                   ignore_index=IGNORE_INDEX)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
+            optimizer.step()
+            scheduler.step()
+        return loss.item()
+
+    def finish_pretraining(self) -> None:
+        """Drops the pretraining's optimizer; with ``teacher_offload`` the weights go to the CPU."""
+        self._pretraining = None
+        if self.config.teacher_offload:
+            self.model.to("cpu")
+
+    def state_dict(self) -> dict:
+        return {name: tensor.cpu() for name, tensor in self.model.state_dict().items()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.model.load_state_dict(state)
+
+    @torch.no_grad()
+    def score(self, tokens: torch.Tensor, step: int = 0, student_rank: int = 0):
+        """tokens ``[B, T]`` → (the transfer message of the packed bf16 top-k for the student
+        of rank ``student_rank``, seconds spent). With ``teacher_offload`` the weights come
+        from the CPU for the call and go back after it."""
+        start = time.perf_counter()
+        if self.config.teacher_offload:
+            self.model.to(self.device)
+        self.model.eval()
+        tokens = tokens.to(self.device)
+        with autocast(self.device):
+            hidden = final_hidden_states(self.model, tokens)
+        topk = kd.teacher_topk(*lm_head_inputs(self.model, hidden), k=self.config.k,
+                               temperature=self.config.temperature, vocab_size=self.vocab)
+        message = self.transfer.send(topk, step, student_rank)
+        if self.config.teacher_offload:
+            self.model.to("cpu")
+        return message, time.perf_counter() - start
+
+    def score_rows(self, pick: torch.Tensor, step: int = 0, student_rank: int = 0):
+        """`score` of the training rows ``pick`` ``[B]`` int64."""
+        return self.score(self.micro_batch(pick)[0], step, student_rank)
+
+    def connect(self, student_ranks: list) -> None:
+        """Connects to these students' process-group ranks before any scoring (`Transfer.setup`)."""
+        self.transfer.setup(student_ranks, self.device, sending=True)
+
+    def release(self, step: int) -> None:
+        """The students are done with the buffers of ``step``: free them."""
+        self.transfer.release(step)
+
+    def held_out_sums(self, rows: torch.Tensor, labels: torch.Tensor) -> tuple[float, int]:
+        """(summed CE, tokens) on held-out rows (see `models.held_out_sums`)."""
+        self.model.to(self.device)  # offloaded teachers come back for it
+        return held_out_sums(self.model, rows, labels, self.vocab, self.device)
