@@ -197,15 +197,21 @@ class Codec:
 
     def _decode_compact(self, records: torch.Tensor, neg_gaps: torch.Tensor, logprobs: torch.Tensor,
                         indices: torch.Tensor) -> None:
-        """One chunk of compact records (fields dropped) into ``logprobs`` / ``indices``."""
+        """One chunk of compact records (fields dropped) into ``logprobs`` / ``indices`` (contiguous)."""
         top = _typed(records, 0, 4, torch.float32)
         entries = records[:, 4:].reshape(records.shape[0], self.k, self.entry_bytes)
         word_dtype = torch.int32 if self.entry_bytes <= 3 else torch.int64
         words = torch.nn.functional.pad(entries, (0, word_dtype.itemsize - self.entry_bytes)).view(word_dtype)[..., 0]
         codes = torch.div(words, self.vocab_size, rounding_mode="trunc")
-        indices.copy_(torch.sub(words, codes, alpha=self.vocab_size))
+        if word_dtype == torch.int32:
+            torch.sub(words, codes, alpha=self.vocab_size, out=indices)
+        else:
+            indices.copy_(words - codes * self.vocab_size)
         relative = neg_gaps.index_select(0, codes.view(-1)).view(codes.shape)  # -inf where missing
-        logprobs.copy_(relative.add_(top))
+        if logprobs.dtype == torch.float32:
+            torch.add(relative, top, out=logprobs)
+        else:
+            logprobs.copy_(relative.add_(top))
 
     # ---- checks -------------------------------------------------------------------------
 

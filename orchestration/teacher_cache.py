@@ -488,12 +488,17 @@ class TeacherCacheReader:
         """The entries of ``rows`` ``[B]`` (their positions one after the other) as `kd.TopK`
         or `kd.TeacherSamples` on ``device`` (default CPU); decoded there. Logprobs are
         bfloat16 (lossless) or float32 (compact) unless ``logprobs_dtype`` says otherwise."""
-        located = self._locate(_as_rows(rows))
+        runs: list[list[int]] = []  # [shard, first slot, last slot + 1]: consecutive rows of a shard read as one
+        for index, slot in self._locate(_as_rows(rows)):
+            if runs and runs[-1][0] == index and runs[-1][2] == slot:
+                runs[-1][2] += 1
+            else:
+                runs.append([index, slot, slot + 1])
         parts = []
-        for index, slot in located:
+        for index, first, stop in runs:
             shard = self._shard(index)
-            parts.append(shard.records[int(shard.offsets[slot]):int(shard.offsets[slot + 1])])
-        records = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.uint8)
+            parts.append(shard.records[int(shard.offsets[first]):int(shard.offsets[stop])])
+        records = parts[0] if len(parts) == 1 else torch.cat(parts) if parts else torch.zeros(0, dtype=torch.uint8)
         records = records.view(-1, self.codec.bytes_per_position)
         on_cuda = device is not None and torch.device(device).type == "cuda"
         if on_cuda:
