@@ -146,6 +146,23 @@ def check_expectation(header: CacheHeader, expectation: Expectation, directory: 
                                 f"{expected!r}")
 
 
+def read_header(directory: str) -> CacheHeader:
+    """The header of the cache in ``directory``; `CacheMismatch` when this code cannot read it
+    (another format version, or encoding parameters other than this `cache_codec`'s)."""
+    path = os.path.join(directory, _HEADER)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"teacher cache {directory}: no {_HEADER}; not a teacher cache directory")
+    values = _read_json(path)
+    if values.get("format_version") != FORMAT_VERSION:
+        raise CacheMismatch(f"teacher cache {directory}: format_version is {values.get('format_version')!r} in the "
+                            f"cache, this reader reads {FORMAT_VERSION!r}")
+    header = CacheHeader.from_json(values)
+    if values.get("codec") != header.codec.describe():
+        raise CacheMismatch(f"teacher cache {directory}: codec is {values.get('codec')!r} in the cache, this "
+                            f"reader's is {header.codec.describe()!r}")
+    return header
+
+
 def _entries_parts(entries, header: CacheHeader) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """(logprobs, indices, fields) of a `kd.TopK` / `kd.TeacherSamples` for this header."""
     is_samples = hasattr(entries, "log_threshold")
@@ -190,8 +207,8 @@ def _write_atomically(path: str, chunks: Iterable[bytes]) -> None:
     _fsync_directory(os.path.dirname(os.path.abspath(path)))
 
 
-def _write_json(path: str, value: dict) -> None:
-    _write_atomically(path, [json.dumps(value, indent=1, sort_keys=True).encode()])
+def _write_json(path: str, value: dict, indent: Optional[int] = None) -> None:
+    _write_atomically(path, [json.dumps(value, indent=indent, sort_keys=True).encode()])
 
 
 def _read_json(path: str) -> dict:
@@ -241,14 +258,14 @@ class TeacherCacheWriter:
         os.makedirs(directory, exist_ok=True)
         header_path = os.path.join(directory, _HEADER)
         if os.path.exists(header_path):
-            existing = CacheHeader.from_json(_read_json(header_path))
+            existing = read_header(directory)
             for option in dataclass_fields(CacheHeader):
                 ours, theirs = getattr(header, option.name), getattr(existing, option.name)
                 if ours != theirs:
                     raise CacheMismatch(f"teacher cache {directory}: {option.name} is {theirs!r} in the cache, "
                                         f"this writer has {ours!r}; write to another directory or delete it")
         else:
-            _write_json(header_path, header.to_json())
+            _write_json(header_path, header.to_json(), indent=1)
         manifest_path = os.path.join(directory, _MANIFEST)
         if os.path.exists(manifest_path):
             self.manifest = _read_json(manifest_path)
@@ -256,7 +273,8 @@ class TeacherCacheWriter:
             self.manifest = dict(shards=[], complete=False)
             _write_json(manifest_path, self.manifest)
         self._remove_unrecorded()
-        self._completed = _range_rows([run for shard in self.manifest["shards"] for run in shard["rows"]])
+        self._completed = [_range_rows(shard["rows"]) for shard in self.manifest["shards"]]  # a tensor a shard
+        self._seen = set(torch.cat(self._completed).tolist()) if self._completed else set()  # completed + buffered
         self._buffer: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (rows, lengths, records)
         self._buffered_rows = 0
 
@@ -269,7 +287,7 @@ class TeacherCacheWriter:
     @property
     def completed_rows(self) -> torch.Tensor:
         """``[n]`` int64 ids of the rows in complete shards, in the order they were written."""
-        return self._completed.clone()
+        return torch.cat(self._completed) if self._completed else torch.zeros(0, dtype=torch.int64)
 
     @property
     def complete(self) -> bool:
@@ -286,12 +304,14 @@ class TeacherCacheWriter:
         rows = _as_rows(rows)
         logprobs, indices, fields = _entries_parts(entries, self.header)
         lengths = self._lengths(rows, logprobs.shape[0], lengths)
-        if rows.unique().numel() != rows.numel():
-            raise ValueError(f"rows: a row id appears twice in {rows.tolist()}")
-        present = torch.isin(rows, torch.cat([self._completed] + [buffered for buffered, _, _ in self._buffer]))
-        if bool(present.any()):
-            raise ValueError(f"rows: row {int(rows[present][0])} is already in the cache (or buffered)")
+        row_ids = rows.tolist()
+        if len(set(row_ids)) != len(row_ids):
+            raise ValueError(f"rows: a row id appears twice in {row_ids}")
+        present = [row for row in row_ids if row in self._seen]
+        if present:
+            raise ValueError(f"rows: row {present[0]} is already in the cache (or buffered)")
         records = self.codec.encode(logprobs, indices, fields).cpu()
+        self._seen.update(row_ids)
         self._buffer.append((rows, lengths, records))
         self._buffered_rows += rows.numel()
         if self.manifest["complete"]:  # more rows after a finished write: no longer complete until close()
@@ -346,7 +366,7 @@ class TeacherCacheWriter:
         self.manifest["shards"].append(dict(name=name, sha256=digest.hexdigest(), bytes=sum(map(len, chunks)),
                                             rows=_ranges(rows.tolist()), positions=records.shape[0]))
         _write_json(os.path.join(self.directory, _MANIFEST), self.manifest)
-        self._completed = torch.cat([self._completed, rows])
+        self._completed.append(rows)
 
     def close(self) -> None:
         """Writes the buffered rows as a last shard and marks the cache complete."""
@@ -362,6 +382,7 @@ class TeacherCacheWriter:
         if kind is None:
             self.close()
         else:
+            self._seen.difference_update(row for rows, _, _ in self._buffer for row in rows.tolist())
             self._buffer.clear()
             self._buffered_rows = 0
 
@@ -380,9 +401,10 @@ class TeacherCacheReader:
 
     `read` gives the entries of any rows at once; `micro_batches` gives those of a sequence of
     row batches in order, decoded ahead by a background thread while a second one loads and
-    verifies the shards they need next; `shards` walks the cache in shard order. Rows read in
-    shard order load each shard once; rows in random order reload shards that dropped out of
-    the ``cached_shards`` most recently used.
+    verifies the shards they need next; `shards` walks the cache in shard order. The reader
+    holds the ``cached_shards`` most recently used shards, and more while the batches being
+    decoded or looked ahead at need more. Rows read in shard order, or in `shuffled_rows`
+    order, load each shard once; rows in any other order may reload shards.
     """
 
     def __init__(self, directory: str, expect: Optional[Expectation] = None, *, require_complete: bool = True,
@@ -390,13 +412,7 @@ class TeacherCacheReader:
         if not isinstance(cached_shards, int) or cached_shards < 1:
             raise ValueError(f"cached_shards: expected an int >= 1, got {cached_shards!r}")
         self.directory = directory
-        header_path = os.path.join(directory, _HEADER)
-        if not os.path.exists(header_path):
-            raise FileNotFoundError(f"teacher cache {directory}: no {_HEADER}; not a teacher cache directory")
-        self.header = CacheHeader.from_json(_read_json(header_path))
-        if self.header.format_version != FORMAT_VERSION:
-            raise CacheMismatch(f"teacher cache {directory}: format_version is {self.header.format_version!r} in "
-                                f"the cache, this reader reads {FORMAT_VERSION!r}")
+        self.header = read_header(directory)
         if expect is not None:
             check_expectation(self.header, expect, directory)
         self.codec = self.header.codec
@@ -430,6 +446,22 @@ class TeacherCacheReader:
     def __exit__(self, *error) -> None:
         self.close()
 
+    def shuffled_rows(self, seed: int, window: Optional[int] = None) -> torch.Tensor:
+        """``[num_rows]`` int64 row ids in an order that reads each shard once: the shards in
+        a random order, the rows of each ``window`` consecutive shards of it shuffled together
+        (default: ``cached_shards``, the most that stay loaded). A function of ``seed`` only."""
+        window = self._cached_shards if window is None else window
+        if not isinstance(window, int) or not 1 <= window <= self._cached_shards:
+            raise ValueError(f"window: expected an int in [1, cached_shards={self._cached_shards}], got {window!r}")
+        generator = torch.Generator().manual_seed(seed)
+        shard_rows = [_range_rows(shard["rows"]) for shard in self.manifest["shards"]]
+        shuffled = [shard_rows[index] for index in torch.randperm(len(shard_rows), generator=generator).tolist()]
+        parts = []
+        for start in range(0, len(shuffled), window):
+            rows = torch.cat(shuffled[start:start + window])
+            parts.append(rows[torch.randperm(rows.numel(), generator=generator)])
+        return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
+
     # ---- shards ----
 
     def _load(self, index: int) -> _Shard:
@@ -458,20 +490,28 @@ class TeacherCacheReader:
                                "the manifest")
         return _Shard(rows, offsets, records)
 
-    def _prefetch(self, index: int) -> None:
+    def _prefetch(self, index: int, keep: frozenset = frozenset()) -> None:
+        """Has the loader thread load shard ``index`` unless held; then drops the least recently
+        used shards beyond ``cached_shards``, except ``index`` and those in ``keep``."""
         with self._lock:
             if index in self._loaded:
                 self._loaded.move_to_end(index)
-                return
-            self._loaded[index] = self._loader.submit(self._load, index)
-            while len(self._loaded) > self._cached_shards:
-                self._loaded.popitem(last=False)
+            else:
+                self._loaded[index] = self._loader.submit(self._load, index)
+            for old in list(self._loaded):
+                if len(self._loaded) <= self._cached_shards:
+                    break
+                if old != index and old not in keep:
+                    del self._loaded[old]
 
-    def _shard(self, index: int) -> _Shard:
-        self._prefetch(index)
+    def _shard(self, index: int, keep: frozenset) -> _Shard:
+        self._prefetch(index, keep)
         with self._lock:
             future = self._loaded[index]
         return future.result()
+
+    def _shards_of(self, rows: torch.Tensor) -> frozenset:
+        return frozenset(index for index, _ in self._locate(rows))
 
     def _locate(self, rows: torch.Tensor) -> list[tuple[int, int]]:
         """(shard index, slot in the shard) of each row id; KeyError for a row not cached."""
@@ -488,15 +528,21 @@ class TeacherCacheReader:
         """The entries of ``rows`` ``[B]`` (their positions one after the other) as `kd.TopK`
         or `kd.TeacherSamples` on ``device`` (default CPU); decoded there. Logprobs are
         bfloat16 (lossless) or float32 (compact) unless ``logprobs_dtype`` says otherwise."""
+        return self._read(_as_rows(rows), device, logprobs_dtype, frozenset())
+
+    def _read(self, rows: torch.Tensor, device, logprobs_dtype, keep: frozenset):
+        """`read`, holding the shards in ``keep`` (those of batches being looked ahead at)."""
+        located = self._locate(rows)
+        keep = keep | {index for index, _ in located}
         runs: list[list[int]] = []  # [shard, first slot, last slot + 1]: consecutive rows of a shard read as one
-        for index, slot in self._locate(_as_rows(rows)):
+        for index, slot in located:
             if runs and runs[-1][0] == index and runs[-1][2] == slot:
                 runs[-1][2] += 1
             else:
                 runs.append([index, slot, slot + 1])
         parts = []
         for index, first, stop in runs:
-            shard = self._shard(index)
+            shard = self._shard(index, keep)
             parts.append(shard.records[int(shard.offsets[first]):int(shard.offsets[stop])])
         records = parts[0] if len(parts) == 1 else torch.cat(parts) if parts else torch.zeros(0, dtype=torch.uint8)
         records = records.view(-1, self.codec.bytes_per_position)
@@ -551,23 +597,27 @@ class MicroBatches:
         return False
 
     def _produce(self) -> None:
-        reader, ahead = self._reader, deque()
+        reader = self._reader
+        ahead: deque = deque()  # (rows, their shards) of the batches after the one being decoded
         try:
-            def refill() -> None:  # the next batches' shards go to the loader thread now
+            def held(current: frozenset) -> frozenset:
+                return current.union(*(shards for _, shards in ahead))
+
+            def refill(current: frozenset) -> None:  # the next batches' shards go to the loader thread now
                 while len(ahead) < self._prefetch + 1:
                     pick = next(self._picks, None)
                     if pick is None:
                         return
                     pick = _as_rows(pick)
-                    ahead.append(pick)
-                    for index in dict.fromkeys(index for index, _ in reader._locate(pick)):
-                        reader._prefetch(index)
+                    ahead.append((pick, reader._shards_of(pick)))
+                    for index in sorted(ahead[-1][1]):
+                        reader._prefetch(index, held(current))
 
-            refill()
+            refill(frozenset())
             while ahead and not self._stop.is_set():
-                pick = ahead.popleft()
-                refill()
-                if not self._put(reader.read(pick, device=self._device, logprobs_dtype=self._dtype)):
+                pick, current = ahead.popleft()
+                refill(current)
+                if not self._put(reader._read(pick, self._device, self._dtype, held(current))):
                     return
             self._put(self._end)
         except BaseException as error:  # noqa: BLE001 - handed to the consumer, raised by __next__

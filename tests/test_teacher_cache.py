@@ -214,6 +214,28 @@ def test_write_then_read_gives_the_entries_back(tmp_path):
             reader.read([1, 10])
 
 
+def test_a_lossless_cache_gives_what_the_live_transfer_gives(tmp_path):
+    """The student sees the same TopK, and the same loss and gradient, from a lossless cache
+    as from the driver's live bf16 transfer (`TopK.pack(torch.bfloat16)`)."""
+    generator = torch.Generator().manual_seed(11)
+    teacher_logits = torch.randn(2 * 6, 300, generator=generator) * 3
+    topk = kd.teacher_topk_from_logits(teacher_logits, k=4, temperature=1.5, backend="torch")
+    live = kd.TopK.unpack(topk.pack(torch.bfloat16))
+    with TeacherCacheWriter(str(tmp_path), header(vocab_size=300)) as writer:
+        writer.add([0, 1], topk)
+    with TeacherCacheReader(str(tmp_path), expectation(vocab_size=300)) as reader:
+        cached = reader.read([0, 1])
+    assert_same_entries(cached, live)
+    student = torch.randn(12, 300, generator=generator, dtype=torch.float64)
+    results = []
+    for teacher in (live, cached):
+        logits = student.clone().requires_grad_(True)
+        loss = kd.topk_divergence_from_logits(logits, teacher, temperature=1.5, backend="torch")
+        loss.backward()
+        results.append((loss.detach(), logits.grad))
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+
+
 def test_compact_cache_of_variable_length_rows_without_lse(tmp_path):
     with TeacherCacheWriter(str(tmp_path), header(encoding="compact", positions_per_row=None, fields=())) as writer:
         entries = row_entries([0, 1], positions_per_row=5, lse=False)
@@ -376,11 +398,16 @@ def test_a_cache_made_for_another_run_is_refused(tmp_path, name, value):
     TeacherCacheReader(str(tmp_path), expectation(teacher=header().teacher)).close()  # the same: accepted
 
 
-def test_a_cache_of_another_format_version_is_refused(tmp_path):
+def test_a_cache_of_another_format_or_codec_is_refused(tmp_path):
     write_cache(tmp_path, [0])
     values = json.loads((tmp_path / "header.json").read_text())
     (tmp_path / "header.json").write_text(json.dumps(dict(values, format_version=99)))
     with pytest.raises(CacheMismatch, match="format_version is 99 in the cache, this reader reads 1"):
+        TeacherCacheReader(str(tmp_path), expectation())
+    with pytest.raises(CacheMismatch, match="format_version is 99 in the cache"):
+        TeacherCacheWriter(str(tmp_path), header())
+    (tmp_path / "header.json").write_text(json.dumps(dict(values, codec=dict(values["codec"], id_bits=17))))
+    with pytest.raises(CacheMismatch, match="codec is .*'id_bits': 17.* in the cache, this reader's is .*'id_bits': 18"):
         TeacherCacheReader(str(tmp_path), expectation())
 
 
@@ -404,6 +431,24 @@ def test_micro_batches_stop_cleanly_and_report_missing_rows(tmp_path):
         reversed_rows = [[row] for row in reversed(range(12))]  # against the shard order, one shard cached
         for pick, entries in zip(reversed_rows, reader.micro_batches(reversed_rows, prefetch=3)):
             assert_same_entries(entries, lossless(row_entries(pick)))
+
+
+def test_shuffled_rows_read_each_shard_once(tmp_path, monkeypatch):
+    write_cache(tmp_path, list(range(22)))  # shards of 4 rows, the last of 2
+    with TeacherCacheReader(str(tmp_path), expectation(), cached_shards=2) as reader:
+        order = reader.shuffled_rows(seed=5)
+        assert sorted(order.tolist()) == list(range(22)) and order.tolist() != list(range(22))
+        assert torch.equal(order, reader.shuffled_rows(seed=5))
+        assert not torch.equal(order, reader.shuffled_rows(seed=6))
+        loads = []
+        real_load = reader._load
+        monkeypatch.setattr(reader, "_load", lambda index: loads.append(index) or real_load(index))
+        picks = list(order.split(3))
+        for pick, entries in zip(picks, reader.micro_batches(picks)):
+            assert_same_entries(entries, lossless(row_entries(pick.tolist())))
+        assert sorted(loads) == list(range(6))
+        with pytest.raises(ValueError, match=r"window: expected an int in \[1, cached_shards=2\], got 3"):
+            reader.shuffled_rows(0, window=3)
 
 
 def test_samples_round_trip(tmp_path):
