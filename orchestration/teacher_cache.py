@@ -301,18 +301,26 @@ class TeacherCacheWriter:
             (encoded there; the bytes come to the CPU).
         lengths: ``[B]`` positions of each row; None: equal, ``entries`` rows / B.
         """
-        rows = _as_rows(rows)
         logprobs, indices, fields = _entries_parts(entries, self.header)
-        lengths = self._lengths(rows, logprobs.shape[0], lengths)
+        self.add_records(rows, self.codec.encode(logprobs, indices, fields), lengths)
+
+    def add_records(self, rows, records: torch.Tensor, lengths=None) -> None:
+        """`add` of entries already encoded with ``header.codec`` (``[Σ lengths, S]`` uint8, any
+        device): a teacher worker can encode on its GPU and send these bytes instead."""
+        rows = _as_rows(rows)
+        size = self.codec.bytes_per_position
+        if records.dtype != torch.uint8 or records.dim() != 2 or records.shape[1] != size:
+            raise ValueError(f"records: expected [P, {size}] uint8 from the header's codec, got {records.dtype} "
+                             f"{tuple(records.shape)}")
+        lengths = self._lengths(rows, records.shape[0], lengths)
         row_ids = rows.tolist()
         if len(set(row_ids)) != len(row_ids):
             raise ValueError(f"rows: a row id appears twice in {row_ids}")
         present = [row for row in row_ids if row in self._seen]
         if present:
             raise ValueError(f"rows: row {present[0]} is already in the cache (or buffered)")
-        records = self.codec.encode(logprobs, indices, fields).cpu()
         self._seen.update(row_ids)
-        self._buffer.append((rows, lengths, records))
+        self._buffer.append((rows, lengths, records.cpu()))
         self._buffered_rows += rows.numel()
         if self.manifest["complete"]:  # more rows after a finished write: no longer complete until close()
             self.manifest["complete"] = False

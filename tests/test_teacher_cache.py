@@ -251,6 +251,18 @@ def test_compact_cache_of_variable_length_rows_without_lse(tmp_path):
         assert torch.equal(got.logprobs, decoded) and torch.equal(got.indices, ids)
 
 
+def test_records_encoded_elsewhere_make_the_same_cache(tmp_path):
+    write_cache(tmp_path / "entries", list(range(6)), encoding="compact")
+    codec = header(encoding="compact").codec
+    with TeacherCacheWriter(str(tmp_path / "records"), header(encoding="compact")) as writer:
+        for part in ([0, 1, 2], [3, 4, 5]):
+            entries = row_entries(part)
+            writer.add_records(part, codec.encode(entries.logprobs, entries.indices, {"lse": entries.lse}))
+        with pytest.raises(ValueError, match=r"records: expected \[P, 20\] uint8"):
+            writer.add_records([6], torch.zeros(6, 19, dtype=torch.uint8))
+    assert _manifest(tmp_path / "records") == _manifest(tmp_path / "entries")
+
+
 def test_writer_refuses_repeated_rows_and_wrong_entries(tmp_path):
     writer = TeacherCacheWriter(str(tmp_path), header())
     writer.add([0, 1, 2, 3], row_entries([0, 1, 2, 3]))  # one full shard
