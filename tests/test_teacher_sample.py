@@ -261,7 +261,7 @@ def test_teacher_samples_pack_and_unpack():
 def test_inclusion_probabilities_and_weights():
     logprobs = torch.tensor([[-0.1, -2.0, -30.0, -math.inf]])
     samples = TeacherSamples(logprobs, torch.tensor([[1, 2, 3, 0]], dtype=torch.int32), torch.tensor([-1.5]))
-    expected = 1 - torch.exp(-torch.exp(logprobs.double() + 1.5))
+    expected = -torch.expm1(-torch.exp(logprobs.double() + 1.5))
     assert torch.allclose(samples.log_inclusion[0, :3].double(), expected[0, :3].log(), atol=1e-6, rtol=1e-6)
     assert torch.isneginf(samples.log_inclusion[0, 3]) and samples.weights[0, 3] == 0
     assert torch.allclose(samples.weights[0, :3].double(), logprobs[0, :3].double().exp() / expected[0, :3], rtol=1e-6)
