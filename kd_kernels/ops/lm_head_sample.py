@@ -4,16 +4,18 @@ keys: the teacher's sampling without stored logits (kd_kernels/teacher_sampling.
 The persistent TMA matmul of ops/lm_head_group_maxima.py (its tiles, L2 grouping and column
 groups) with another epilogue. Per row it keeps the tile statistics of ``z / τ`` (the
 logsumexp, from the un-noised logits) and appends to the row's keys every element that may have
-``κ = z / τ + G ≥ f`` for the row's floor f (`Appends`, f in key units): with ``E = e^{−G}``
-(Exp(1)), ``κ ≥ f ⇔ E ≤ X = exp(z / τ − f)``, and ``E ≥ w ≥ coarse · 2⁻¹⁶`` (the noise's uniform
-w and its 16 coarse bits: kd_kernels/sampling.py), so the test ``coarse ≤ X · 2¹⁶`` keeps a
-superset of the elements at or above the floor. X is the tile's ``t = exp2(z · log2e / τ −
-tile_max2)``, already computed for the sum, times a per-row scale ``2^(tile_max2 − f · log2e)``:
-per element one hash per pair of columns, the coarse bits, one fma and one compare, no
-transcendental. Tiles where some row's maximum passes its floor by more than 2⁶⁰ (the scale
-would overflow) compute X by its own exp2. The floor is lowered by MARGIN2 (log2 units), far
-more than the approximate exp2's and the keys' float32 rounding, so every element whose float32
-key (as the rank pass computes it, ops/sample_keys.py) is ≥ f is kept.
+``κ = z / τ + G ≥ f`` for the row's floor f (`SampleAppends`, f in key units): with
+``E = e^{−G}`` (Exp(1)), ``κ ≥ f ⇔ E ≤ X = exp(z / τ − f)``, and ``E ≥ w ≥ coarse · 2⁻¹⁶`` (the
+noise's uniform w and its 16 coarse bits: kd_kernels/sampling.py), so the test
+``coarse ≤ X · 2¹⁶`` keeps a superset of the elements at or above the floor, at most
+``min(1, X + 2⁻¹⁶)`` of each where ``1 − e^{−X}`` reach it. X is the tile's
+``t = exp2(z · log2e / τ − tile_max2)``, already computed for the sum, times the row's
+``2^(tile_max2 − f · log2e)``: per element a share of one hash a pair of columns, the coarse
+bits, one fma and one compare, no transcendental. Where t underflows (under 2⁻¹²⁶) the product
+still bounds X while the row's maximum is at most 2^MAX_EXCESS2 above its floor; tiles with a
+row further above take X from its own exp2. The floor is lowered by MARGIN2 (log2 units), far
+more than the approximate exp2's error and the keys' float32 rounding, so every element whose
+float32 key (as the rank pass computes it, ops/sample_keys.py) is ≥ f is kept.
 
 The keys are raw, as the top-k's appending matmul stores them: the logit's float bits (before
 τ, bias included) above the global column; the rank pass adds the exact noise.
@@ -35,7 +37,7 @@ from .lm_head_group_maxima import (POPC_IN_HARDWARE, _popcount, _thread_groups, 
 from .tma import row_tile_descriptor
 
 MARGIN2 = 1.0 / 512  # log2 units (1.35e-3 nats) added to each row's excess over its floor
-MAX_EXCESS2 = 60.0  # a tile's rows above their floors by more: the exact exp2 path
+MAX_EXCESS2 = 100.0  # a tile's row above its floor by more (log2 units): X by its own exp2
 _LOG2E = tl.constexpr(1.4426950408889634)
 _MARGIN2 = tl.constexpr(MARGIN2)
 _MAX_EXCESS2 = tl.constexpr(MAX_EXCESS2)
@@ -45,16 +47,18 @@ _COARSE_SCALE2 = tl.constexpr(16.0)  # log2 of 2^16: X in units of the coarse bi
 # the interpreter has no inline PTX: the appends' stores in Triton there (tests), in PTX on GPUs
 STORE_IN_PTX = os.environ.get("TRITON_INTERPRET") != "1"
 
-# one element's append, its group's slots taken: where kept ($2 ≠ 0), the slot first + the group's
-# kept lanes below it (bits & below), the 8-byte raw key (column, value bits) stored below the
-# capacity: predicated stores, no branch (ops/lm_head_group_maxima.py's `_STORE_APPENDED_PTX`)
+# one element's append, its group's slots taken: where its lane's bit ($2) is set in the group's
+# bits ($3), the slot first + the group's kept lanes below it (bits & below), the 8-byte raw key
+# (column, value bits) stored below the capacity: predicated stores, no branch, and no keep
+# flags held from the test to the stores (ops/lm_head_group_maxima.py's `_STORE_APPENDED_PTX`)
 _STORE_KEPT_PTX = tl.constexpr("""
 {
 .reg .pred taken, kept;
 .reg .b32 slot;
 .reg .b64 address;
 mov.u32 $0, 0;
-setp.ne.b32 taken, $2, 0;
+and.b32 slot, $3, $2;
+setp.ne.b32 taken, slot, 0;
 and.b32 slot, $3, $4;
 popc.b32 slot, slot;
 add.u32 slot, slot, $5;
@@ -77,24 +81,37 @@ class SampleAppends:
 
 
 @triton.jit
-def _store_kept(z, keep, bits, below, first, column, row_offsets, keys_ptr, key_capacity, IN_PTX: tl.constexpr):
-    """Elements ``z`` [BLOCK_M, groups, pairs] where ``keep`` stored as raw keys in their slots:
-    ``first`` [BLOCK_M, groups] + the group's kept lanes below (``bits & below``); slots past
-    ``key_capacity`` dropped."""
+def _kept_bits(bound_even, bound_odd, hash_base, pair_share, even_bit):
+    """Each group's bits [BLOCK_M, groups] int32 of the lanes kept: an element's coarse noise bits
+    (as the float 2^23 + coarse) at or under its bound (2^23 + X · 2^16). One hash a pair of
+    columns: ``pair_mix(key + pair)`` with its first product split as ``hash_base + pair_share``."""
+    h = hash_base + pair_share
+    h = h ^ (h >> 15)
+    h = h * _M2
+    coarse_even, coarse_odd = coarse_floats(h ^ (h >> 16))
+    return tl.sum(tl.where(coarse_even <= bound_even, even_bit, 0) + tl.where(coarse_odd <= bound_odd, even_bit << 1, 0),
+                  axis=2)
+
+
+@triton.jit
+def _store_kept(z, lane_bit, bits, below, first, column, row_offsets, keys_ptr, key_capacity, IN_PTX: tl.constexpr):
+    """Elements ``z`` [BLOCK_M, groups, pairs] whose ``lane_bit`` is set in their group's ``bits``
+    stored as raw keys in their slots: ``first`` [BLOCK_M, groups] + the group's kept lanes below
+    (``bits & below``); slots past ``key_capacity`` dropped."""
     if IN_PTX:
         row_keys = (keys_ptr + row_offsets * key_capacity).to(tl.int64, bitcast=True)[:, None, None]
         tl.inline_asm_elementwise(_STORE_KEPT_PTX, "=r,f,r,r,r,r,r,l,r",
-                                  [z, keep.to(tl.int32), bits[:, :, None], below, first[:, :, None],
+                                  [z, lane_bit, bits[:, :, None], below, first[:, :, None],
                                    tl.full([1, 1, 1], key_capacity, tl.int32), row_keys, column],
                                   dtype=tl.int32, is_pure=False, pack=1)
     else:
         slot = first[:, :, None] + _popcount(bits[:, :, None] & below, POPC_IN_HARDWARE)
         raw_key = (z.to(tl.int32, bitcast=True).to(tl.int64) << 32) | column.to(tl.int64)
         place = row_offsets[:, None, None] * key_capacity + slot
-        tl.store(keys_ptr + place, raw_key, mask=keep & (slot < key_capacity))
+        tl.store(keys_ptr + place, raw_key, mask=((bits[:, :, None] & lane_bit) != 0) & (slot < key_capacity))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seed_key"])
 def _lm_head_sample_kernel(hidden_desc, weight_desc, bias_ptr, tile_max2_ptr, tile_sum2_ptr, floor_ptr, keys_ptr,
                            counts_ptr, num_rows, width, noise_offset, hidden_size, log2e_over_t, key_capacity,
                            seed_key, first_row, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -112,7 +129,7 @@ def _lm_head_sample_kernel(hidden_desc, weight_desc, bias_ptr, tile_max2_ptr, ti
     pair_share = (even_column >> 1).to(tl.uint32) * _M1
     even_bit = 1 << (2 * pair)
     below_even = even_bit - 1
-    below_odd = 2 * even_bit - 1
+    below_odd = below_even | even_bit
     epilogue_tile = tl.program_id(0) - NUM_PROGRAMS
     for tile in tl.range(tl.program_id(0), row_tiles * column_tiles, NUM_PROGRAMS, flatten=FLATTEN):
         row_tile, column_tile = _tile_position(tile, row_tiles, column_tiles, GROUP_M)
@@ -134,40 +151,36 @@ def _lm_head_sample_kernel(hidden_desc, weight_desc, bias_ptr, tile_max2_ptr, ti
                                         (BLOCK_M, GROUPS, PAIRS, 2)))
         tile_max2 = tl.max(tl.max(tl.maximum(even, odd), axis=2), axis=1) * log2e_over_t
         safe_max2 = tl.where(tile_max2 == float("-inf"), 0.0, tile_max2)[:, None, None]
-        t_even = tl.exp2(tl.fma(even, log2e_over_t, -safe_max2))
-        t_odd = tl.exp2(tl.fma(odd, log2e_over_t, -safe_max2))
         tl.store(tile_max2_ptr + row_offsets * column_tiles + column_tile, tile_max2, mask=rows_ok)
-        tl.store(tile_sum2_ptr + row_offsets * column_tiles + column_tile,
-                 tl.sum(tl.sum(t_even + t_odd, axis=2), axis=1), mask=rows_ok)
         # bound = 2^23 + X · 2^16 (X of the module docstring); -1 (nothing kept) on rows past the chunk
         floor2 = tl.load(floor_ptr + row_offsets, mask=rows_ok, other=0.0) * _LOG2E
         excess2 = tile_max2 - floor2 + _MARGIN2
         base = tl.where(rows_ok, _TWO_POW_23, -1.0)[:, None, None]
+        tile_pair = ((noise_offset + column_tile * BLOCK_N) >> 1).to(tl.uint32)
+        hash_base = ((row_key(seed_key, first_row + row_offsets) + tile_pair) * _M1)[:, None, None]
+        # each branch whole, from the exponentials to the kept bits: no tensor of the tile crosses it
+        t_even = tl.exp2(tl.fma(even, log2e_over_t, -safe_max2))
+        t_odd = tl.exp2(tl.fma(odd, log2e_over_t, -safe_max2))
         if tl.max(tl.where(rows_ok, excess2, float("-inf")), axis=0) <= _MAX_EXCESS2:
             scale = tl.where(rows_ok, tl.exp2(excess2 + _COARSE_SCALE2), 0.0)[:, None, None]
-            bound_even = tl.fma(t_even, scale, base)
-            bound_odd = tl.fma(t_odd, scale, base)
+            tile_sum2 = tl.sum(tl.sum(t_even + t_odd, axis=2), axis=1)
+            bits = _kept_bits(tl.fma(t_even, scale, base), tl.fma(t_odd, scale, base), hash_base, pair_share, even_bit)
         else:
             shift2 = (floor2 - _MARGIN2 - _COARSE_SCALE2)[:, None, None]
             scale = tl.where(rows_ok, 1.0, 0.0)[:, None, None]
-            bound_even = tl.fma(tl.exp2(tl.minimum(tl.fma(even, log2e_over_t, -shift2), 126.0)), scale, base)
-            bound_odd = tl.fma(tl.exp2(tl.minimum(tl.fma(odd, log2e_over_t, -shift2), 126.0)), scale, base)
-        tile_pair = ((noise_offset + column_tile * BLOCK_N) >> 1).to(tl.uint32)
-        h = ((row_key(seed_key, first_row + row_offsets) + tile_pair) * _M1)[:, None, None] + pair_share
-        h = h ^ (h >> 15)
-        h = h * _M2
-        coarse_even, coarse_odd = coarse_floats(h ^ (h >> 16))
-        keep_even = coarse_even <= bound_even
-        keep_odd = coarse_odd <= bound_odd
-        bits = tl.sum(tl.where(keep_even, even_bit, 0) + tl.where(keep_odd, 2 * even_bit, 0), axis=2)
+            tile_sum2 = tl.sum(tl.sum(t_even + t_odd, axis=2), axis=1)
+            bits = _kept_bits(tl.fma(tl.exp2(tl.minimum(tl.fma(even, log2e_over_t, -shift2), 126.0)), scale, base),
+                              tl.fma(tl.exp2(tl.minimum(tl.fma(odd, log2e_over_t, -shift2), 126.0)), scale, base),
+                              hash_base, pair_share, even_bit)
+        tl.store(tile_sum2_ptr + row_offsets * column_tiles + column_tile, tile_sum2, mask=rows_ok)
         count = _popcount(bits, POPC_IN_HARDWARE)
         row_count = tl.sum(count, axis=1)
         row_first = tl.atomic_add(counts_ptr + row_offsets, row_count, mask=row_count > 0, sem="relaxed")
         first = row_first[:, None] + tl.cumsum(count, axis=1) - count
         column_even = noise_offset + column_tile * BLOCK_N + even_column
-        _store_kept(even, keep_even, bits, below_even, first, column_even, row_offsets, keys_ptr, key_capacity,
+        _store_kept(even, even_bit, bits, below_even, first, column_even, row_offsets, keys_ptr, key_capacity,
                     STORE_IN_PTX)
-        _store_kept(odd, keep_odd, bits, below_odd, first, column_even + 1, row_offsets, keys_ptr, key_capacity,
+        _store_kept(odd, even_bit << 1, bits, below_odd, first, column_even + 1, row_offsets, keys_ptr, key_capacity,
                     STORE_IN_PTX)
 
 

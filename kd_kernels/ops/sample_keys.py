@@ -30,7 +30,7 @@ KEY_BLOCK = 64 if os.environ.get("TRITON_INTERPRET") == "1" else 1024
 COLLECT_MARGIN = 1.0 / 1024  # `logits_candidates` collects keys down to the floor less this (1 + |floor|)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seed_key"])
 def _sample_key_floor_kernel(sample_ptr, stride_row, floors_ptr, sample_width, stride, inv_t, seed_key, rows_ptr,
                              rank, SAMPLE: tl.constexpr, STEPS: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -64,7 +64,7 @@ def _row_logits(row_ptr, bias_ptr, cols, inside, HAS_BIAS: tl.constexpr):
     return z
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seed_key"])
 def _logits_candidates_kernel(logits_ptr, bias_ptr, stride_row, width, keys_ptr, counts_ptr, floors_ptr, lse_ptr,
                               capacity, wanted, inv_t, log2e_over_t, collect_margin, seed_key, rows_ptr,
                               HAS_BIAS: tl.constexpr, BLOCK_V: tl.constexpr, BISECTIONS: tl.constexpr):
@@ -129,7 +129,7 @@ def logits_candidates(logits: torch.Tensor, bias, width: int, num_samples: int, 
             BISECTIONS=THRESHOLD_BISECTIONS, num_warps=num_warps_for(ROW_BLOCK_V))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seed_key"])
 def _noisy_keys_kernel(keys_ptr, counts_ptr, capacity, inv_t, seed_key, rows_ptr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     count = tl.minimum(tl.load(counts_ptr + row), capacity)
@@ -144,7 +144,7 @@ def _noisy_keys_kernel(keys_ptr, counts_ptr, capacity, inv_t, seed_key, rows_ptr
         tl.store(keys_ptr + row * capacity + slot, value_column_key(kappa, column), mask=filled)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seed_key"])
 def _finish_samples_kernel(values_ptr, columns_ptr, lse_ptr, floors_ptr, counts_ptr, capacity, logprobs_ptr, ids_ptr,
                            threshold_ptr, overflow_ptr, samples, seed_key, rows_ptr, TOP: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
