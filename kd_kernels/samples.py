@@ -106,7 +106,8 @@ class TeacherSamples:
         threshold_end = _HEADER_BYTES + 4 * n
         topk = TopK.unpack(buffer[_HEADER_BYTES + 4 * _padded_rows(n):])
         if topk.logprobs.shape != (n, samples):
-            raise ValueError(f"buffer: the header says N={n}, n={samples}, the samples hold {tuple(topk.logprobs.shape)}")
+            raise ValueError(f"buffer: the header says N={n}, n={samples}, the samples hold "
+                             f"{tuple(topk.logprobs.shape)}")
         return TeacherSamples(topk.logprobs, topk.indices, buffer[_HEADER_BYTES:threshold_end].view(torch.float32),
                               topk.lse, topk.temperature, (seed % (1 << 64)) if has_seed else None)
 

@@ -115,6 +115,7 @@ def log_inclusion(logprobs: torch.Tensor, log_threshold: torch.Tensor) -> torch.
     the log-prob is −inf (a missing entry)."""
     logprobs = logprobs.to(torch.promote_types(logprobs.dtype, torch.float32))
     excess = logprobs - log_threshold.to(logprobs.dtype).unsqueeze(-1)
+    excess = torch.where(torch.isneginf(logprobs), -math.inf, excess)  # not -inf - (-inf)
     return torch.log(-torch.expm1(-torch.exp(excess)))
 
 

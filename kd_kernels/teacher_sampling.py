@@ -56,8 +56,7 @@ def _logits_rows(logits: torch.Tensor, bias, width: int, num_samples: int, tempe
 def _logits_of_rows(hidden: torch.Tensor, weight: torch.Tensor, bias, rows: torch.Tensor, num_samples: int,
                     temperature: float, width: int, seed: int, row_offset: int, chunk_rows: int, outputs, lse) -> None:
     """``outputs`` and ``lse`` at ``rows`` ([M] int64) filled by the logits schedule from cuBLAS
-    float32 logits, ``chunk_rows`` rows at a time; raises where a row overflows its candidate
-    slots (hundreds of keys equal in float32: non-finite or massively tied logits)."""
+    float32 logits, ``chunk_rows`` rows at a time (`_refuse_overflow`)."""
     key = seed_key(seed)
     logits = torch.empty(min(chunk_rows, rows.numel()), weight.shape[0], dtype=torch.float32, device=hidden.device)
     for start in range(0, rows.numel(), chunk_rows):
@@ -65,12 +64,18 @@ def _logits_of_rows(hidden: torch.Tensor, weight: torch.Tensor, bias, rows: torc
         chunk = lm_head_logits_fp32(hidden[part], weight, logits[:part.numel()])
         part_outputs, part_lse = _outputs(part.numel(), num_samples, hidden.device)
         _logits_rows(chunk, bias, width, num_samples, temperature, key, row_offset + part, part_outputs, part_lse)
-        if bool(part_outputs[3].any()):
-            raise RuntimeError(f"teacher_sample: {int(part_outputs[3].sum())} rows hold more keys equal in float32 "
-                               "than the candidate slots (non-finite or massively tied logits?)")
+        _refuse_overflow(part_outputs[3], "teacher_sample")
         for target, source in zip(outputs, part_outputs):
             target[part] = source
         lse[part] = part_lse
+
+
+def _refuse_overflow(overflow: torch.Tensor, op: str) -> None:
+    """The logits schedule's rows have no exact redo: one whose candidates overflow (hundreds of
+    keys equal in float32) raises. One host sync."""
+    if bool(overflow.any()):
+        raise RuntimeError(f"{op}: {int(overflow.sum())} rows hold more keys equal in float32 than the candidate "
+                           "slots (non-finite or massively tied logits?)")
 
 
 def _finish(outputs, lse, temperature: float, seed: int) -> TeacherSamples:
@@ -81,14 +86,18 @@ def _finish(outputs, lse, temperature: float, seed: int) -> TeacherSamples:
 def teacher_sample_from_logits(logits: torch.Tensor, num_samples: int, temperature: float, vocab_size: int,
                                seed: int, row_offset: int = 0) -> TeacherSamples:
     """logits ``[N, ≥ V*]`` (any float dtype, unit stride along a row, read in place) ->
-    `TeacherSamples` float32 by the logits schedule."""
+    `TeacherSamples` float32 by the logits schedule, its candidates within APPENDED_BYTES."""
+    from .ops.sample_keys import logits_capacity
+
     num_rows = logits.shape[0]
     outputs, lse = _outputs(num_rows, num_samples, logits.device)
     global_rows = row_offset + torch.arange(num_rows, device=logits.device)
-    _logits_rows(logits, None, vocab_size, num_samples, temperature, seed_key(seed), global_rows, outputs, lse)
-    if bool(outputs[3].any()):
-        raise RuntimeError(f"teacher_sample_from_logits: {int(outputs[3].sum())} rows hold more keys equal in "
-                           "float32 than the candidate slots (non-finite or massively tied logits?)")
+    chunk_rows = max(1, APPENDED_BYTES // (8 * logits_capacity(num_samples) + 12))
+    for start in range(0, num_rows, chunk_rows):
+        rows = slice(start, start + chunk_rows)
+        _logits_rows(logits[rows], None, vocab_size, num_samples, temperature, seed_key(seed), global_rows[rows],
+                     tuple(part[rows] for part in outputs), lse[rows])
+    _refuse_overflow(outputs[3], "teacher_sample_from_logits")
     return _finish(outputs, lse, temperature, seed)
 
 

@@ -29,11 +29,12 @@ import torch
 import triton
 import triton.language as tl
 
+from ..sampling import COARSE_BITS
 from .buffers import empty_parts
 from .gumbel_noise import _M1, _M2, coarse_floats, row_key, signed_key
 from .launch import multiprocessor_count
-from .lm_head_group_maxima import (POPC_IN_HARDWARE, _popcount, _thread_groups, _tile_position, default_config,
-                                   top2_group_columns)
+from .lm_head_group_maxima import (POPC_IN_HARDWARE, _check_appends, _popcount, _thread_groups, _tile_position,
+                                   default_config, top2_group_columns)
 from .tma import row_tile_descriptor
 
 MARGIN2 = 1.0 / 512  # log2 units (1.35e-3 nats) added to each row's excess over its floor
@@ -42,7 +43,7 @@ _LOG2E = tl.constexpr(1.4426950408889634)
 _MARGIN2 = tl.constexpr(MARGIN2)
 _MAX_EXCESS2 = tl.constexpr(MAX_EXCESS2)
 _TWO_POW_23 = tl.constexpr(8388608.0)
-_COARSE_SCALE2 = tl.constexpr(16.0)  # log2 of 2^16: X in units of the coarse bits
+_COARSE_SCALE2 = tl.constexpr(float(COARSE_BITS))  # X in units of the coarse bits
 
 # the interpreter has no inline PTX: the appends' stores in Triton there (tests), in PTX on GPUs
 STORE_IN_PTX = os.environ.get("TRITON_INTERPRET") != "1"
@@ -89,8 +90,8 @@ def _kept_bits(bound_even, bound_odd, hash_base, pair_share, even_bit):
     h = h ^ (h >> 15)
     h = h * _M2
     coarse_even, coarse_odd = coarse_floats(h ^ (h >> 16))
-    return tl.sum(tl.where(coarse_even <= bound_even, even_bit, 0) + tl.where(coarse_odd <= bound_odd, even_bit << 1, 0),
-                  axis=2)
+    kept = tl.where(coarse_even <= bound_even, even_bit, 0) + tl.where(coarse_odd <= bound_odd, even_bit << 1, 0)
+    return tl.sum(kept, axis=2)
 
 
 @triton.jit
@@ -182,15 +183,6 @@ def _lm_head_sample_kernel(hidden_desc, weight_desc, bias_ptr, tile_max2_ptr, ti
                     STORE_IN_PTX)
         _store_kept(odd, even_bit << 1, bits, below_odd, first, column_even + 1, row_offsets, keys_ptr, key_capacity,
                     STORE_IN_PTX)
-
-
-def _check_appends(appends: SampleAppends, rows: int) -> None:
-    for name, tensor, dtype, shape in (("floors", appends.floors, torch.float32, (rows,)),
-                                       ("counts", appends.counts, torch.int32, (rows,)),
-                                       ("keys", appends.keys, torch.int64, (rows, appends.keys.shape[-1]))):
-        if tensor.dtype != dtype or tuple(tensor.shape) != shape or not tensor.is_contiguous():
-            raise ValueError(f"appends: expected contiguous {name} {list(shape)} {dtype}, got {tensor.dtype} "
-                             f"{list(tensor.shape)} with strides {tensor.stride()}")
 
 
 class SampleMatmul:

@@ -115,10 +115,10 @@ def logits_candidates(logits: torch.Tensor, bias, width: int, num_samples: int, 
                       global_rows: torch.Tensor, keys: torch.Tensor, counts: torch.Tensor, floors: torch.Tensor,
                       lse: torch.Tensor) -> None:
     """From rows ``logits [R, ≥ width]`` (unit stride along a row; ``bias [≥ width]`` or None
-    added) of the global rows ``global_rows [R]`` int64: each row's candidates (every key at or above a floor
-    under its (n+1)-th largest key, −inf keys never) into ``keys [R, capacity]`` int64 raw and
-    ``counts [R]`` int32 (zeroed here), the floors into ``floors [R]`` (−inf where fewer than
-    n + 1 keys are finite) and ``lse [R]`` float32, logsumexp of ``z / τ``, filled."""
+    added) of the global rows ``global_rows [R]`` int64: each row's candidates (every key at or
+    above a floor under its (n+1)-th largest key, −inf keys never) into ``keys [R, capacity]``
+    int64 raw and ``counts [R]`` int32 (zeroed here), the floors into ``floors [R]`` (−inf where
+    fewer than n + 1 keys are finite) and ``lse [R]`` float32, logsumexp of ``z / τ``, filled."""
     rows = logits.shape[0]
     counts.zero_()
     if rows:
@@ -155,7 +155,8 @@ def _finish_samples_kernel(values_ptr, columns_ptr, lse_ptr, floors_ptr, counts_
     lse = tl.load(lse_ptr + row)
     found = kappa > float("-inf")
     noise = gumbel_noise(row_key(seed_key, tl.load(rows_ptr + row)), column)
-    tl.store(logprobs_ptr + row * samples + rank, tl.where(found, (kappa - noise) - lse, float("-inf")), mask=inside)
+    logprobs = tl.where(found, (kappa - noise) - lse, float("-inf"))
+    tl.store(logprobs_ptr + row * samples + rank, logprobs, mask=inside)
     tl.store(ids_ptr + row * samples + rank, tl.where(found, column, 0), mask=inside)
     kth = tl.load(values_ptr + row * (samples + 1) + samples)
     tl.store(threshold_ptr + row, tl.where(kth > float("-inf"), kth - lse, float("-inf")))
