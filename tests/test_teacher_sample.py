@@ -250,6 +250,8 @@ def test_teacher_samples_pack_and_unpack():
         assert torch.equal(back.indices, samples.indices) and torch.equal(back.log_threshold, samples.log_threshold)
         assert torch.equal(back.logprobs, samples.logprobs.to(dtype)) and torch.equal(back.lse, samples.lse)
         assert back.temperature == 0.9 and back.seed == 2**64 - 3
+    moved = samples.to(torch.bfloat16)
+    assert moved.logprobs.dtype == torch.bfloat16 and moved.log_threshold.dtype == torch.float32 and moved.seed
     unseeded = TeacherSamples(samples.logprobs, samples.indices, samples.log_threshold)
     back = TeacherSamples.unpack(unseeded.pack())
     assert back.seed is None and back.lse is None and back.temperature is None
