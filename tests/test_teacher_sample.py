@@ -243,8 +243,8 @@ def test_the_sampling_matmul_keeps_every_element_at_or_above_its_floor():
 
 def test_teacher_samples_pack_and_unpack():
     generator = torch.Generator().manual_seed(6)
-    samples = reference.teacher_sample_from_logits(torch.randn(5, 40, generator=generator), 4, 0.9, seed=2**64 - 3)
-    samples = kd.api._finish_samples(samples, torch.float32)
+    samples = kd.teacher_sample_from_logits(torch.randn(5, 40, generator=generator), 4, seed=2**64 - 3,
+                                            temperature=0.9)
     for dtype in (torch.float32, torch.bfloat16):
         back = TeacherSamples.unpack(samples.pack(dtype))
         assert torch.equal(back.indices, samples.indices) and torch.equal(back.log_threshold, samples.log_threshold)
