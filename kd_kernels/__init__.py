@@ -9,15 +9,19 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "TopK": "topk",
+    "TeacherSamples": "samples",
     "DivergenceOptions": "options",
     "teacher_topk": "api",
     "teacher_topk_from_logits": "api",
+    "teacher_sample": "api",
+    "teacher_sample_from_logits": "api",
     "topk_divergence": "api",
     "topk_divergence_from_logits": "api",
     "available_backends": "backends",
     "TopKDivergenceLoss": "nn",
 }
-_SUBMODULES = ("reference", "api", "backends", "nn", "options", "support", "topk", "validation")
+_SUBMODULES = ("reference", "api", "backends", "nn", "options", "samples", "sampling", "support", "topk",
+               "validation")
 
 __all__ = sorted(_EXPORTS) + list(_SUBMODULES)
 

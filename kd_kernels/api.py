@@ -270,3 +270,101 @@ def topk_divergence_from_logits(logits: torch.Tensor, teacher: TopK, labels: Opt
     result = torch_backend.topk_divergence_from_logits(logits, teacher, labels, options, num_tokens, shard,
                                                        return_metrics)
     return _loss_dtype_result(result, logits.dtype, return_metrics)
+
+
+def _check_sampling(num_samples, vocab_size: int, seed, row_offset) -> None:
+    if not isinstance(num_samples, int) or isinstance(num_samples, bool) or not 1 <= num_samples <= vocab_size:
+        raise ValueError(f"num_samples: expected an int in [1, {vocab_size}] (the vocab size V*), got {num_samples!r}")
+    if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 1 << 64:
+        raise ValueError(f"seed: expected an int in [0, 2**64), got {seed!r}")
+    if not isinstance(row_offset, int) or isinstance(row_offset, bool) or not 0 <= row_offset < 1 << 62:
+        raise ValueError(f"row_offset: expected an int in [0, 2**62), got {row_offset!r}")
+
+
+def _sampling_backend(backend: str, op: str, device: torch.device, num_samples: int) -> str:
+    from .teacher_sampling import SAMPLE_MAX
+
+    chosen = resolve_backend(backend, op, device)
+    if chosen == "triton" and num_samples > SAMPLE_MAX:
+        raise ValueError(f"num_samples: the triton backend draws at most {SAMPLE_MAX} a row, got {num_samples}")
+    return chosen
+
+
+def _finish_samples(samples, logprobs_dtype: torch.dtype):
+    from .samples import TeacherSamples
+
+    return TeacherSamples(samples.logprobs.to(logprobs_dtype), samples.indices.to(torch.int32),
+                          samples.log_threshold.float(), samples.lse.float(), samples.temperature, samples.seed)
+
+
+@torch.no_grad()
+def teacher_sample(hidden: torch.Tensor, weight: torch.Tensor, num_samples: int = 16, *, seed: int,
+                   temperature: float = 1.0, vocab_size: Optional[int] = None, bias: Optional[torch.Tensor] = None,
+                   row_offset: int = 0, logprobs_dtype: torch.dtype = torch.float32, backend: str = "auto"):
+    """``num_samples`` token ids a row drawn without replacement from the teacher's tempered
+    distribution, straight from hidden states and lm_head, for the unbiased sampled KD.
+
+    With ``p = softmax((hidden @ weight.T + bias)[:, :V*].float() / temperature)`` and keys
+    ``κ_v = log p_v + G_v`` (G standard Gumbel noise, a function of (seed, row_offset + row,
+    column) only: `kd_kernels.sampling`), the samples are the n largest keys in descending key
+    order (Gumbel-top-n: the first a draw from p, each next one a draw from the rest), the
+    threshold the (n+1)-th. Equals `kd_kernels.reference.teacher_sample` up to float32 rounding
+    of the keys (ids may differ only where two keys are within it); never holds ``[N, V]`` logits
+    for bf16 / fp16 inputs on the triton backend (the sampling matmul's epilogue keeps the
+    elements that may reach a floor; docs/DESIGN_SAMPLING.md).
+
+    Args:
+        hidden: ``[N, H]`` float32 / bfloat16 / float16 teacher final hidden states.
+        weight: ``[V, H]`` the teacher lm_head, same dtype.
+        num_samples: n, 1 <= n <= V* (<= 1023 on the triton backend).
+        seed: int in [0, 2**64): the same seed gives the same samples on every backend.
+        temperature: τ_t > 0.
+        vocab_size: V*, columns at or past it (padded lm_head rows) do not exist.
+        bias: optional ``[V]``.
+        row_offset: the global index of hidden's first row (the noise's row): scoring a dataset
+            in pieces with their offsets draws what one call over it would.
+        logprobs_dtype: dtype of ``TeacherSamples.logprobs``.
+        backend: "auto" | "triton" | "torch" (no compiled CUDA kernel samples).
+    Returns:
+        `TeacherSamples` with ``logprobs [N, n]``, ``indices [N, n]`` int32, ``log_threshold [N]``
+        and ``lse [N]`` float32.
+    """
+    check_lm_head(hidden, weight, bias)
+    check_temperature(temperature)
+    vocab_size = resolve_vocab_size(vocab_size, weight.shape[0], "weight")
+    _check_sampling(num_samples, vocab_size, seed, row_offset)
+    _check_logprobs_dtype(logprobs_dtype)
+    if _sampling_backend(backend, "teacher_sample", hidden.device, num_samples) == "triton":
+        from . import teacher_sampling as schedules
+
+        samples = schedules.teacher_sample(hidden, weight, num_samples, temperature, vocab_size, bias, seed,
+                                           row_offset)
+    else:
+        samples = reference.teacher_sample(hidden, weight, num_samples, temperature, vocab_size, bias, seed=seed,
+                                           row_offset=row_offset)
+    return _finish_samples(samples, logprobs_dtype)
+
+
+@torch.no_grad()
+def teacher_sample_from_logits(logits: torch.Tensor, num_samples: int = 16, *, seed: int, temperature: float = 1.0,
+                               vocab_size: Optional[int] = None, row_offset: int = 0,
+                               logprobs_dtype: torch.dtype = torch.float32, backend: str = "auto"):
+    """`teacher_sample` for callers that already hold ``[N, V]`` logits (any float dtype):
+    keys ``log_softmax(logits[:, :V*].float() / temperature, -1) + G``, the same samples."""
+    check_logits(logits)
+    check_temperature(temperature)
+    vocab_size = resolve_vocab_size(vocab_size, logits.shape[1], "logits")
+    _check_sampling(num_samples, vocab_size, seed, row_offset)
+    _check_logprobs_dtype(logprobs_dtype)
+    if _sampling_backend(backend, "teacher_sample_from_logits", logits.device, num_samples) == "triton":
+        from . import teacher_sampling as schedules
+
+        if logits.shape[1] > 1 and logits.stride(1) != 1:
+            raise ValueError("logits: the triton backend reads rows in place and needs contiguous rows "
+                             f"(logits.stride(1) == 1), got strides {tuple(logits.stride())}; pass "
+                             "logits.contiguous() (a copy of [N, V])")
+        samples = schedules.teacher_sample_from_logits(logits, num_samples, temperature, vocab_size, seed, row_offset)
+    else:
+        samples = reference.teacher_sample_from_logits(logits, num_samples, temperature, vocab_size, seed=seed,
+                                                       row_offset=row_offset)
+    return _finish_samples(samples, logprobs_dtype)

@@ -23,7 +23,7 @@ CUDA_MAX_TOPK = 1024
 # The ops each compiled backend implements; the torch reference implements all of them.
 _IMPLEMENTED = {
     "triton": frozenset({"topk_divergence", "topk_divergence_from_logits", "teacher_topk",
-                         "teacher_topk_from_logits"}),
+                         "teacher_topk_from_logits", "teacher_sample", "teacher_sample_from_logits"}),
     "cuda": frozenset({"teacher_topk", "teacher_topk_from_logits"}),
 }
 

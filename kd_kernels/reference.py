@@ -233,3 +233,64 @@ def topk_divergence_sharded(logit_shards: Sequence[torch.Tensor], teacher: TopK,
     vocab_size = _global_vocab(logit_shards, options.vocab_size)
     stats = student_row_stats_sharded(logit_shards, teacher, labels, options, vocab_size)
     return loss_from_row_stats(stats, teacher, labels, options, vocab_size, num_tokens, return_metrics)
+
+
+# ---------------------------------------------------------------------------------------
+# Sampled sparse KD (docs/DESIGN_SAMPLING.md): Gumbel-top-n samples of the teacher and the
+# unbiased estimate of the full-vocab divergence from them.
+# ---------------------------------------------------------------------------------------
+
+def teacher_sample_from_logits(logits: torch.Tensor, num_samples: int, temperature: float = 1.0,
+                               vocab_size: Optional[int] = None, *, seed: int, row_offset: int = 0):
+    """`TeacherSamples` (float64 log-probs) of ``logits [N, V]``: keys ``log_softmax(logits[:, :V*]
+    / τ) + G`` with G = `sampling.gumbel_noise` of (seed, row_offset + row, column); the n largest
+    (lower column first on ties) are the samples, the (n+1)-th the threshold."""
+    from .samples import TeacherSamples
+    from .sampling import gumbel_noise
+
+    tempered = _existing_columns(logits, vocab_size).double() / temperature
+    lse = torch.logsumexp(tempered, dim=-1)
+    rows = row_offset + torch.arange(tempered.shape[0], device=tempered.device)
+    noise = gumbel_noise(seed, rows, torch.arange(tempered.shape[1], device=tempered.device))
+    keys, ids = _sorted_topk(tempered - lse.unsqueeze(-1) + noise, num_samples + 1)
+    logprobs = torch.where(torch.isfinite(keys), (tempered - lse.unsqueeze(-1)).gather(-1, ids), -math.inf)
+    return TeacherSamples(logprobs[:, :num_samples], ids[:, :num_samples].to(torch.int32), keys[:, num_samples],
+                          lse, temperature, seed)
+
+
+def teacher_sample(hidden: torch.Tensor, weight: torch.Tensor, num_samples: int, temperature: float = 1.0,
+                   vocab_size: Optional[int] = None, bias: Optional[torch.Tensor] = None, *, seed: int,
+                   row_offset: int = 0):
+    """`teacher_sample_from_logits` of ``hidden @ weight.T (+ bias)``."""
+    return teacher_sample_from_logits(lm_head_logits(hidden, weight, bias), num_samples, temperature, vocab_size,
+                                      seed=seed, row_offset=row_offset)
+
+
+def sampled_divergence_from_logits(logits: torch.Tensor, samples, labels: Optional[torch.Tensor] = None,
+                                   options: DivergenceOptions = DivergenceOptions(), num_tokens=None):
+    """``kd_weight · KD + ce_weight · CE`` reduced by ``options.reduction``, float64,
+    differentiable, with KD per row the unbiased estimate `sampling.sampled_row_divergence` of
+    ``options.divergence`` between the teacher and ``softmax(logits[:, :V*] / τ)`` over the
+    whole vocab, from `TeacherSamples` ``samples`` (``options.support`` is not read)."""
+    from .sampling import log_inclusion, sampled_row_divergence
+
+    z = _existing_columns(logits, options.vocab_size).double()
+    tempered = z / options.temperature
+    ids = _safe_ids(samples.indices, samples.valid)
+    log_p = samples.logprobs.double()
+    kd = sampled_row_divergence(log_p, tempered.gather(-1, ids), torch.logsumexp(tempered, dim=-1),
+                                log_inclusion(log_p, samples.log_threshold.double()), options.divergence,
+                                options.beta, options.skew_lambda)
+    counted = counted_rows(labels, z.shape[0], options.ignore_index, z.device)
+    ce = None
+    if labels is not None:
+        label_ids = _safe_ids(labels, labels != options.ignore_index).unsqueeze(-1)
+        ce = torch.where(counted, -torch.log_softmax(z, dim=-1).gather(-1, label_ids).squeeze(-1), 0.0)
+    return reduce_loss(torch.where(counted, kd, 0.0), ce, counted, options, num_tokens)
+
+
+def sampled_divergence(hidden: torch.Tensor, weight: torch.Tensor, samples, labels: Optional[torch.Tensor] = None,
+                       options: DivergenceOptions = DivergenceOptions(), num_tokens=None,
+                       bias: Optional[torch.Tensor] = None):
+    """`sampled_divergence_from_logits` of ``hidden @ weight.T (+ bias)``."""
+    return sampled_divergence_from_logits(lm_head_logits(hidden, weight, bias), samples, labels, options, num_tokens)

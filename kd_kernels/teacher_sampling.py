@@ -1,0 +1,193 @@
+"""Teacher Gumbel-top-n samples on the triton backend (docs/DESIGN_SAMPLING.md): for each row, the
+n largest keys ``κ_v = z_v / τ + G_v`` (G the noise of kd_kernels/sampling.py), their log-probs
+over the whole vocab and the (n+1)-th key, chunk by chunk of rows. Two schedules:
+
+- appended (bf16 / fp16 inputs whose rows TMA can move; no logits stored): per chunk of rows,
+  the logits of every ``stride``-th column give each row a floor, a lower bound of a high rank of
+  those columns' keys (ops/topk_from_appended.py's plan for k = n + 1, ops/sample_keys.py); the
+  sampling matmul (ops/lm_head_sample.py) keeps the tile statistics and appends every element
+  that may reach the floor; one ranking per row adds the exact noise and takes the n + 1 largest
+  keys. Rows whose floor kept fewer than n + 1 keys at or above it, or more than the slots, are
+  redone from cuBLAS float32 logits;
+- logits (float32 inputs, or other layouts): cuBLAS float32 logits per chunk of rows, then two
+  passes over each row (ops/sample_keys.py `logits_candidates`: the logsumexp and each lane's
+  largest key, then every key at or above a floor under the (n+1)-th) and the same ranking.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .lm_head import lm_head_logits_fp32
+from .samples import TeacherSamples
+from .sampling import seed_key
+
+SAMPLE_MAX = 1023  # n + 1 keys within the appended plan's and the rank sort's limits (k <= 1024)
+APPENDED_BYTES = 56 << 20  # the appended schedule's chunk buffers: sample or keys, statistics, floors, counts
+LOGITS_CHUNK_BYTES = 1 << 30  # float32 logits of one chunk of the logits schedule
+RANK_ORDER = "triton"  # how rows rank their candidates: ops/sort_keys.py `top_of_counted_keys`'s order
+
+
+def _outputs(num_rows: int, num_samples: int, device):
+    """Empty (log-probs ``[N, n]`` float32, ids ``[N, n]`` int32, thresholds ``[N]`` float32,
+    overflow ``[N]`` bool) and lse ``[N]`` float32."""
+    return ((torch.empty(num_rows, num_samples, dtype=torch.float32, device=device),
+             torch.empty(num_rows, num_samples, dtype=torch.int32, device=device),
+             torch.empty(num_rows, dtype=torch.float32, device=device),
+             torch.empty(num_rows, dtype=torch.bool, device=device)),
+            torch.empty(num_rows, dtype=torch.float32, device=device))
+
+
+def _logits_rows(logits: torch.Tensor, bias, width: int, num_samples: int, temperature: float, key: int,
+                 global_rows: torch.Tensor, outputs, lse: torch.Tensor) -> None:
+    """Rows ``logits [R, ≥ width]`` of the global rows ``global_rows [R]`` int64 -> ``outputs``
+    (log-probs, ids, thresholds, overflow: their rows) and ``lse`` filled by the logits schedule."""
+    from .ops.buffers import empty_parts
+    from .ops.sample_keys import logits_candidates, logits_capacity, rank_samples
+
+    rows, capacity = logits.shape[0], logits_capacity(num_samples)
+    keys, counts, floors = empty_parts(logits.device, ((rows, capacity), torch.int64), ((rows,), torch.int32),
+                                       ((rows,), torch.float32))
+    logits_candidates(logits, bias, width, num_samples, temperature, key, global_rows, keys, counts, floors, lse)
+    rank_samples(keys, counts, floors, lse, num_samples, temperature, key, global_rows, RANK_ORDER, outputs)
+
+
+def _logits_of_rows(hidden: torch.Tensor, weight: torch.Tensor, bias, rows: torch.Tensor, num_samples: int,
+                    temperature: float, width: int, seed: int, row_offset: int, chunk_rows: int, outputs, lse) -> None:
+    """``outputs`` and ``lse`` at ``rows`` ([M] int64) filled by the logits schedule from cuBLAS
+    float32 logits, ``chunk_rows`` rows at a time (`_refuse_overflow`)."""
+    key = seed_key(seed)
+    logits = torch.empty(min(chunk_rows, rows.numel()), weight.shape[0], dtype=torch.float32, device=hidden.device)
+    for start in range(0, rows.numel(), chunk_rows):
+        part = rows[start:start + chunk_rows]
+        chunk = lm_head_logits_fp32(hidden[part], weight, logits[:part.numel()])
+        part_outputs, part_lse = _outputs(part.numel(), num_samples, hidden.device)
+        _logits_rows(chunk, bias, width, num_samples, temperature, key, row_offset + part, part_outputs, part_lse)
+        _refuse_overflow(part_outputs[3], "teacher_sample")
+        for target, source in zip(outputs, part_outputs):
+            target[part] = source
+        lse[part] = part_lse
+
+
+def _refuse_overflow(overflow: torch.Tensor, op: str) -> None:
+    """The logits schedule's rows have no exact redo: one whose candidates overflow (hundreds of
+    keys equal in float32) raises. One host sync."""
+    if bool(overflow.any()):
+        raise RuntimeError(f"{op}: {int(overflow.sum())} rows hold more keys equal in float32 than the candidate "
+                           "slots (non-finite or massively tied logits?)")
+
+
+def _finish(outputs, lse, temperature: float, seed: int) -> TeacherSamples:
+    logprobs, ids, thresholds, _ = outputs
+    return TeacherSamples(logprobs, ids, thresholds, lse, temperature, seed)
+
+
+def teacher_sample_from_logits(logits: torch.Tensor, num_samples: int, temperature: float, vocab_size: int,
+                               seed: int, row_offset: int = 0) -> TeacherSamples:
+    """logits ``[N, ≥ V*]`` (any float dtype, unit stride along a row, read in place) ->
+    `TeacherSamples` float32 by the logits schedule, its candidates within APPENDED_BYTES."""
+    from .ops.sample_keys import logits_capacity
+
+    num_rows = logits.shape[0]
+    outputs, lse = _outputs(num_rows, num_samples, logits.device)
+    global_rows = row_offset + torch.arange(num_rows, device=logits.device)
+    chunk_rows = max(1, APPENDED_BYTES // (8 * logits_capacity(num_samples) + 12))
+    for start in range(0, num_rows, chunk_rows):
+        rows = slice(start, start + chunk_rows)
+        _logits_rows(logits[rows], None, vocab_size, num_samples, temperature, seed_key(seed), global_rows[rows],
+                     tuple(part[rows] for part in outputs), lse[rows])
+    _refuse_overflow(outputs[3], "teacher_sample_from_logits")
+    return _finish(outputs, lse, temperature, seed)
+
+
+def teacher_sample(hidden: torch.Tensor, weight: torch.Tensor, num_samples: int, temperature: float, vocab_size: int,
+                   bias: Optional[torch.Tensor], seed: int, row_offset: int = 0,
+                   chunk_rows: Optional[int] = None) -> TeacherSamples:
+    """hidden ``[N, H]``, weight ``[≥ V*, H]`` -> `TeacherSamples` float32: the appended schedule
+    where the sampling matmul takes the inputs (16-bit, TMA rows), else the logits schedule."""
+    from .ops.lm_head_group_maxima import epilogue_applies
+
+    schedule = teacher_sample_appended if epilogue_applies(hidden, weight) else teacher_sample_logits
+    return schedule(hidden, weight, num_samples, temperature, vocab_size, bias, seed, row_offset, chunk_rows)
+
+
+def teacher_sample_logits(hidden: torch.Tensor, weight: torch.Tensor, num_samples: int, temperature: float,
+                          vocab_size: int, bias: Optional[torch.Tensor], seed: int, row_offset: int = 0,
+                          chunk_rows: Optional[int] = None) -> TeacherSamples:
+    """The logits schedule from hidden: cuBLAS float32 logits of ``chunk_rows`` rows at a time
+    (None: LOGITS_CHUNK_BYTES worth)."""
+    num_rows = hidden.shape[0]
+    outputs, lse = _outputs(num_rows, num_samples, hidden.device)
+    chunk_rows = chunk_rows or max(1, min(num_rows, LOGITS_CHUNK_BYTES // (4 * weight.shape[0])))
+    _logits_of_rows(hidden, weight, bias, torch.arange(num_rows, device=hidden.device), num_samples, temperature,
+                    vocab_size, seed, row_offset, chunk_rows, outputs, lse)
+    return _finish(outputs, lse, temperature, seed)
+
+
+def appended_chunk_rows(num_rows: int, width: int, plan, element_size: int, block_n: int) -> int:
+    """Rows per chunk of the appended schedule (`AppendedPlan` ``plan``): its buffers within
+    APPENDED_BYTES, in quarters of the matmul's L2 group of row tiles (1024 rows). A row holds its
+    sample logits, then in the same bytes its keys, its tile statistics (8 · V / block_n), its
+    floor, count, lse and global row id (20)."""
+    per_row = max(element_size * plan.sample_columns, 8 * plan.capacity) + 8 * -(-width // block_n) + 20
+    rows = APPENDED_BYTES // per_row
+    return num_rows if rows >= num_rows else max(256, rows // 256 * 256)
+
+
+def teacher_sample_appended(hidden: torch.Tensor, weight: torch.Tensor, num_samples: int, temperature: float,
+                            vocab_size: int, bias: Optional[torch.Tensor], seed: int, row_offset: int = 0,
+                            chunk_rows: Optional[int] = None, stride: Optional[int] = None) -> TeacherSamples:
+    """The appended schedule (module docstring), ``chunk_rows`` rows at a time (None: within
+    APPENDED_BYTES), every ``stride``-th column sampled for the floors (None: the top-k plan's
+    for k = n + 1). Rows it cannot finish exactly are redone by the logits schedule."""
+    from .ops.lm_head_group_maxima import default_config
+    from .ops.topk_from_appended import appended_plan
+
+    if not 1 <= num_samples <= SAMPLE_MAX:
+        raise ValueError(f"num_samples: the appended schedule takes 1 <= n <= {SAMPLE_MAX}, got {num_samples}")
+    num_rows = hidden.shape[0]
+    plan = appended_plan(vocab_size, num_samples + 1, stride)
+    chunk_rows = chunk_rows or appended_chunk_rows(num_rows, vocab_size, plan, hidden.element_size(),
+                                                   default_config().block_n)
+    sample_bias = None if bias is None else bias[:vocab_size:plan.stride].contiguous()
+    outputs, lse = _outputs(num_rows, num_samples, hidden.device)
+    key = seed_key(seed)
+    for start in range(0, num_rows, chunk_rows):
+        rows = slice(start, min(start + chunk_rows, num_rows))
+        _appended_chunk(hidden[rows], weight, bias, sample_bias, vocab_size, num_samples, temperature, plan, key,
+                        row_offset + start, tuple(part[rows] for part in outputs), lse[rows])
+    redo = outputs[3].nonzero().flatten()  # the schedule's one host sync
+    if redo.numel():
+        _logits_of_rows(hidden, weight, bias, redo, num_samples, temperature, vocab_size, seed, row_offset,
+                        max(1, APPENDED_BYTES // (8 * weight.shape[0])), outputs, lse)
+    return _finish(outputs, lse, temperature, seed)
+
+
+def _appended_chunk(part: torch.Tensor, weight: torch.Tensor, bias, sample_bias, width: int, num_samples: int,
+                    temperature: float, plan, key: int, first_row: int, outputs, lse: torch.Tensor) -> None:
+    """One chunk of `teacher_sample_appended`: rows ``part [R, H]`` (global rows from
+    ``first_row``) -> their rows of ``outputs`` and ``lse``. Its buffers live only within this call."""
+    from .ops.buffers import empty_parts
+    from .ops.lm_head_group_maxima import EpilogueMatmul
+    from .ops.lm_head_sample import SampleAppends, SampleMatmul
+    from .ops.sample_keys import rank_samples, sample_key_floors
+    from .ops.topk_from_appended import tile_logsumexp
+
+    chunk, device = part.shape[0], part.device
+    sample_bytes = part.element_size() * plan.sample_columns
+    # the sample's logits, in the inputs' dtype (they only bound the floors), then the keys in the same bytes
+    shared, floors, counts = empty_parts(device, ((max(sample_bytes, 8 * plan.capacity) * chunk,), torch.uint8),
+                                         ((chunk,), torch.float32), ((chunk,), torch.int32))
+    sample = shared[:sample_bytes * chunk].view(part.dtype).view(chunk, plan.sample_columns)
+    keys = shared[:8 * plan.capacity * chunk].view(torch.int64).view(chunk, plan.capacity)
+    global_rows = first_row + torch.arange(chunk, device=device)
+    sampler = EpilogueMatmul(part, weight[:width:plan.stride], sample_bias, plan.sample_width, temperature, sample)
+    appender = SampleMatmul(part, weight, bias, width, temperature, SampleAppends(floors, keys, counts), key,
+                            first_row)
+    sampler(0, plan.sample_width)
+    sample_key_floors(sample[:, :plan.sample_width], plan.stride, plan.rank, temperature, key, global_rows, floors)
+    counts.zero_()
+    tile_max2, tile_sum2 = appender()
+    tile_logsumexp(tile_max2, tile_sum2, lse)
+    rank_samples(keys, counts, floors, lse, num_samples, temperature, key, global_rows, RANK_ORDER, outputs)
