@@ -340,8 +340,8 @@ def teacher_sample(hidden: torch.Tensor, weight: torch.Tensor, num_samples: int 
         samples = schedules.teacher_sample(hidden, weight, num_samples, temperature, vocab_size, bias, seed,
                                            row_offset)
     else:
-        samples = reference.teacher_sample(hidden, weight, num_samples, temperature, vocab_size, bias, seed=seed,
-                                           row_offset=row_offset)
+        samples = torch_backend.teacher_sample(hidden, weight, num_samples, temperature, vocab_size, bias, seed,
+                                               row_offset)
     return _finish_samples(samples, logprobs_dtype)
 
 
@@ -365,6 +365,6 @@ def teacher_sample_from_logits(logits: torch.Tensor, num_samples: int = 16, *, s
                              "logits.contiguous() (a copy of [N, V])")
         samples = schedules.teacher_sample_from_logits(logits, num_samples, temperature, vocab_size, seed, row_offset)
     else:
-        samples = reference.teacher_sample_from_logits(logits, num_samples, temperature, vocab_size, seed=seed,
-                                                       row_offset=row_offset)
+        samples = torch_backend.teacher_sample_from_logits(logits, num_samples, temperature, vocab_size, seed,
+                                                           row_offset)
     return _finish_samples(samples, logprobs_dtype)

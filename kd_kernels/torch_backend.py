@@ -59,3 +59,17 @@ def topk_divergence(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[t
         hidden = replicated_input(hidden, shard)
     return topk_divergence_from_logits(reference.lm_head_logits(hidden, weight, bias), teacher, labels, options,
                                        num_tokens, shard, return_metrics)
+
+
+def teacher_sample(hidden: torch.Tensor, weight: torch.Tensor, num_samples: int, temperature: float,
+                   vocab_size: int, bias: Optional[torch.Tensor], seed: int, row_offset: int):
+    """The teacher's float64 Gumbel-top-n samples of ``hidden @ weight.T + bias``."""
+    return reference.teacher_sample(hidden, weight, num_samples, temperature, vocab_size, bias, seed=seed,
+                                    row_offset=row_offset)
+
+
+def teacher_sample_from_logits(logits: torch.Tensor, num_samples: int, temperature: float, vocab_size: int,
+                               seed: int, row_offset: int):
+    """The teacher's float64 Gumbel-top-n samples of logits ``[N, V]``."""
+    return reference.teacher_sample_from_logits(logits, num_samples, temperature, vocab_size, seed=seed,
+                                                row_offset=row_offset)
