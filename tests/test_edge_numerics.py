@@ -1,5 +1,5 @@
-"""Edge numerics of the teacher top-k and the student loss (docs/SPEC_EDGES.md), on the torch
-backend and on the Triton one (under TRITON_INTERPRET=1 on CPU, natively on a GPU), against
+"""Edge numerics of the teacher top-k and the student loss (docs/SPEC.md, "Edge numerics"), on
+the torch backend and on the Triton one (under TRITON_INTERPRET=1 on CPU, natively on a GPU), against
 float64 values derived independently: -inf student logits at valid teacher ids, a teacher
 tail of exactly zero, teacher rows of only -inf logits, out-of-range teacher ids with the
 value checks off, float32 on the Triton backend, bf16 under the interpreter. No NaN anywhere.
