@@ -14,7 +14,7 @@ import kd_kernels as kd
 from helpers import HAS_CUDA, INTERPRETER_ONLY, small_teacher_problem
 from kd_kernels import reference, sampling
 from kd_kernels import teacher_sampling as schedules
-from kd_kernels.ops import topk_from_appended
+from kd_kernels.ops import sample_keys, sort_keys, topk_from_appended
 from kd_kernels.ops.gumbel_noise import coarse_floats, gumbel_noise, pair_hash, row_key, signed_key
 from kd_kernels.ops.lm_head_group_maxima import lm_head_logits_with_summaries
 from kd_kernels.ops.lm_head_sample import SampleAppends, SampleMatmul
@@ -140,14 +140,23 @@ def test_the_same_seed_draws_the_same_samples_and_row_offsets_compose():
 @pytest.fixture
 def torch_ranking(monkeypatch):
     """The rows' ranking by one torch.sort (the interpreter runs the Triton one slowly; one test keeps it)."""
-    monkeypatch.setattr(schedules, "RANK_ORDER", "torch")
+    monkeypatch.setattr(sample_keys, "top_of_counted_keys", torch_top_of_counted_keys)
+
+
+def torch_top_of_counted_keys(keys, counts, k, order):
+    """`sort_keys.top_of_counted_keys` of raw keys (a float's bits above its column) by one torch.sort."""
+    values, columns = (keys >> 32).to(torch.int32).view(torch.float32), keys & 0xFFFFFFFF
+    filled = torch.arange(keys.shape[1], device=keys.device) < counts.unsqueeze(1)
+    empty = sort_keys.value_column_keys(torch.tensor([-math.inf]), torch.tensor([sort_keys.EMPTY_COLUMN])).item()
+    top, ids = sort_keys.top_of_keys(torch.where(filled, sort_keys.value_column_keys(values, columns), empty), k)
+    return top, ids.to(torch.int32)
 
 
 def check_samples(got: TeacherSamples, expected: TeacherSamples, atol: float = 1e-5) -> None:
     assert got.logprobs.dtype == torch.float32 and got.indices.dtype == torch.int32
-    assert torch.equal(got.indices.cpu(), expected.indices.to(torch.int32))
+    assert torch.equal(got.indices.cpu(), expected.indices.cpu().to(torch.int32))
     for name in ("logprobs", "log_threshold", "lse"):
-        actual, wanted = getattr(got, name).double().cpu(), getattr(expected, name)
+        actual, wanted = getattr(got, name).double().cpu(), getattr(expected, name).cpu()
         assert torch.equal(torch.isneginf(actual), torch.isneginf(wanted)), name
         finite = torch.isfinite(wanted)
         assert torch.allclose(actual[finite], wanted[finite], atol=atol, rtol=0), name
@@ -161,7 +170,7 @@ def check_samples(got: TeacherSamples, expected: TeacherSamples, atol: float = 1
 ])
 def test_the_appended_schedule_matches_the_reference(dtype, num_samples, temperature, options, monkeypatch):
     if not options.get("triton_ranking"):
-        monkeypatch.setattr(schedules, "RANK_ORDER", "torch")
+        monkeypatch.setattr(sample_keys, "top_of_counted_keys", torch_top_of_counted_keys)
     hidden, weight, bias = small_teacher_problem(num_samples + 40, rows=options.get("rows", 20), dtype=dtype)
     bias = bias if options.get("bias", True) else None
     row_offset = options.get("row_offset", 0)

@@ -22,7 +22,7 @@ import triton.language as tl
 
 from .gumbel_noise import gumbel_noise, row_key, signed_key
 from .launch import ROW_BLOCK_V, THRESHOLD_BISECTIONS, num_warps_for
-from .sort_keys import top_of_counted_keys, value_column_key
+from .sort_keys import top_of_counted_keys
 from .utils import kth_largest_lower_bound
 
 ROW_WARPS = 1 if os.environ.get("TRITON_INTERPRET") == "1" else 4
@@ -141,7 +141,9 @@ def _noisy_keys_kernel(keys_ptr, counts_ptr, capacity, inv_t, seed_key, rows_ptr
         z = (raw >> 32).to(tl.int32).to(tl.float32, bitcast=True)
         column = (raw & 0xFFFFFFFF).to(tl.int32)
         kappa = tl.fma(z, inv_t, gumbel_noise(key, column))
-        tl.store(keys_ptr + row * capacity + slot, value_column_key(kappa, column), mask=filled)
+        # raw again (κ's bits above the column): the rankings make raw keys sortable as they load them
+        noisy = (kappa.to(tl.int32, bitcast=True).to(tl.int64) << 32) | column.to(tl.int64)
+        tl.store(keys_ptr + row * capacity + slot, noisy, mask=filled)
 
 
 @triton.jit(do_not_specialize=["seed_key"])
