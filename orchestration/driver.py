@@ -408,6 +408,8 @@ class _Session:
             teacher_held_out_ce=teacher_ce, student_held_out_ce=student_ce, train_rows=len(data.train_tokens),
             held_out_rows=len(data.held_tokens), metrics=self._metrics_path(), checkpoint=saved,
             segment=self.metrics.segment, placement=self.layout.placement, transfer=self.layout.transfer)
+        workers = self.teachers + self.students
+        summary["memory"] = dict(zip(workers, self.get(self.each(workers, "memory"), "while reading memory")))
         if self.config.export:
             summary["export"] = self.export()
         if return_parameters:

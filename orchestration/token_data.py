@@ -66,7 +66,7 @@ def prepare_token_data(config, tokenizer, progress) -> Dataset:
     documents.check_vocab(vocab)
     held = max(1, documents.count // HELD_OUT_SHARE)
     if documents.count < 2:
-        raise ValueError(f"data_path: expected at least 2 documents (one is held out), got {documents.count}")
+        raise ValueError(f"expected at least 2 documents (one is held out), got {documents.count}")
     split = documents.count - held
     offsets = documents.offsets
     train = TokenDocuments(documents.tokens[:offsets[split]], offsets[:split + 1])

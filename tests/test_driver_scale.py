@@ -87,3 +87,17 @@ def test_a_student_tokenizer_that_differs_is_refused_before_any_work(tmp_path):
         run(_tiny(tmp_path, "mismatch", teacher_path=teacher, student_path=student), progress=False)
     assert len(caught.value.lines) == 1 and "vocabularies differ" in caught.value.lines[0]
     assert not (tmp_path / "mismatch").exists()  # refused before the output directory or any worker
+
+
+def test_bench_e2e_throughput_runs_tiny_on_the_cpu(ray_cluster, tmp_path):
+    import sys
+
+    sys.path.insert(0, "benchmarks")
+    from bench_e2e_throughput import FLOOR, main
+
+    results = tmp_path / "rows.jsonl"
+    rows = main(["--tiny", "--strategies", "fsdp2", "--output-dir", str(tmp_path / "bench"), "--results",
+                 str(results)])
+    assert [row["provider"] for row in rows] == [FLOOR, "single process, kd_kernels", "driver colocated (fsdp2)"]
+    assert all(row["tokens_per_s"] > 0 and row["peak_mib"] > 0 for row in rows)
+    assert len(results.read_text().splitlines()) == 3
