@@ -155,8 +155,9 @@ class StudentWorker(Worker):
         if self.rank == 0:
             checkpoint.begin(directory)
         dist.barrier(group=self.gradient_group)
+        # collective: on return every rank's shards are written
         fsdp.save_checkpoint(os.path.join(checkpoint.staging_of(directory), SHARDS_DIR), self.student,
-                             self.optimizer, extra=self.loop_state(step), group=self.gradient_group)  # collective: all shards written
+                             self.optimizer, extra=self.loop_state(step), group=self.gradient_group)
         if self.rank == 0:
             checkpoint.commit(directory, step, metadata)
         return directory

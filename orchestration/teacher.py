@@ -52,7 +52,8 @@ class TeacherWorker(Worker):
             tokens, targets = (part.to(self.device) for part in self.micro_batch(pick))
             positions, mask = self._layout(pick)
             with autocast(self.device):
-                logits = self.model(input_ids=tokens, position_ids=positions, attention_mask=mask).logits[..., :self.vocab]
+                logits = self.model(input_ids=tokens, position_ids=positions, attention_mask=mask).logits
+            logits = logits[..., :self.vocab]
             loss = F.cross_entropy(logits.float().reshape(-1, self.vocab), targets.reshape(-1),
                                    ignore_index=IGNORE_INDEX)
             optimizer.zero_grad(set_to_none=True)

@@ -7,25 +7,17 @@ import ray
 import torch
 
 from helpers_hf import LM_HEAD_ROWS, VOCAB, save_checkpoint, tiny_tokenizer
-from orchestration.config import Config
 from orchestration.errors import UsageError
+from test_orchestration import _tiny as tiny_config
+from test_orchestration import ray_cluster  # noqa: F401 - the fixture
 
 
-@pytest.fixture(scope="module")
-def ray_cluster():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False,
-             ignore_reinit_error=True)
-    yield
-    ray.shutdown()
+SCALE = dict(max_corpus_bytes=40_000, row_tokens=16, rows_per_micro_batch=2, teacher_pretrain_steps=2,
+             student_layers=2, steps=4, warmup_steps=1, checkpoint_every=2, student_strategy="fsdp2")
 
 
 def _tiny(tmp_path, name, **overrides):
-    values = dict(output_dir=str(tmp_path / name), device="cpu", max_corpus_bytes=40_000, tokenizer_vocab=300,
-                  row_tokens=16, rows_per_micro_batch=2, micro_batches=2, teacher_hidden=32, teacher_layers=1,
-                  teacher_pretrain_steps=2, student_hidden=16, student_layers=2, heads=2, steps=4, k=8,
-                  warmup_steps=1, checkpoint_every=2, student_strategy="fsdp2")
-    values.update(overrides)
-    return Config(**values)
+    return tiny_config(tmp_path, name, **{**SCALE, **overrides})
 
 
 def test_fsdp2_two_workers_train_like_one_and_resume_exactly(ray_cluster, tmp_path):
@@ -101,3 +93,18 @@ def test_bench_e2e_throughput_runs_tiny_on_the_cpu(ray_cluster, tmp_path):
     assert [row["provider"] for row in rows] == [FLOOR, "single process, kd_kernels", "driver colocated (fsdp2)"]
     assert all(row["tokens_per_s"] > 0 and row["peak_mib"] > 0 for row in rows)
     assert len(results.read_text().splitlines()) == 3
+
+
+def test_address_joins_a_cluster_through_ray_address(monkeypatch, tmp_path):
+    import orchestrate
+    import orchestration.driver
+
+    seen = []
+
+    def fake_run(config):
+        seen.append(config.ray_address)
+        raise UsageError(["stopped by the test"])
+
+    monkeypatch.setattr(orchestration.driver, "run", fake_run)
+    assert orchestrate.main(["--address", "10.0.0.5:6379", "--set", f"output_dir={tmp_path}"]) == 2
+    assert seen == ["10.0.0.5:6379"]
