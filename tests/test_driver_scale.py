@@ -20,6 +20,7 @@ def _tiny(tmp_path, name, **overrides):
     return tiny_config(tmp_path, name, **{**SCALE, **overrides})
 
 
+@pytest.mark.slow  # four driver runs (~80 s on 2 cores): 1 rank, 2 ranks, 2 ranks stopped and resumed
 def test_fsdp2_two_workers_train_like_one_and_resume_exactly(ray_cluster, tmp_path):
     from orchestration.driver import run
 
