@@ -35,6 +35,8 @@ def _parser() -> argparse.ArgumentParser:
                         help="override one option, e.g. --set output_dir=runs/x (repeatable)")
     parser.add_argument("--resume", action="store_true",
                         help="continue from the newest checkpoint in output_dir that verifies (= --set resume=true)")
+    parser.add_argument("--address", metavar="auto|HOST:PORT",
+                        help="join a running Ray cluster instead of starting one (= --set ray_address=...)")
     parser.add_argument("--debug", action="store_true", help="show tracebacks of errors")
     parser.add_argument("--options-markdown", action="store_true",
                         help="print the options as a Markdown table (for the docs) and exit")
@@ -60,7 +62,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     config = None
     try:
-        config = load_config(args.config, args.set, resume=args.resume)
+        overrides = args.set + ([f"ray_address={args.address}"] if args.address else [])
+        config = load_config(args.config, overrides, resume=args.resume)
         from orchestration.driver import run
 
         summary = run(config)

@@ -1,18 +1,25 @@
-"""Throughput of the Ray driver on GPUs against one process doing the same work in PyTorch.
+"""End-to-end distillation throughput at real shapes: one process with full logits, one
+process with kd_kernels, and the Ray driver colocated on one GPU.
 
-Providers (protocol "median step": the median over the steps after 5 of warm-up):
-  single process, full-logits KD (PyTorch)   the floor: the same teacher and student in one
-      process, teacher forward, KL over the whole vocab at the temperature + CE, student step
-  colocated                 teacher and student workers on one GPU, top-k through CUDA IPC,
-                            the teacher scoring step i + 1 while the student trains step i
-  colocated, no overlap     the same, one after the other
-  disaggregated             a GPU each, top-k through NCCL (when two GPUs are there)
-Rows: ``ms`` a step, ``tokens_per_s``, and for the driver the mean seconds a step spends in
-the teacher, waiting for it, in the transfer, in the student and in Ray's dispatch;
-``teacher_hidden`` = 1 − wait / teacher time, the share of the teacher's time the student did
-not wait for. All at the driver's GPU default sizes. Default: 40 steps, ~4 minutes on one H200.
+Models are random-initialized Qwen2 checkpoints written with ``save_pretrained`` (with a
+word-level tokenizer of the vocabulary, so the driver takes the tokenizer from them), data
+random pre-tokenized documents (``NAME.npy`` + offsets). Default shapes: a Qwen2.5-1.5B-like
+teacher (1536, 28 layers, 12 / 2 heads, 8960) and a 0.5B-like student (896, 24, 14 / 2, 4864),
+vocab 151,936, 8 rows x 2048 tokens a step, bf16.
 
-usage: python benchmarks/bench_e2e_throughput.py [--steps 40] [--set key=value ...]
+Rows (protocol "median step": the median over the steps after the warm-up; tokens/s and the
+peak memory, GPU allocated on CUDA, resident set on CPU):
+  single process, full logits (PyTorch)   teacher logits, log_softmax, KL at the temperature
+      + CE on the student's logits, backward, AdamW: the loop users write
+  single process, kd_kernels              the same loop with kd.teacher_topk and
+      kd.topk_divergence on the final hidden states (no logits, no Ray)
+  driver colocated (STRATEGY)             orchestrate.py's driver, teacher and student workers
+      on one GPU; one row per --strategies entry (replica, fsdp2); a run that runs out of
+      memory is a row saying so.
+``--tiny``: small shapes on the CPU (a smoke test). Compare the strategies on a 1.5B-like
+student: ``--student 1536,28,12,2,8960 --strategies replica,fsdp2 --set activation_checkpointing=true``.
+
+usage: python benchmarks/bench_e2e_throughput.py [--steps 20] [--tiny] [--strategies replica,fsdp2]
 """
 from __future__ import annotations
 
@@ -23,109 +30,194 @@ import statistics
 import sys
 import time
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import kd_kernels as kd  # noqa: E402
 from harness import add_results_arguments, append_rows, environment, print_table, result_row  # noqa: E402
 from orchestration.config import load_config  # noqa: E402
 from orchestration.driver import run  # noqa: E402
-from orchestration.models import build_model  # noqa: E402
+from orchestration.hf_models import final_hidden_states, output_embedding  # noqa: E402
+from orchestration.metrics import memory_mib  # noqa: E402
+from orchestration.packing import from_lists, save_token_documents  # noqa: E402
 
 BENCHMARK = "bench_e2e_throughput"
-FLOOR = "single process, full-logits KD (PyTorch)"
-WARMUP = 5
-PARTS = ("teacher_seconds", "wait_seconds", "transfer_seconds", "student_seconds", "dispatch_seconds")
+FLOOR = "single process, full logits (PyTorch)"
+TEACHER, STUDENT = "1536,28,12,2,8960", "896,24,14,2,4864"
+TINY = dict(teacher="64,2,4,2,128", student="32,2,4,2,64", vocab=512, rows=2, row_tokens=32, steps=4, k=8)
 
 
-def driver_measurement(name, steps, output_dir, extra, *overrides) -> dict:
-    # throughput does not depend on how much text the tokenizer and rows come from: 4 MB is quicker
-    config = load_config(None, [f"output_dir={output_dir}/{name}", f"steps={steps}", "teacher_pretrain_steps=20",
-                                "checkpoint_every=0", "max_corpus_bytes=4000000", "overwrite=true", *extra, *overrides])
-    summary = run(config, progress=False)
-    with open(summary["metrics"]) as handle:
-        records = [json.loads(line) for line in handle][WARMUP:]
-    mean = {key: statistics.mean(r[key] for r in records) for key in PARTS}
-    return dict(provider=name, ms=1e3 * statistics.median(r["tokens"] / r["tokens_per_s"] for r in records),
-                tokens_per_s=statistics.median(r["tokens_per_s"] for r in records), placement=summary["placement"],
-                transfer=summary["transfer"],
-                teacher_hidden=min(max(1.0 - mean["wait_seconds"] / max(mean["teacher_seconds"], 1e-9), 0.0), 1.0),
-                **mean)
+def shape_of(text: str) -> dict:
+    hidden, layers, heads, kv_heads, intermediate = (int(part) for part in text.split(","))
+    return dict(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                intermediate_size=intermediate)
 
 
-def baseline_measurement(steps, extra) -> dict:
-    """One process: teacher forward, full logits, KL + CE, student backward and step."""
-    config = load_config(None, ["device=cuda", *extra])
-    vocab = config.tokenizer_vocab
-    teacher = build_model(None, config.teacher_hidden, config.teacher_layers, config, vocab, 0).cuda().eval()
-    student = build_model(None, config.student_hidden, config.student_layers, config, vocab, 1).cuda()
-    optimizer = torch.optim.AdamW(student.parameters(), lr=config.lr)
-    rows = config.rows_per_micro_batch * config.micro_batches
-    times = []
-    torch.cuda.reset_peak_memory_stats()
-    for step in range(steps):
-        tokens = torch.randint(0, vocab, (rows, config.row_tokens), device="cuda")
-        torch.cuda.synchronize()
+def write_checkpoint(directory: str, shape: dict, vocab: int, row_tokens: int, seed: int, device: str) -> str:
+    """A random Qwen2 checkpoint of ``shape`` with a word-level tokenizer of ``vocab`` ids."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen2Config
+
+    if os.path.exists(os.path.join(directory, "config.json")):
+        return directory
+    config = Qwen2Config(vocab_size=vocab, max_position_embeddings=max(row_tokens, 64), tie_word_embeddings=False,
+                         eos_token_id=1, pad_token_id=0, bos_token_id=2, **shape)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(directory)
+    words = {"<pad>": 0, "<eos>": 1, "<bos>": 2, **{f"w{i}": i for i in range(3, vocab)}}
+    tokenizer = Tokenizer(models.WordLevel(vocab=words, unk_token="<pad>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>",
+                            unk_token="<pad>").save_pretrained(directory)
+    return directory
+
+
+def write_documents(path: str, vocab: int, tokens: int, row_tokens: int, seed: int = 0) -> str:
+    """Random documents of ``row_tokens / 8 .. 2 row_tokens`` ids (3..vocab-1) totalling about ``tokens``."""
+    generator = np.random.default_rng(seed)
+    documents, total = [], 0
+    while total < tokens:
+        length = int(generator.integers(max(1, row_tokens // 8), 2 * row_tokens))
+        documents.append(generator.integers(3, vocab, length))
+        total += length
+    return save_token_documents(path, from_lists(documents))
+
+
+def _peak_mib(device: torch.device) -> float:
+    stats = memory_mib(device)
+    return stats.get("cuda_max_allocated_mib", stats["peak_rss_mib"])
+
+
+def single_process(kind: str, paths: tuple, args, device: torch.device) -> dict:
+    """One process: the teacher scores, the student trains; ``kind`` "full" (logits) or "kd_kernels"."""
+    from transformers import AutoModelForCausalLM
+
+    cuda = device.type == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    teacher = AutoModelForCausalLM.from_pretrained(paths[0], dtype=dtype).to(device).eval()
+    student = AutoModelForCausalLM.from_pretrained(paths[1], dtype=torch.float32).to(device)
+    optimizer = torch.optim.AdamW(student.parameters(), lr=1e-4, fused=cuda)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    times, vocab = [], args.vocab
+    for step in range(args.steps):
+        tokens = torch.randint(3, vocab, (args.rows, args.row_tokens), device=device)
+        labels = torch.cat([tokens[:, 1:], torch.full_like(tokens[:, :1], -100)], 1)
+        if cuda:
+            torch.cuda.synchronize()
         start = time.perf_counter()
-        with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
-            teacher_logits = teacher(input_ids=tokens).logits[..., :vocab].float()
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            student_logits = student(input_ids=tokens).logits[..., :vocab].float()
-        teacher_logprobs = torch.log_softmax(teacher_logits / config.temperature, -1)
-        student_logprobs = torch.log_softmax(student_logits / config.temperature, -1)
-        kl = (teacher_logprobs.exp() * (teacher_logprobs - student_logprobs)).sum(-1).mean()
-        ce = F.cross_entropy(student_logits[:, :-1].reshape(-1, vocab), tokens[:, 1:].reshape(-1))
-        loss = config.kd_weight * kl + config.ce_weight * ce
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
+            if kind == "full":
+                with torch.no_grad():
+                    teacher_logits = teacher(input_ids=tokens).logits.float()
+                student_logits = student(input_ids=tokens).logits.float()
+                teacher_logprobs = torch.log_softmax(teacher_logits, -1)
+                student_logprobs = torch.log_softmax(student_logits, -1)
+                kl = (teacher_logprobs.exp() * (teacher_logprobs - student_logprobs)).sum(-1).mean()
+                loss = 0.5 * kl + 0.5 * F.cross_entropy(student_logits.reshape(-1, vocab), labels.reshape(-1))
+            else:
+                with torch.no_grad():
+                    hidden = final_hidden_states(teacher, tokens).reshape(-1, teacher.config.hidden_size)
+                    top = kd.teacher_topk(hidden.to(dtype), output_embedding(teacher)[0].to(dtype), args.k)
+                hidden = final_hidden_states(student, tokens).reshape(-1, student.config.hidden_size)
+                loss = kd.topk_divergence(hidden.to(dtype), output_embedding(student)[0].to(dtype), top,
+                                          labels.reshape(-1), ce_weight=0.5, kd_weight=0.5)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(student.parameters(), config.grad_clip)
+        torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0)
         optimizer.step()
-        torch.cuda.synchronize()
-        if step >= WARMUP:
+        if cuda:
+            torch.cuda.synchronize()
+        if step >= args.warmup:
             times.append(time.perf_counter() - start)
-    step_seconds = statistics.median(times)
-    return dict(provider=FLOOR, ms=1e3 * step_seconds, tokens_per_s=rows * config.row_tokens / step_seconds,
-                placement="one GPU", transfer="none", peak_allocated_gib=torch.cuda.max_memory_allocated() / 2**30)
+    seconds = statistics.median(times)
+    name = FLOOR if kind == "full" else "single process, kd_kernels"
+    return dict(provider=name, ms=1e3 * seconds, tokens_per_s=args.rows * args.row_tokens / seconds,
+                peak_mib=_peak_mib(device))
 
 
-def main():
+def driver(strategy: str, paths: tuple, data: str, args) -> dict:
+    name = f"driver colocated ({strategy})"
+    config = load_config(None, [f"output_dir={args.output_dir}/{strategy}", f"steps={args.steps}",
+                                f"teacher_path={paths[0]}", f"student_path={paths[1]}", f"data_path={data}",
+                                f"row_tokens={args.row_tokens}", f"rows_per_micro_batch={args.rows}",
+                                "micro_batches=1", f"k={args.k}", f"student_strategy={strategy}",
+                                "checkpoint_every=0", "overwrite=true", "ce_weight=0.5", "kd_weight=0.5",
+                                f"device={args.device}", *(["placement=colocated"] if args.device == "cuda" else []),
+                                *args.set])
+    try:
+        summary = run(config, progress=False)
+    except Exception as error:  # noqa: BLE001 - out of memory is a result of this comparison
+        if "out of memory" not in str(error).lower():
+            raise
+        return dict(provider=name, ms=None, tokens_per_s=None, peak_mib=None, note="out of memory")
+    with open(summary["metrics"]) as handle:
+        records = [json.loads(line) for line in handle][args.warmup:]
+    peaks = {worker: values.get("cuda_max_allocated_mib", values["peak_rss_mib"])
+             for worker, values in summary["memory"].items()}
+    seconds = statistics.median(r["step_seconds"] for r in records)
+    return dict(provider=name, ms=1e3 * seconds, tokens_per_s=statistics.median(r["tokens_per_s"] for r in records),
+                peak_mib=sum(peaks.values()), **{f"{worker}_peak_mib": peak for worker, peak in peaks.items()})
+
+
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=40, help="steps a layout (the first 5 are warm-up)")
-    parser.add_argument("--output-dir", default="runs/bench_e2e_throughput", help="the driver's runs go here")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="a driver option for every run (python orchestrate.py --help lists them)")
+    parser.add_argument("--teacher", default=TEACHER, help="hidden,layers,heads,kv_heads,intermediate")
+    parser.add_argument("--student", default=STUDENT, help="hidden,layers,heads,kv_heads,intermediate")
+    parser.add_argument("--vocab", type=int, default=151_936)
+    parser.add_argument("--rows", type=int, default=8, help="rows a step")
+    parser.add_argument("--row-tokens", type=int, default=2048)
+    parser.add_argument("--k", type=int, default=64, help="teacher top-k")
+    parser.add_argument("--steps", type=int, default=20, help="steps a row (the first --warmup are not timed)")
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--strategies", default="replica", help="driver rows: replica, fsdp2 or both (comma)")
+    parser.add_argument("--skip-single", action="store_true", help="only the driver rows")
+    parser.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU (smoke test)")
+    parser.add_argument("--output-dir", default="runs/bench_e2e_throughput", help="checkpoints, data and runs")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a driver option")
     add_results_arguments(parser, BENCHMARK)
-    args = parser.parse_args()
-    if args.steps <= WARMUP:
-        parser.error(f"--steps: expected more than the {WARMUP} warm-up steps, got {args.steps}")
-    if not torch.cuda.is_available():
-        sys.exit("bench_e2e_throughput: needs a CUDA device")
+    args = parser.parse_args(argv)
+    if args.tiny:
+        for key, value in TINY.items():
+            setattr(args, key, value)
+        args.warmup = 1
+    args.device = "cpu" if args.tiny else "cuda"
+    if args.steps <= args.warmup:
+        parser.error(f"--steps: expected more than --warmup ({args.warmup}), got {args.steps}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        sys.exit("bench_e2e_throughput: needs a CUDA device (or --tiny)")
+    device = torch.device(args.device)
+    os.makedirs(args.output_dir, exist_ok=True)
+    paths = tuple(write_checkpoint(os.path.join(args.output_dir, name), shape_of(text), args.vocab, args.row_tokens,
+                                   seed, args.device)
+                  for name, text, seed in (("teacher", args.teacher, 0), ("student", args.student, 1)))
+    data = os.path.join(args.output_dir, "documents.npy")
+    if not os.path.exists(data):
+        write_documents(data, args.vocab, args.rows * args.row_tokens * (args.steps + 2) * 2, args.row_tokens)
     env = environment(args.commit)
-    config = load_config(None, ["device=cuda", *args.set])
-    shape = dict(name="driver, GPU default", tokens_per_step=config.row_tokens * config.rows_per_micro_batch
-                 * config.micro_batches, vocab=config.tokenizer_vocab, k=config.k,
-                 teacher=f"{config.teacher_layers} x {config.teacher_hidden}",
-                 student=f"{config.student_layers} x {config.student_hidden}", gpus=torch.cuda.device_count())
-    measurements = [baseline_measurement(args.steps, args.set),
-                    driver_measurement("colocated", args.steps, args.output_dir, args.set, "placement=colocated"),
-                    driver_measurement("colocated, no overlap", args.steps, args.output_dir, args.set,
-                                       "placement=colocated", "overlap=false")]
-    if torch.cuda.device_count() >= 2:
-        measurements.append(driver_measurement("disaggregated", args.steps, args.output_dir, args.set,
-                                               "placement=disaggregated"))
-    floor_ms = measurements[0]["ms"]
+    shape = dict(name="tiny CPU" if args.tiny else "Qwen2.5-1.5B -> 0.5B-like", teacher=args.teacher,
+                 student=args.student, vocab=args.vocab, tokens_per_step=args.rows * args.row_tokens, k=args.k)
+    measurements = [] if args.skip_single else [single_process("full", paths, args, device),
+                                                single_process("kd_kernels", paths, args, device)]
+    measurements += [driver(strategy, paths, data, args) for strategy in args.strategies.split(",")]
+    floor = next((m["ms"] for m in measurements if m["provider"] == FLOOR), None)
     rows = []
     for m in measurements:
         provider, ms = m.pop("provider"), m.pop("ms")
-        rows.append(result_row(env, BENCHMARK, shape, provider, "median step", ms, FLOOR, ms / floor_ms, None, **m))
+        ratio = ms / floor if ms is not None and floor else None
+        rows.append(result_row(env, BENCHMARK, shape, provider, "median step", ms, FLOOR, ratio, None, **m))
     print(f"environment: {env}")
     append_rows(args.results, rows)
     print()
-    print_table(rows, {"layout": "provider", "transfer": "transfer", "tokens/s": "tokens_per_s", "step ms": "ms",
-                       "× floor (time)": "ratio", **{part.replace("_seconds", " s"): part for part in PARTS},
-                       "teacher hidden": "teacher_hidden"})
+    print_table(rows, {"row": "provider", "tokens/s": "tokens_per_s", "step ms": "ms", "× floor (time)": "ratio",
+                       "peak MiB": "peak_mib"})
+    return rows
 
 
 if __name__ == "__main__":

@@ -31,12 +31,15 @@ class Actors:
         self.ray, self.last_checkpoint = ray, last_checkpoint
         self.handles: dict[str, Any] = {}
 
-    def start(self, role: str, cls: type, count: int, options: dict, arguments: Callable[[int], tuple]) -> list[str]:
-        """``count`` actors of ``cls`` named ``role-rank``, built with ``arguments(rank)``; their names."""
-        remote = self.ray.remote(cls).options(max_restarts=0, **options)
+    def start(self, role: str, cls: type, count: int, options: dict, arguments: Callable[[int], tuple],
+              placed: Optional[Callable[[int], dict]] = None) -> list[str]:
+        """``count`` actors of ``cls`` named ``role-rank``, built with ``arguments(rank)``, with
+        the Ray ``options`` (and ``placed(rank)``'s: a placement group slot); their names."""
+        remote = self.ray.remote(cls)
         names = [f"{role}-{rank}" for rank in range(count)]
         for rank, name in enumerate(names):
-            self.handles[name] = remote.remote(*arguments(rank))
+            extra = placed(rank) if placed is not None else {}
+            self.handles[name] = remote.options(max_restarts=0, **options, **extra).remote(*arguments(rank))
         return names
 
     def call(self, worker: str, method: str, *args) -> Call:

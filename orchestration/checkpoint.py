@@ -58,21 +58,44 @@ def write(directory: str, step: int, files: dict[str, Callable[[str], None]], me
     """Writes a checkpoint atomically: each ``files[name](path)`` writes one file; then the
     manifest (step, sha256 and size of each file, ``metadata``); then the rename. An older
     checkpoint of the same step is replaced. Returns ``directory``."""
-    staging = directory + ".tmp"
+    staging = begin(directory)
+    for name, writer in files.items():
+        writer(os.path.join(staging, name))
+    return commit(directory, step, metadata)
+
+
+def staging_of(directory: str) -> str:
+    """Where the checkpoint ``directory`` is built before its rename."""
+    return directory + ".tmp"
+
+
+def begin(directory: str) -> str:
+    """An empty staging directory for ``directory`` (an earlier one is deleted); its path.
+    Writers (several processes may share it) fill it, then `commit` publishes it."""
+    staging = staging_of(directory)
     shutil.rmtree(staging, ignore_errors=True)
     os.makedirs(staging)
+    return staging
+
+
+def commit(directory: str, step: int, metadata: dict) -> str:
+    """Publishes the staging directory of ``directory`` once every file in it (subdirectories
+    included) is written: fsyncs them, writes the manifest (relative path, sha256 and size of
+    each, ``metadata``) and renames it into place. Returns ``directory``."""
+    staging = staging_of(directory)
     entries = {}
-    for name, writer in files.items():
-        path = os.path.join(staging, name)
-        writer(path)
-        _fsync(path)
-        entries[name] = dict(sha256=sha256_of(path), bytes=os.path.getsize(path))
+    for root, _, names in sorted(os.walk(staging)):
+        for name in sorted(names):
+            path = os.path.join(root, name)
+            _fsync(path)
+            entries[os.path.relpath(path, staging)] = dict(sha256=sha256_of(path), bytes=os.path.getsize(path))
     manifest_path = os.path.join(staging, MANIFEST)
     with open(manifest_path, "w") as handle:
         json.dump(dict(step=step, files=entries, metadata=metadata), handle, indent=1)
         handle.flush()
         os.fsync(handle.fileno())
-    _fsync(staging)
+    for root, _, _ in os.walk(staging):
+        _fsync(root)
     if os.path.exists(directory):
         shutil.rmtree(directory)
     os.replace(staging, directory)

@@ -104,7 +104,13 @@ def _divergence_options(values: dict) -> Optional[str]:
     return None
 
 
+def _adam_betas(values: dict) -> Optional[str]:
+    bad = [f"{name}={values[name]}" for name in ("adam_beta1", "adam_beta2") if not values[name] < 1]
+    return f"adam_beta1, adam_beta2: expected each in [0, 1), got {', '.join(bad)}" if bad else None
+
+
 RULES = (
+    (("adam_beta1", "adam_beta2"), _adam_betas),
     (("teacher_workers", "student_workers", "micro_batches"), _comm_plan),
     (("teacher_hidden", "teacher_path", "heads"), _heads_divide("teacher")),
     (("student_hidden", "student_path", "heads"), _heads_divide("student")),

@@ -190,22 +190,28 @@ class Dataset:
     held_tokens: torch.Tensor
     held_labels: torch.Tensor
     vocab: int
+    tokenizer: object = None  # the transformers tokenizer of the ids (None: pre-tokenized data without one)
+    # packed pre-tokenized rows: position ids restarting per document and document ids [R, T] (None: plain rows)
+    train_positions: Optional[torch.Tensor] = None
+    train_documents: Optional[torch.Tensor] = None
+    held_positions: Optional[torch.Tensor] = None
+    held_documents: Optional[torch.Tensor] = None
 
 
-def prepare_data(config, progress) -> Dataset:
-    """Reads the documents (``data_path`` or the stdlib corpus), trains the tokenizer (or
-    loads ``tokenizer_path``), encodes and packs them; ``progress`` (a `Progress`) shows each
-    phase."""
+def prepare_data(config, progress, tokenizer=None) -> Dataset:
+    """Reads the documents (``data_path`` or the stdlib corpus), uses ``tokenizer`` (the
+    checkpoints'), loads ``tokenizer_path`` or trains one, encodes and packs them; ``progress``
+    (a `Progress`) shows each phase."""
     with progress.phase("reading the corpus"):
         records = (list(read_documents(config.data_path)) if config.data_path
                    else stdlib_corpus(config.max_corpus_bytes))
     characters = sum(_characters(record) for record in records)
-    if config.tokenizer_path:
+    if tokenizer is None and config.tokenizer_path:
         from transformers import AutoTokenizer
 
         with progress.phase(f"loading the tokenizer {config.tokenizer_path}"):
             tokenizer = AutoTokenizer.from_pretrained(config.tokenizer_path, local_files_only=True)
-    else:
+    elif tokenizer is None:
         with progress.bar(f"tokenizer (BPE, vocab {config.tokenizer_vocab})", characters, "char", scale=True) as bar:
             tokenizer = train_tokenizer(records, config.tokenizer_vocab, os.path.join(config.output_dir, "tokenizer"),
                                         bar.update)
@@ -216,4 +222,5 @@ def prepare_data(config, progress) -> Dataset:
     tokens = torch.stack([r[0] for r in rows])
     labels = torch.stack([r[1] for r in rows])
     held_out = max(1, len(rows) // 20)
-    return Dataset(tokens[:-held_out], labels[:-held_out], tokens[-held_out:], labels[-held_out:], len(tokenizer))
+    return Dataset(tokens[:-held_out], labels[:-held_out], tokens[-held_out:], labels[-held_out:], len(tokenizer),
+                   tokenizer=tokenizer)

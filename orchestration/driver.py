@@ -16,15 +16,19 @@ from typing import Optional
 
 from . import checkpoint
 from .actors import Actors, Call
+from .checkpoint_tokenizer import checkpoint_tokenizer
+from .cluster import connect
 from .comm_plan import CommPlan
 from .config import check_machine
 from .data import IGNORE_INDEX, Dataset, prepare_data
 from .errors import Interrupted, UsageError
+from .metrics import should_evaluate
 from .metrics_log import MetricsLog
 from .placement import Layout, check_placement, device_type, gpu_count, resolve_layout
 from .process_group import worlds
 from .progress import Progress
 from .sampler import StepSampler
+from .token_data import EpochSampler, is_pre_tokenized, prepare_token_data
 
 PRETRAIN_UPDATES = 50  # the teacher pretrains in this many calls, so its bar moves
 HELD_OUT_ROWS_PER_CALL = 32
@@ -39,6 +43,12 @@ def run(config, progress: bool = True, return_parameters: bool = False) -> dict:
     if problems:
         raise UsageError(problems)
     report = Progress(progress)
+    tokenizer = checkpoint_tokenizer(config)
+    pre_tokenized = is_pre_tokenized(config.data_path)
+    if (config.teacher_path or config.student_path) and tokenizer is None and not pre_tokenized \
+            and not config.tokenizer_path:
+        raise UsageError(["teacher_path, student_path: the checkpoints hold no tokenizer; set tokenizer_path to the "
+                          "one they were trained with, or give pre-tokenized data_path"])
     resume_from = _resume_point(config, report)
     os.makedirs(config.output_dir, exist_ok=True)
     import ray
@@ -47,18 +57,27 @@ def run(config, progress: bool = True, return_parameters: bool = False) -> dict:
     layout = resolve_layout(config.placement, config.transfer, device, gpu_count() if device == "cuda" else 0,
                             config.teacher_workers, config.student_workers)
     plan = CommPlan(config.teacher_workers, config.student_workers, config.micro_batches)
-    data = prepare_data(config, report)
+    if pre_tokenized:
+        try:
+            data = prepare_token_data(config, tokenizer, report)
+        except ValueError as error:
+            raise UsageError([f"data_path: {error}"]) from None
+        sampler = EpochSampler(config.seed, len(data.train_tokens), config.micro_batches,
+                               config.rows_per_micro_batch)
+    else:
+        data = prepare_data(config, report, tokenizer)
+        sampler = StepSampler(config.seed, len(data.train_tokens), config.micro_batches, config.rows_per_micro_batch)
     if config.k > data.vocab:
         raise UsageError(f"k: expected at most the vocab ({data.vocab} tokens in the tokenizer), got {config.k}")
-    sampler = StepSampler(config.seed, len(data.train_tokens), config.micro_batches, config.rows_per_micro_batch)
     if resume_from and (problem := sampler.mismatch(checkpoint.read_manifest(resume_from)["metadata"]["sampler"])):
         raise UsageError(f"resume: {resume_from} was written with another data order ({problem}); resume with the "
                          "options and data it was written with")
     started_ray = not ray.is_initialized()
     if started_ray:
-        with report.phase("starting Ray"):
-            ray.init(num_cpus=max(2, os.cpu_count() or 2), num_gpus=gpu_count() if device == "cuda" else 0,
-                     include_dashboard=False, log_to_driver=False, configure_logging=False)
+        with report.phase("starting Ray" if config.ray_address is None else f"joining Ray at {config.ray_address}"):
+            local = {} if config.ray_address else dict(num_cpus=max(2, os.cpu_count() or 2),
+                                                       num_gpus=gpu_count() if device == "cuda" else 0)
+            connect(config.ray_address, runtime_env=_worker_environment(config.ray_address), **local)
     actors = Actors(ray, lambda: checkpoint.newest_good(config.output_dir))
     session = _Session(config, plan, layout, data, sampler, actors, report)
     try:
@@ -69,8 +88,21 @@ def run(config, progress: bool = True, return_parameters: bool = False) -> dict:
         return session.summary(last_step, return_parameters)
     finally:
         actors.kill_all()
+        if session.slots:
+            from .cluster import release_slots
+
+            release_slots(session.slots)
         if started_ray:
             ray.shutdown()
+
+
+def _worker_environment(address: Optional[str]) -> Optional[dict]:
+    """Workers on the nodes of a joined cluster import this source tree (a shared file system)."""
+    if address is None:
+        return None
+    source = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    paths = [source] + [path for path in os.environ.get("PYTHONPATH", "").split(os.pathsep) if path]
+    return {"env_vars": {"PYTHONPATH": os.pathsep.join(paths)}}
 
 
 def _resume_point(config, report: Progress) -> Optional[str]:
@@ -129,6 +161,9 @@ class _Session:
     metrics: Optional[MetricsLog] = None
     saved_step: Optional[int] = None
     teacher_pretrain_loss: float = float("nan")
+    slots: list = field(default_factory=list)  # placement group slots in a joined cluster
+    held_out_chunks: Optional[list] = None  # held-out rows in chunks (object refs)
+    held_out_topk: Optional[list] = None  # the teacher's top-k of each chunk (object refs), computed once
 
     def get(self, calls: list[Call], when: str) -> list:
         return self.actors.get(calls, when)
@@ -143,16 +178,28 @@ class _Session:
         from .teacher import TeacherWorker
 
         config, layout, vocab = self.config, self.layout, self.data.vocab
+        teacher_slots, student_slots = self.place(device)
+        host, port = "127.0.0.1", None
+        if student_slots:  # the process group meets on student-0's node
+            import ray
+
+            from .cluster import free_port
+
+            endpoint = ray.remote(lambda: (ray.util.get_node_ip_address(), free_port()))
+            host, port = ray.get(endpoint.options(**student_slots[0].actor_options(num_cpus=0)).remote())
         teacher_worlds, student_worlds = worlds(layout.transfer, config.teacher_workers, config.student_workers,
-                                                device)
+                                                device, sharded=config.student_strategy == "fsdp2", host=host,
+                                                port=port)
         # actors take no CPU slot: the driver decides placement, and more actors than cores must start
         self.teachers = self.actors.start("teacher", TeacherWorker, config.teacher_workers,
                                           dict(num_cpus=0, num_gpus=layout.gpus_per_teacher),
-                                          lambda rank: (config, vocab, layout.transfer, teacher_worlds[rank]))
+                                          lambda rank: (config, vocab, layout.transfer, teacher_worlds[rank]),
+                                          (lambda rank: teacher_slots[rank].actor_options()) if teacher_slots else None)
         self.students = self.actors.start("student", StudentWorker, config.student_workers,
                                           dict(num_cpus=0, num_gpus=layout.gpus_per_student),
                                           lambda rank: (config, vocab, rank, config.student_workers,
-                                                        student_worlds[rank], layout.transfer))
+                                                        student_worlds[rank], layout.transfer),
+                                          (lambda rank: student_slots[rank].actor_options()) if student_slots else None)
         workers = self.teachers + self.students
         with self.report.phase(f"starting {len(workers)} workers"):
             pids = self.get(self.each(workers, "pid"), "during setup")
@@ -171,14 +218,34 @@ class _Session:
             self.get(calls, "during setup")
         import ray
 
-        rows = ray.put(self.data.train_tokens), ray.put(self.data.train_labels)
+        data = self.data
+        rows = [ray.put(part) for part in (data.train_tokens, data.train_labels, data.train_positions,
+                                           data.train_documents)]
         self.get(self.each(workers, "set_rows", *rows), "during setup")
+
+    def place(self, device: str) -> tuple[list, list]:
+        """In a joined cluster (``ray_address``): placement group slots per node for the
+        teacher and the student workers (`cluster.place_slots`; a colocated teacher and
+        student share a one-GPU slot; students take consecutive slots, so FSDP's ranks share
+        nodes); ([], []) for a local Ray."""
+        config, layout = self.config, self.layout
+        if config.ray_address is None:
+            return [], []
+        from .cluster import place_slots
+
+        if device == "cuda" and layout.placement == "colocated":
+            slots = place_slots(config.student_workers, {"GPU": 1})
+            self.slots = slots
+            return [slots[rank % len(slots)] for rank in range(config.teacher_workers)], slots
+        bundle = {"GPU": 1} if device == "cuda" else {"CPU": 1}
+        self.slots = place_slots(config.student_workers + config.teacher_workers, bundle)
+        return self.slots[config.student_workers:], self.slots[:config.student_workers]
 
     def restore(self, directory: str) -> int:
         """Loads the checkpoint into every student; the metrics keep the rows up to its step.
         Returns the first step to train."""
         step = self.get(self.each(self.students, "load", directory), f"while loading {directory}")[0][0]
-        self.metrics = MetricsLog(self._metrics_path(), resumed_step=step)
+        self.metrics = MetricsLog(self._metrics_path(), resumed_step=step, tensorboard=self.config.tensorboard)
         self.saved_step = step
         return step + 1
 
@@ -222,23 +289,57 @@ class _Session:
         parts = self.get(calls, f"at step {step}")
         call_seconds = time.perf_counter() - called
         self.each(self.teachers, "release", step)  # actor calls run in order: after this step's scoring
-        total = {key: sum(part[key] for part in parts) for key in parts[0] if key not in ("lr", "worker_seconds")}
+        total = {key: sum(part[key] for part in parts) for key in parts[0]
+                 if key not in ("lr", "worker_seconds", "grad_norm", "memory")}
+        memory = {f"{name}_{key}": value for name, part in zip(self.students, parts)
+                  for key, value in part["memory"].items()}
         rows = max(total["rows"], 1)
         return dict(loss=total["loss"], kd=total["kd_sum"] / rows, ce=total["ce_sum"] / rows,
                     teacher_tail_mass=1.0 - total["teacher_mass_sum"] / rows, tokens=num_tokens,
                     teacher_seconds=total["teacher_seconds"], wait_seconds=max(p["wait_seconds"] for p in parts),
                     transfer_seconds=max(p["transfer_seconds"] for p in parts),
                     student_seconds=max(p["student_seconds"] for p in parts),
-                    dispatch_seconds=call_seconds - max(p["worker_seconds"] for p in parts), lr=parts[0]["lr"])
+                    dispatch_seconds=call_seconds - max(p["worker_seconds"] for p in parts), lr=parts[0]["lr"],
+                    grad_norm=parts[0]["grad_norm"], **memory)
 
     def save(self, step: int) -> str:
         """The checkpoint of ``step`` (written once: a second save of the same step is skipped)."""
         directory = checkpoint.path_of(self.config.output_dir, step)
         if self.saved_step != step:
             metadata = dict(sampler=self.sampler.state_dict(), segment=self.metrics.segment)
-            self.get([self.actors.call(self.students[0], "save", directory, step, metadata)],  # ranks hold equal state
-                     f"while saving step {step}")
+            # replicas hold equal state: rank 0 writes it; FSDP2 ranks each write their shards
+            savers = self.students if self.sharded else self.students[:1]
+            self.get(self.each(savers, "save", directory, step, metadata), f"while saving step {step}")
             self.saved_step = step
+        return directory
+
+    @property
+    def sharded(self) -> bool:
+        return self.config.student_strategy == "fsdp2"
+
+    def evaluate(self) -> dict:
+        """Held-out CE and KD of the student (`StudentWorker.evaluate` on every student rank);
+        the teacher's top-k of the held-out rows is computed once (teacher-0) and kept."""
+        data = self.data
+        if self.held_out_topk is None:
+            import ray
+
+            parts = (data.held_tokens, data.held_labels, data.held_positions, data.held_documents)
+            self.held_out_chunks = [ray.put(tuple(None if part is None else part[s:s + HELD_OUT_ROWS_PER_CALL]
+                                                  for part in parts))
+                                    for s in range(0, len(data.held_tokens), HELD_OUT_ROWS_PER_CALL)]
+            self.held_out_topk = [self.actors.call(self.teachers[0], "topk_of_chunk", chunk).ref
+                                  for chunk in self.held_out_chunks]
+        return self.get(self.each(self.students, "evaluate", self.held_out_chunks, self.held_out_topk),
+                        "during held-out evaluation")[0]
+
+    def export(self) -> str:
+        """The final student with ``save_pretrained`` (and the tokenizer) in output_dir/final."""
+        directory = os.path.join(self.config.output_dir, "final")
+        exporters = self.students if self.sharded else self.students[:1]
+        self.get(self.each(exporters, "export", directory), "while exporting the student")
+        if self.data.tokenizer is not None:
+            self.data.tokenizer.save_pretrained(directory)
         return directory
 
     def _metrics_path(self) -> str:
@@ -249,7 +350,7 @@ class _Session:
         step trained. Ctrl-C: Interrupted after the current step and its checkpoint."""
         config = self.config
         if self.metrics is None:
-            self.metrics = MetricsLog(self._metrics_path())
+            self.metrics = MetricsLog(self._metrics_path(), tensorboard=config.tensorboard)
         last_step = start_step - 1
         with self.report.bar("distill", config.steps, "step", initial=start_step) as bar, \
                 _StopOnInterrupt(self.report.note) as stop:
@@ -264,6 +365,8 @@ class _Session:
                     pending = self.submit(step + 1)
                 step_seconds = time.perf_counter() - started
                 result.update(step=step, step_seconds=step_seconds, tokens_per_s=result["tokens"] / step_seconds)
+                if config.eval_every and should_evaluate(step + 1, config.eval_every, config.steps):
+                    result.update(self.evaluate())  # after the step's timing: evaluation is not training time
                 self.metrics.write(result)
                 last_step = step
                 bar.update(1)
@@ -280,20 +383,21 @@ class _Session:
 
     def held_out_ce(self) -> tuple[float, float]:
         """(teacher, student) held-out CE in nats per token, chunks of rows scored by teacher-0
-        and student-0 at once."""
+        and student-0 at once; a sharded student's is its fused CE (`evaluate`)."""
         tokens, labels = self.data.held_tokens, self.data.held_labels
         chunks = [(tokens[s:s + HELD_OUT_ROWS_PER_CALL], labels[s:s + HELD_OUT_ROWS_PER_CALL])
                   for s in range(0, len(tokens), HELD_OUT_ROWS_PER_CALL)]
-        calls = [self.actors.call(worker, "held_out_sums", *chunk) for worker in (self.teachers[0], self.students[0])
-                 for chunk in chunks]
+        sides = (self.teachers[0],) if self.sharded else (self.teachers[0], self.students[0])
+        calls = [self.actors.call(worker, "held_out_sums", *chunk) for worker in sides for chunk in chunks]
         sums = [[0.0, 0], [0.0, 0]]
-        with self.report.bar("held-out CE", len(tokens) * 2, "row") as bar:
+        with self.report.bar("held-out CE", len(tokens) * len(sides), "row") as bar:
             for index, (total, count) in self.actors.wait_each(calls, "during held-out evaluation"):
                 side = index // len(chunks)
                 sums[side][0] += total
                 sums[side][1] += count
                 bar.update(len(chunks[index % len(chunks)][0]))
-        return tuple(total / max(count, 1) for total, count in sums)
+        teacher, student = (total / max(count, 1) for total, count in sums)
+        return teacher, self.evaluate()["held_out_ce"] if self.sharded else student
 
     def summary(self, last_step: int, return_parameters: bool) -> dict:
         saved = self.save(last_step)
@@ -304,6 +408,10 @@ class _Session:
             teacher_held_out_ce=teacher_ce, student_held_out_ce=student_ce, train_rows=len(data.train_tokens),
             held_out_rows=len(data.held_tokens), metrics=self._metrics_path(), checkpoint=saved,
             segment=self.metrics.segment, placement=self.layout.placement, transfer=self.layout.transfer)
+        workers = self.teachers + self.students
+        summary["memory"] = dict(zip(workers, self.get(self.each(workers, "memory"), "while reading memory")))
+        if self.config.export:
+            summary["export"] = self.export()
         if return_parameters:
             summary["student_parameters"] = self.get(self.each(self.students, "parameters_vector"),
                                                      "while collecting parameters")

@@ -166,8 +166,9 @@ OPTIONS: tuple[Option, ...] = tuple([
            ("device", str, "auto", "the workers' device (auto: cuda when torch sees one)",
             dict(choices=("auto", "cpu", "cuda")))),
     *_rows("data",
-           ("data_path", str, None, "JSONL (prompt/response or text) or a text file; null: the Python standard "
-            "library's sources, which every machine has", dict(nullable=True, path="file")),
+           ("data_path", str, None, "JSONL (prompt/response or text; input_ids: pre-tokenized, packed with EOS "
+            "and per-document positions), NAME.npy token ids with NAME.offsets.npy, or a text file; null: the Python "
+            "standard library's sources, which every machine has", dict(nullable=True, path="file")),
            ("chat_template", str, None, "format string with {prompt} and {response}; prompt tokens are not trained",
             dict(nullable=True)),
            ("tokenizer_path", str, None, "a saved Hugging Face tokenizer; null: train a byte-level BPE on the data",
@@ -228,6 +229,24 @@ OPTIONS: tuple[Option, ...] = tuple([
             "--resume)"),
            ("overwrite", bool, False, "a fresh run in an output_dir that holds checkpoints deletes them (false: "
             "refused, so a later resume never picks another run's checkpoint)")),
+    # real checkpoints at scale: sharded students, HF export, evaluation, monitoring, a Ray cluster
+    *_rows("scale",
+           ("student_strategy", str, "replica", "replica: every student worker holds the whole model and its AdamW "
+            "state (tiny models); fsdp2: the student sharded over the student workers (FSDP2, bf16 compute with "
+            "float32 master weights on GPUs)", dict(choices=("replica", "fsdp2"))),
+           ("activation_checkpointing", bool, False, "recompute each student decoder layer in the backward"),
+           ("weight_decay", float, 0.01, "AdamW weight decay of the student's matrices (none on norms and biases)",
+            dict(minimum=0)),
+           ("adam_beta1", float, 0.9, "AdamW beta1", dict(minimum=0)),
+           ("adam_beta2", float, 0.999, "AdamW beta2", dict(minimum=0)),
+           ("eval_every", int, 0, "held-out CE and KD of the student every N steps and at the last (0: only the "
+            "end-of-run CE)", dict(minimum=0)),
+           ("tensorboard", bool, False, "also write TensorBoard event files beside metrics.jsonl (needs the "
+            "tensorboard package)"),
+           ("export", bool, False, "save the final student with save_pretrained into output_dir/final (with the "
+            "tokenizer)"),
+           ("ray_address", str, None, "join a running Ray cluster ('auto' or HOST:PORT; also: --address); null: "
+            "start a local Ray", dict(nullable=True))),
     *_rows("testing",
            ("stop_after", int, None, "stop after this step (tests of resume)", dict(nullable=True, minimum=0)),
            ("fail_student_at_step", int, None, "fault injection: the student worker's process exits at this step",

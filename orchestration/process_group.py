@@ -6,6 +6,8 @@ import socket
 from dataclasses import dataclass
 from typing import Optional
 
+from .cluster import tcp_init_method
+
 
 @dataclass(frozen=True)
 class World:
@@ -16,6 +18,7 @@ class World:
     port: int
     students: int
     backend: str
+    host: str = "127.0.0.1"
 
 
 def free_port() -> int:
@@ -24,16 +27,19 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def worlds(transfer: str, num_teachers: int, num_students: int, device_type: str) -> tuple[list, list]:
+def worlds(transfer: str, num_teachers: int, num_students: int, device_type: str, *, sharded: bool = False,
+           host: str = "127.0.0.1", port: Optional[int] = None) -> tuple[list, list]:
     """Each teacher's and student's `World` (or None): with NCCL transfer, teachers and
-    students share one process group; otherwise students form their own when there are several."""
-    port = free_port()
+    students share one process group; otherwise students form their own when there are several,
+    or always when ``sharded`` (FSDP2 needs a group, of one rank too). ``host`` / ``port``: the
+    rendezvous address, on student-0's node (None: a port free here)."""
+    port = free_port() if port is None else port
     backend = "nccl" if device_type == "cuda" else "gloo"
     if transfer == "nccl":
         size = num_students + num_teachers
         return ([World(num_students + t, size, port, num_students, backend) for t in range(num_teachers)],
-                [World(r, size, port, num_students, backend) for r in range(num_students)])
-    students = [World(r, num_students, port, num_students, backend) if num_students > 1 else None
+                [World(r, size, port, num_students, backend, host) for r in range(num_students)])
+    students = [World(r, num_students, port, num_students, backend, host) if num_students > 1 or sharded else None
                 for r in range(num_students)]
     return [None] * num_teachers, students
 
@@ -44,7 +50,7 @@ def join_world(world: Optional[World]):
         return None
     import torch.distributed as dist
 
-    dist.init_process_group(world.backend, init_method=f"tcp://127.0.0.1:{world.port}", rank=world.rank,
+    dist.init_process_group(world.backend, init_method=tcp_init_method(world.host, world.port), rank=world.rank,
                             world_size=world.size)
     if world.size == world.students:
         return dist.group.WORLD

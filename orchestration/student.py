@@ -1,6 +1,10 @@
 """The student worker: trains a causal LM with kd_kernels.topk_divergence on its final
-hidden states and the teacher's top-k (AdamW, clip, warm-up + cosine LR, bf16 autocast on
-GPU); data-parallel ranks sum gradients; its training state saves and restores exactly."""
+hidden states and the teacher's top-k (AdamW without decay on norms and biases, clip,
+warm-up + cosine LR). ``student_strategy``: "replica" (the whole model on every rank, bf16
+autocast on GPU, gradients summed in one all-reduce) or "fsdp2" (`fsdp.parallelize_student`:
+sharded over the student ranks, bf16 compute with float32 master weights on GPU, the fused
+loss inside the root unit's forward). Its training state saves and restores exactly: one file
+for replicas, a sharded ``torch.distributed.checkpoint`` directory under FSDP2."""
 from __future__ import annotations
 
 import math
@@ -13,13 +17,16 @@ import torch
 
 import kd_kernels as kd
 
-from . import checkpoint
-from .models import autocast, build_model, final_hidden_states, held_out_sums, lm_head_inputs, pick_device
+from . import checkpoint, fsdp
+from .distillation import DistillationStudent
+from .hf_models import final_hidden_states
+from .models import autocast, build_model, held_out_sums, lm_head_inputs, pick_device
 from .process_group import World, join_world
 from .transfer import transfer_for
-from .workers import Worker
+from .workers import Worker, layout_of
 
 STATE_FILE = "student.pt"
+SHARDS_DIR = "student_shards"  # the FSDP2 student's torch.distributed.checkpoint directory
 
 
 def lr_factor(warmup_steps: int, total_steps: int):
@@ -44,21 +51,38 @@ class StudentWorker(Worker):
         self.loss_options = config.loss_options()
         self.transfer = transfer_for(transfer)
         self.gradient_group = join_world(world)
-        self.model = build_model(config.student_path, config.student_hidden, config.student_layers, config, vocab,
-                                 config.seed + 1).to(self.device)
-        # one fused kernel for the whole update on GPUs (the per-tensor loop is launch-bound there)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.lr, fused=self.device.type == "cuda")
+        self.sharded = config.student_strategy == "fsdp2"
+        model = build_model(config.student_path, config.student_hidden, config.student_layers, config, vocab,
+                            config.seed + 1).to(self.device)
+        compute_dtype = torch.bfloat16 if self.device.type == "cuda" else None
+        self.student = DistillationStudent(model, vocab_size=vocab, compute_dtype=compute_dtype, **self.loss_options)
+        fsdp.parallelize_student(self.student, strategy="fsdp" if self.sharded else "replicate",
+                                 group=self.gradient_group, compute_dtype=compute_dtype,
+                                 activation_checkpointing=config.activation_checkpointing)
+        self.model = self.student.causal_lm
+        self.optimizer = fsdp.build_optimizer(self.student, lr=config.lr, weight_decay=config.weight_decay,
+                                              betas=(config.adam_beta1, config.adam_beta2))
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_factor(config.warmup_steps, config.steps))
         self._values_checked = False
         torch.manual_seed(config.seed + 2)
         random.seed(config.seed + 2)
 
-    def loss(self, tokens: torch.Tensor, labels: torch.Tensor, teacher: kd.TopK, num_tokens: int):
+    def _layout(self, pick: torch.Tensor):
+        return self.row_layout(pick, self.device, self.config.attention)
+
+    def loss(self, tokens: torch.Tensor, labels: torch.Tensor, teacher: kd.TopK, num_tokens: int,
+             position_ids: Optional[torch.Tensor] = None, attention_mask: Optional[torch.Tensor] = None):
         """(loss, metrics) of kd.topk_divergence for one micro-batch: tokens ``[B, T]``,
-        shifted labels ``[B·T]``, the teacher's top-k of its ``B·T`` rows; the loss is a sum
-        divided by ``num_tokens`` (the step's global count)."""
+        shifted labels ``[B·T]``, the teacher's top-k of its ``B·T`` rows, and for packed rows
+        their position ids and block-diagonal mask; the loss is a sum divided by
+        ``num_tokens`` (the step's global count)."""
+        if self.sharded:  # the loss runs in the root unit's forward: FSDP2 gathers the lm_head around it
+            return self.student(tokens, labels, teacher, num_tokens=max(num_tokens, 1), position_ids=position_ids,
+                                attention_mask=attention_mask, check_values=not self._values_checked)
         with autocast(self.device):
-            hidden = final_hidden_states(self.model, tokens)
+            hidden = final_hidden_states(self.model, tokens, position_ids=position_ids,
+                                         attention_mask=attention_mask)
+            hidden = hidden.reshape(-1, hidden.shape[-1])
         return kd.topk_divergence(*lm_head_inputs(self.model, hidden), teacher, labels, **self.loss_options,
                                   num_tokens=max(num_tokens, 1), vocab_size=self.vocab, return_metrics=True,
                                   check_values=not self._values_checked)
@@ -84,44 +108,35 @@ class StudentWorker(Worker):
         self.optimizer.zero_grad(set_to_none=True)
         names = ("loss", "kd_sum", "ce_sum", "teacher_mass_sum", "rows")
         sums = torch.zeros(len(names), dtype=torch.float64, device=self.device)  # read once: one host sync a step
-        for (tokens, labels), teacher in zip(micro_batches, teachers):
-            loss, metrics = self.loss(tokens.to(self.device), labels.to(self.device).reshape(-1), teacher, num_tokens)
+        for (tokens, labels, *layout), teacher in zip(micro_batches, teachers):
+            loss, metrics = self.loss(tokens.to(self.device), labels.to(self.device).reshape(-1), teacher, num_tokens,
+                                      *layout)
             loss.backward()
             sums += torch.stack([loss.detach().double()] + [metrics[name].double() for name in names[1:]])
         # our own teacher and data pipeline made them: their ids and labels are checked on the first step only
         self._values_checked = True
-        self._sum_gradients_over_ranks()
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
+        fsdp.synchronize_gradients(self.student, self.gradient_group)
+        grad_norm = fsdp.clip_gradients(self.student, self.config.grad_clip)
         self.optimizer.step()
         self.scheduler.step()
         totals = dict(zip(names, sums.tolist()), teacher_seconds=sum(teacher_seconds))
         worker_seconds = time.perf_counter() - start
         return dict(totals, wait_seconds=wait_seconds, transfer_seconds=transfer_seconds,
                     student_seconds=worker_seconds - wait_seconds - transfer_seconds, worker_seconds=worker_seconds,
-                    lr=self.scheduler.get_last_lr()[0])
+                    lr=self.scheduler.get_last_lr()[0], grad_norm=grad_norm, memory=self.memory())
 
     def train_step_rows(self, step: int, picks: list, topk_refs: list, num_tokens: int) -> dict:
         """`train_step` on the training rows ``picks`` (one ``[B]`` int64 tensor per micro-batch)."""
-        return self.train_step(step, [self.micro_batch(pick) for pick in picks], topk_refs, num_tokens)
-
-    def _sum_gradients_over_ranks(self) -> None:
-        if self.world_size == 1:
-            return
-        import torch.distributed as dist
-
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.model.parameters()]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=self.gradient_group)  # one collective for all parameters
-        offset = 0
-        for parameter, grad in zip(self.model.parameters(), grads):
-            parameter.grad = flat[offset:offset + grad.numel()].view_as(grad).clone()
-            offset += grad.numel()
+        return self.train_step(step, [(*self.micro_batch(pick), *self._layout(pick)) for pick in picks], topk_refs,
+                               num_tokens)
 
     def training_state(self, step: int) -> dict:
-        """Everything an exact resume after ``step`` needs: model, optimizer, scheduler and
-        the RNG states (torch, CUDA, Python) of this process."""
-        state = dict(model=self.model.state_dict(), optimizer=self.optimizer.state_dict(),
-                     scheduler=self.scheduler.state_dict(), step=step, torch_rng=torch.get_rng_state(),
+        """Everything an exact resume after ``step`` needs: model, optimizer and `loop_state`."""
+        return dict(model=self.model.state_dict(), optimizer=self.optimizer.state_dict(), **self.loop_state(step))
+
+    def loop_state(self, step: int) -> dict:
+        """The scheduler, the step and the RNG states (torch, CUDA, Python) of this process."""
+        state = dict(scheduler=self.scheduler.state_dict(), step=step, torch_rng=torch.get_rng_state(),
                      python_rng=random.getstate())
         if torch.cuda.is_available():
             state["cuda_rng"] = torch.cuda.get_rng_state_all()
@@ -129,15 +144,33 @@ class StudentWorker(Worker):
 
     def save(self, directory: str, step: int, metadata: dict) -> str:
         """Writes the checkpoint of ``step`` atomically (`checkpoint.write`) with the driver's
-        ``metadata`` (its data order, the run segment) in the manifest."""
-        state = self.training_state(step)
-        return checkpoint.write(directory, step, {STATE_FILE: lambda path: torch.save(state, path)}, metadata)
+        ``metadata`` (its data order, the run segment) in the manifest. Replicas: rank 0 alone
+        is called. FSDP2: every rank is called and writes its shards into the staging
+        directory, which rank 0 publishes once all are written."""
+        if not self.sharded:
+            state = self.training_state(step)
+            return checkpoint.write(directory, step, {STATE_FILE: lambda path: torch.save(state, path)}, metadata)
+        import torch.distributed as dist
+
+        if self.rank == 0:
+            checkpoint.begin(directory)
+        dist.barrier(group=self.gradient_group)
+        # collective: on return every rank's shards are written
+        fsdp.save_checkpoint(os.path.join(checkpoint.staging_of(directory), SHARDS_DIR), self.student,
+                             self.optimizer, extra=self.loop_state(step), group=self.gradient_group)
+        if self.rank == 0:
+            checkpoint.commit(directory, step, metadata)
+        return directory
 
     def load(self, directory: str) -> tuple[int, dict]:
         """Restores a checkpoint written by `save`; (its step, the driver's metadata)."""
-        state = torch.load(os.path.join(directory, STATE_FILE), weights_only=False)
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        if self.sharded:
+            state = fsdp.load_checkpoint(os.path.join(directory, SHARDS_DIR), self.student, self.optimizer,
+                                         group=self.gradient_group)
+        else:
+            state = torch.load(os.path.join(directory, STATE_FILE), weights_only=False)
+            self.model.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         torch.set_rng_state(state["torch_rng"])
         random.setstate(state["python_rng"])
@@ -150,8 +183,59 @@ class StudentWorker(Worker):
         self.transfer.setup(teacher_ranks, self.device, sending=False)
 
     def parameters_vector(self) -> torch.Tensor:
-        return torch.cat([p.detach().float().cpu().reshape(-1) for p in self.model.parameters()])
+        """Every parameter, whole (gathered from the shards under FSDP2: every rank calls it), flat, float32, CPU."""
+        parts = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in self.model.parameters()]
+        return torch.cat([p.detach().float().cpu().reshape(-1) for p in parts])
 
     def held_out_sums(self, rows: torch.Tensor, labels: torch.Tensor) -> tuple[float, int]:
-        """(summed CE, tokens) on held-out rows (see `models.held_out_sums`)."""
+        """(summed CE, tokens) on held-out rows (see `models.held_out_sums`); replicas only."""
         return held_out_sums(self.model, rows, labels, self.vocab, self.device)
+
+    def evaluate(self, chunks: list, topk_refs: list) -> dict:
+        """`metrics.held_out_losses` over held-out ``chunks`` (object refs of ``(tokens, labels,
+        positions or None, documents or None)``) and the teacher's top-k of each (object refs
+        of CPU `kd.TopK`): every rank evaluates its share of the chunks (as many each), sums over the
+        student ranks. Every student rank is called."""
+        import ray
+
+        from .metrics import held_out_losses
+        from .packing import PackedBatch
+
+        share = -(-len(chunks) // self.world_size)
+        mine = list(range(self.rank * share, min((self.rank + 1) * share, len(chunks))))
+        batches, masks, teachers = [], [], []
+        for index in mine + [mine[-1] if mine else 0] * (share - len(mine)):  # equal forward counts under FSDP2
+            tokens, labels, positions, documents = ray.get(chunks[index])
+            positions, mask = layout_of(positions, documents, self.device, self.config.attention)
+            batches.append(PackedBatch(tokens.to(self.device), labels.to(self.device), positions, None))
+            masks.append(mask)
+            top = ray.get(topk_refs[index])
+            teachers.append(kd.TopK(top.logprobs.to(self.device), top.indices.to(self.device),
+                                    None if top.lse is None else top.lse.to(self.device), top.temperature))
+        counted = [1.0] * len(mine) + [0.0] * (share - len(mine))  # repeated chunks only keep FSDP2 in step
+        with autocast(self.device):
+            sums = [held_out_losses(self.student, [batch], [teacher], attention_masks=[mask])
+                    for batch, teacher, mask in zip(batches, teachers, masks)]
+        totals = torch.tensor([[s["held_out_ce"] * s["held_out_tokens"], s["held_out_kd"] * s["held_out_tokens"],
+                                s["held_out_tokens"]] for s in sums], dtype=torch.float64).reshape(-1, 3)
+        totals = (totals * torch.tensor(counted, dtype=torch.float64).unsqueeze(1)).sum(0)
+        if self.gradient_group is not None:
+            import torch.distributed as dist
+
+            reduced = totals.to(self.device)
+            dist.all_reduce(reduced, group=self.gradient_group)
+            totals = reduced.cpu()
+        ce, kd_sum, tokens = totals.tolist()
+        return {"held_out_ce": ce / max(tokens, 1), "held_out_kd": kd_sum / max(tokens, 1),
+                "held_out_tokens": int(tokens)}
+
+    def export(self, directory: str) -> Optional[str]:
+        """Writes the whole student with ``save_pretrained`` into ``directory`` (rank 0; every
+        rank is called under FSDP2, whose gather is collective); the directory or None."""
+        state = fsdp.full_model_state_dict(self.student) if self.sharded else self.model.state_dict()
+        if self.rank != 0:
+            return None
+        from .hf_models import export_causal_lm
+
+        return export_causal_lm(self.model, {name: tensor.cpu() for name, tensor in state.items()}, directory)
+

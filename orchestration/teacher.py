@@ -12,10 +12,11 @@ import torch.nn.functional as F
 import kd_kernels as kd
 
 from .data import IGNORE_INDEX
-from .models import autocast, build_model, final_hidden_states, held_out_sums, lm_head_inputs, pick_device
+from .hf_models import final_hidden_states
+from .models import autocast, build_model, held_out_sums, lm_head_inputs, pick_device
 from .process_group import World, join_world
 from .transfer import transfer_for
-from .workers import Worker
+from .workers import Worker, layout_of
 
 
 class TeacherWorker(Worker):
@@ -49,8 +50,10 @@ class TeacherWorker(Worker):
             batch_rows = self.config.rows_per_micro_batch * self.config.micro_batches  # a student step's rows
             pick = torch.randint(0, self.rows.shape[0], (batch_rows,), generator=generator)
             tokens, targets = (part.to(self.device) for part in self.micro_batch(pick))
+            positions, mask = self._layout(pick)
             with autocast(self.device):
-                logits = self.model(input_ids=tokens).logits[..., :self.vocab]
+                logits = self.model(input_ids=tokens, position_ids=positions, attention_mask=mask).logits
+            logits = logits[..., :self.vocab]
             loss = F.cross_entropy(logits.float().reshape(-1, self.vocab), targets.reshape(-1),
                                    ignore_index=IGNORE_INDEX)
             optimizer.zero_grad(set_to_none=True)
@@ -72,28 +75,47 @@ class TeacherWorker(Worker):
     def load_state_dict(self, state: dict) -> None:
         self.model.load_state_dict(state)
 
+    def _layout(self, pick: torch.Tensor):
+        return self.row_layout(pick, self.device, self.config.attention)
+
     @torch.no_grad()
-    def score(self, tokens: torch.Tensor, step: int = 0, student_rank: int = 0):
+    def topk(self, tokens: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
+             attention_mask: Optional[torch.Tensor] = None) -> kd.TopK:
+        """The teacher's top-k of tokens ``[B, T]`` (``B·T`` rows; packed rows with their
+        position ids and block-diagonal mask) on its device."""
+        if self.config.teacher_offload:
+            self.model.to(self.device)
+        self.model.eval()
+        with autocast(self.device):
+            hidden = final_hidden_states(self.model, tokens.to(self.device), position_ids=position_ids,
+                                         attention_mask=attention_mask)
+        hidden = hidden.reshape(-1, hidden.shape[-1])
+        topk = kd.teacher_topk(*lm_head_inputs(self.model, hidden), k=self.config.k,
+                               temperature=self.config.temperature, vocab_size=self.vocab)
+        if self.config.teacher_offload:
+            self.model.to("cpu")
+        return topk
+
+    def score(self, tokens: torch.Tensor, step: int = 0, student_rank: int = 0,
+              position_ids: Optional[torch.Tensor] = None, attention_mask: Optional[torch.Tensor] = None):
         """tokens ``[B, T]`` → (the transfer message of the packed bf16 top-k for the student
         of rank ``student_rank``, seconds spent). With ``teacher_offload`` the weights come
         from the CPU for the call and go back after it."""
         start = time.perf_counter()
-        if self.config.teacher_offload:
-            self.model.to(self.device)
-        self.model.eval()
-        tokens = tokens.to(self.device)
-        with autocast(self.device):
-            hidden = final_hidden_states(self.model, tokens)
-        topk = kd.teacher_topk(*lm_head_inputs(self.model, hidden), k=self.config.k,
-                               temperature=self.config.temperature, vocab_size=self.vocab)
-        message = self.transfer.send(topk, step, student_rank)
-        if self.config.teacher_offload:
-            self.model.to("cpu")
+        message = self.transfer.send(self.topk(tokens, position_ids, attention_mask), step, student_rank)
         return message, time.perf_counter() - start
 
     def score_rows(self, pick: torch.Tensor, step: int = 0, student_rank: int = 0):
         """`score` of the training rows ``pick`` ``[B]`` int64."""
-        return self.score(self.micro_batch(pick)[0], step, student_rank)
+        return self.score(self.micro_batch(pick)[0], step, student_rank, *self._layout(pick))
+
+    def topk_of_chunk(self, chunk: tuple) -> kd.TopK:
+        """The CPU `kd.TopK` of a held-out chunk ``(tokens, labels, positions or None,
+        documents or None)``, for `StudentWorker.evaluate`."""
+        tokens, _, positions, documents = chunk
+        top = self.topk(tokens, *layout_of(positions, documents, self.device, self.config.attention))
+        return kd.TopK(top.logprobs.cpu(), top.indices.cpu(), None if top.lse is None else top.lse.cpu(),
+                       top.temperature)
 
     def connect(self, student_ranks: list) -> None:
         """Connects to these students' process-group ranks before any scoring (`Transfer.setup`)."""

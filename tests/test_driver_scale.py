@@ -1,0 +1,111 @@
+"""The driver at scale on CPU (gloo): FSDP2 students, local Hugging Face checkpoints in and
+out, pre-tokenized packed data, held-out evaluation, and joining a Ray cluster."""
+import json
+
+import pytest
+import ray
+import torch
+
+from helpers_hf import LM_HEAD_ROWS, VOCAB, save_checkpoint, tiny_tokenizer
+from orchestration.errors import UsageError
+from test_orchestration import _tiny as tiny_config
+from test_orchestration import ray_cluster  # noqa: F401 - the fixture
+
+
+SCALE = dict(max_corpus_bytes=40_000, row_tokens=16, rows_per_micro_batch=2, teacher_pretrain_steps=2,
+             student_layers=2, steps=4, warmup_steps=1, checkpoint_every=2, student_strategy="fsdp2")
+
+
+def _tiny(tmp_path, name, **overrides):
+    return tiny_config(tmp_path, name, **{**SCALE, **overrides})
+
+
+@pytest.mark.slow  # four driver runs (~80 s on 2 cores): 1 rank, 2 ranks, 2 ranks stopped and resumed
+def test_fsdp2_two_workers_train_like_one_and_resume_exactly(ray_cluster, tmp_path):
+    from orchestration.driver import run
+
+    one = run(_tiny(tmp_path, "one", eval_every=2), progress=False, return_parameters=True)
+    two = run(_tiny(tmp_path, "two", student_workers=2), progress=False, return_parameters=True)
+    assert len(two["student_parameters"]) == 2 and torch.equal(*two["student_parameters"])  # gathered on each rank
+    torch.testing.assert_close(two["student_parameters"][0], one["student_parameters"][0], rtol=1e-5, atol=1e-6)
+    run(_tiny(tmp_path, "resumed", student_workers=2, stop_after=1), progress=False)
+    resumed = run(_tiny(tmp_path, "resumed", student_workers=2, resume=True), progress=False,
+                  return_parameters=True)
+    assert torch.equal(resumed["student_parameters"][0], two["student_parameters"][0])
+    rows = [json.loads(line) for line in open(one["metrics"])]
+    assert [row["step"] for row in rows] == [0, 1, 2, 3]
+    assert all(row["grad_norm"] > 0 and row["lr"] > 0 and 0 <= row["teacher_tail_mass"] <= 1 and
+               row["student-0_peak_rss_mib"] > 0 for row in rows)
+    assert [("held_out_ce" in row, "held_out_kd" in row) for row in rows] == [(False, False), (True, True)] * 2
+    assert rows[-1]["held_out_ce"] == pytest.approx(one["student_held_out_ce"], rel=1e-6)
+
+
+def _documents(path, count=30, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    with open(path, "w") as handle:
+        for _ in range(count):
+            length = int(torch.randint(3, 12, (), generator=generator))
+            handle.write(json.dumps({"input_ids": torch.randint(3, VOCAB, (length,), generator=generator).tolist()})
+                         + "\n")
+    return str(path)
+
+
+def test_hf_checkpoints_and_pre_tokenized_data_train_and_export(ray_cluster, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from orchestration.driver import run
+
+    teacher = save_checkpoint(tmp_path / "teacher", "qwen2", seed=0)
+    student = save_checkpoint(tmp_path / "student", "qwen2", seed=1)
+    data = _documents(tmp_path / "docs.jsonl")
+    config = _tiny(tmp_path, "hf", teacher_path=teacher, student_path=student, data_path=data, export=True,
+                   student_workers=2, steps=3)
+    summary = run(config, progress=False, return_parameters=True)
+    assert summary["vocab"] == VOCAB and summary["train_rows"] > 0
+    rows = [json.loads(line) for line in open(summary["metrics"])]
+    assert all(torch.isfinite(torch.tensor(row["loss"])) for row in rows)
+    exported = AutoModelForCausalLM.from_pretrained(summary["export"], local_files_only=True)
+    assert exported.get_output_embeddings().weight.shape[0] == LM_HEAD_ROWS
+    vector = torch.cat([p.detach().reshape(-1) for p in exported.parameters()])
+    assert torch.equal(vector, summary["student_parameters"][0])
+    assert (tmp_path / "hf" / "final" / "tokenizer.json").exists()
+
+
+def test_a_student_tokenizer_that_differs_is_refused_before_any_work(tmp_path):
+    from orchestration.driver import run
+
+    teacher = save_checkpoint(tmp_path / "teacher")
+    student = save_checkpoint(tmp_path / "student", tokenizer=tiny_tokenizer(swap=("w3", "w4")))
+    with pytest.raises(UsageError) as caught:
+        run(_tiny(tmp_path, "mismatch", teacher_path=teacher, student_path=student), progress=False)
+    assert len(caught.value.lines) == 1 and "vocabularies differ" in caught.value.lines[0]
+    assert not (tmp_path / "mismatch").exists()  # refused before the output directory or any worker
+
+
+def test_bench_e2e_throughput_runs_tiny_on_the_cpu(ray_cluster, tmp_path):
+    import sys
+
+    sys.path.insert(0, "benchmarks")
+    from bench_e2e_throughput import FLOOR, main
+
+    results = tmp_path / "rows.jsonl"
+    rows = main(["--tiny", "--strategies", "fsdp2", "--output-dir", str(tmp_path / "bench"), "--results",
+                 str(results)])
+    assert [row["provider"] for row in rows] == [FLOOR, "single process, kd_kernels", "driver colocated (fsdp2)"]
+    assert all(row["tokens_per_s"] > 0 and row["peak_mib"] > 0 for row in rows)
+    assert len(results.read_text().splitlines()) == 3
+
+
+def test_address_joins_a_cluster_through_ray_address(monkeypatch, tmp_path):
+    import orchestrate
+    import orchestration.driver
+
+    seen = []
+
+    def fake_run(config):
+        seen.append(config.ray_address)
+        raise UsageError(["stopped by the test"])
+
+    monkeypatch.setattr(orchestration.driver, "run", fake_run)
+    assert orchestrate.main(["--address", "10.0.0.5:6379", "--set", f"output_dir={tmp_path}"]) == 2
+    assert seen == ["10.0.0.5:6379"]
