@@ -73,22 +73,34 @@ class TeacherWorker(Worker):
         self.model.load_state_dict(state)
 
     @torch.no_grad()
-    def score(self, tokens: torch.Tensor, step: int = 0, student_rank: int = 0):
-        """tokens ``[B, T]`` → (the transfer message of the packed bf16 top-k for the student
-        of rank ``student_rank``, seconds spent). With ``teacher_offload`` the weights come
-        from the CPU for the call and go back after it."""
-        start = time.perf_counter()
+    def entries(self, tokens: torch.Tensor, first_row: int = 0, samples: int = 0):
+        """The teacher's entries of tokens ``[B, T]`` (the consecutive training rows from
+        ``first_row``): `kd.TopK` of k a position, or with ``samples`` > 0 `kd.TeacherSamples`
+        of that many a position, seeded by the run's seed, the noise row of a position its
+        global index (row · T + t): a row's samples do not depend on how rows are batched."""
         if self.config.teacher_offload:
             self.model.to(self.device)
         self.model.eval()
         tokens = tokens.to(self.device)
         with autocast(self.device):
             hidden = final_hidden_states(self.model, tokens)
-        topk = kd.teacher_topk(*lm_head_inputs(self.model, hidden), k=self.config.k,
-                               temperature=self.config.temperature, vocab_size=self.vocab)
-        message = self.transfer.send(topk, step, student_rank)
+        inputs = lm_head_inputs(self.model, hidden)
+        if samples:
+            entries = kd.teacher_sample(*inputs, samples, seed=self.config.seed, temperature=self.config.temperature,
+                                        vocab_size=self.vocab, row_offset=first_row * tokens.shape[1])
+        else:
+            entries = kd.teacher_topk(*inputs, k=self.config.k, temperature=self.config.temperature,
+                                      vocab_size=self.vocab)
         if self.config.teacher_offload:
             self.model.to("cpu")
+        return entries
+
+    def score(self, tokens: torch.Tensor, step: int = 0, student_rank: int = 0):
+        """tokens ``[B, T]`` → (the transfer message of the packed bf16 top-k for the student
+        of rank ``student_rank``, seconds spent). With ``teacher_offload`` the weights come
+        from the CPU for the call and go back after it."""
+        start = time.perf_counter()
+        message = self.transfer.send(self.entries(tokens), step, student_rank)
         return message, time.perf_counter() - start
 
     def score_rows(self, pick: torch.Tensor, step: int = 0, student_rank: int = 0):
