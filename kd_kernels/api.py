@@ -323,7 +323,7 @@ def teacher_sample(hidden: torch.Tensor, weight: torch.Tensor, num_samples: int 
     threshold the (n+1)-th. Equals `kd_kernels.reference.teacher_sample` up to float32 rounding
     of the keys (ids may differ only where two keys are within it); never holds ``[N, V]`` logits
     for bf16 / fp16 inputs on the triton backend (the sampling matmul's epilogue keeps the
-    elements that may reach a floor; docs/DESIGN_SAMPLING.md).
+    elements that may reach a floor; docs/DESIGN.md, "Sampled sparse KD").
 
     Args:
         hidden: ``[N, H]`` float32 / bfloat16 / float16 teacher final hidden states.

@@ -239,8 +239,8 @@ def topk_divergence_sharded(logit_shards: Sequence[torch.Tensor], teacher: TopK,
 
 
 # ---------------------------------------------------------------------------------------
-# Sampled sparse KD (docs/DESIGN_SAMPLING.md): Gumbel-top-n samples of the teacher and the
-# unbiased estimate of the full-vocab divergence from them.
+# Sampled sparse KD (docs/DESIGN.md, "Sampled sparse KD"): Gumbel-top-n samples of the teacher
+# and the unbiased estimate of the full-vocab divergence from them.
 # ---------------------------------------------------------------------------------------
 
 def teacher_sample_from_logits(logits: torch.Tensor, num_samples: int, temperature: float = 1.0,

@@ -1,5 +1,5 @@
 """Sampled sparse KD in plain PyTorch: the teacher's Gumbel noise and the unbiased estimator of a
-full-vocab divergence from Gumbel-top-n samples (docs/DESIGN_SAMPLING.md).
+full-vocab divergence from Gumbel-top-n samples (docs/DESIGN.md, "Sampled sparse KD").
 
 The noise. Token v of row r gets ``G = −log(E)``, ``E = −log1p(−w)``, ``w = (m + ½) · 2⁻³²`` with
 ``m`` 32 bits hashed from (seed, r, v) and nothing else, so every backend and every recompute

@@ -484,8 +484,8 @@ def fused_topk_divergence(hidden, weight, bias, teacher: TopK, labels, options: 
 
     Under ``torch.compile`` this is a graph break (compiled code around it runs as usual)."""
     loss, metrics = LinearTopKDivergence.apply(
-        hidden, weight, bias, teacher.logprobs, teacher.indices, _threshold(teacher, options), labels, _num_tokens_arg(num_tokens), options,
-        options.vocab_size, chunk_rows, lean, return_metrics, shard)
+        hidden, weight, bias, teacher.logprobs, teacher.indices, _threshold(teacher, options), labels,
+        _num_tokens_arg(num_tokens), options, options.vocab_size, chunk_rows, lean, return_metrics, shard)
     return (loss, _metrics_dict(metrics)) if return_metrics else loss
 
 

@@ -313,6 +313,7 @@ def support_loss(teacher_logprobs: torch.Tensor, logits_at_ids: torch.Tensor, ls
             k, teacher_logprobs.stride(0), logits_at_ids.stride(0), grad_ids.stride(0) if grads else 0, vocab_size,
             1.0 / options.temperature, _log(beta), _log(1.0 - beta), beta, lam, _log(lam), _log(1.0 - lam),
             TAIL_FLOOR, float(options.adaptive_alpha), ADAPTIVE_EPS, control_slope, DIVERGENCE=_SELECTOR[divergence],
-            TAIL=tail, SAMPLED=sampled, VOCAB_NORMALIZED=tail or sampled, GRADS=grads, BLOCK_K=block_k, COMPARE_BLOCK=min(_COMPARE_BLOCK, block_k),
+            TAIL=tail, SAMPLED=sampled, VOCAB_NORMALIZED=tail or sampled, GRADS=grads, BLOCK_K=block_k,
+            COMPARE_BLOCK=min(_COMPARE_BLOCK, block_k),
             num_warps=4 if k <= 256 else 8)
     return kd, (grad_ids if grads else None), grad_lse
