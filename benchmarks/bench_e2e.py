@@ -9,6 +9,7 @@ distillation does not beat CE alone. On a GPU it runs the driver's GPU default (
 one H200); on CPU the small default (~3 minutes on 2 cores).
 
 usage: python benchmarks/bench_e2e.py [--set key=value ...]   (the driver's options)
+       python benchmarks/bench_e2e.py --quality [--samples 12] [--set ...]   (teacher signals compared)
 """
 from __future__ import annotations
 
@@ -42,12 +43,41 @@ def measure(name, overrides, output_dir) -> dict:
                 ms=1e3 * statistics.median(r["tokens"] / r["tokens_per_s"] for r in records))
 
 
+def quality(args) -> None:
+    """The --quality part: the teacher signals at equal steps and data (benchmarks/e2e_quality.py)."""
+    from e2e_quality import CE_ONLY, compare
+
+    base = load_config(None, args.set)
+    env = environment(args.commit)
+    shape = dict(name="signal quality", device=base.device, steps=base.steps, seed=base.seed,
+                 tokens_per_step=base.row_tokens * base.rows_per_micro_batch * base.micro_batches,
+                 vocab=base.tokenizer_vocab, samples=args.samples)
+    measured = compare(base, args.samples, progress=True)
+    rows = [result_row(env, "bench_e2e_quality", shape, m.pop("name"), "equal steps", m.pop("ms"), CE_ONLY,
+                       m["gain_recovered"], None, **m) for m in measured]
+    print(f"environment: {env}")
+    append_rows(args.results, rows)
+    print()
+    print_table(rows, {"signal": "provider", "held-out CE": "held_out_ce", "KL to teacher": "kl_to_teacher",
+                       "B/token": "bytes_per_token", "gain recovered": "gain_recovered",
+                       "per byte": "recovered_per_byte", "ms/step": "ms"})
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="a driver option for both runs (python orchestrate.py --help lists them)")
     add_results_arguments(parser, BENCHMARK)
+    signal_quality = parser.add_argument_group("signal quality (--quality: CE only, full-vocab KD, top-k, sampled; "
+                                               "benchmarks/e2e_quality.py)")
+    signal_quality.add_argument("--quality", action="store_true",
+                                help="compare the teacher signals at equal steps and data instead")
+    signal_quality.add_argument("--samples", type=int, default=12, help="teacher samples a token of the sampled "
+                                "signal")
     args = parser.parse_args()
+    if args.quality:
+        quality(args)
+        return
     base = load_config(None, args.set)
     env = environment(args.commit)
     shape = dict(name="driver default", device=base.device, steps=base.steps, seed=base.seed, k=base.k,
