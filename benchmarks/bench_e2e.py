@@ -10,6 +10,7 @@ one H200); on CPU the small default (~3 minutes on 2 cores).
 
 usage: python benchmarks/bench_e2e.py [--set key=value ...]   (the driver's options)
        python benchmarks/bench_e2e.py --quality [--samples 12] [--set ...]   (teacher signals compared)
+       python benchmarks/bench_e2e.py --cache-read   (teacher cache read tokens/s against the student loss's)
 """
 from __future__ import annotations
 
@@ -63,6 +64,33 @@ def quality(args) -> None:
                        "per byte": "recovered_per_byte", "ms/step": "ms"})
 
 
+def cache_read(args) -> None:
+    """The --cache-read part: the teacher cache's read rate (tokens/s, decoded) against the fused
+    student loss's tokens/s at V = 151,936 (on CUDA; the loss alone bounds a student's rate)."""
+    import tempfile
+
+    import torch
+    from e2e_quality import cache_read_rate, student_loss_rate
+
+    env = environment(args.commit)
+    device = "cuda" if torch.cuda.is_available() else None
+    student = student_loss_rate() if device else None
+    rows = []
+    for encoding, kind, entries in (("lossless", "topk", 64), ("compact", "topk", 64), ("lossless", "samples", 12),
+                                    ("compact", "samples", 12)):
+        with tempfile.TemporaryDirectory() as directory:
+            measured = cache_read_rate(directory, encoding, kind, entries, device=device)
+        shape = dict(name="cache read", vocab=151_936, kind=kind, entries=entries, encoding=encoding)
+        ratio = measured["tokens_per_s"] / student if student else None
+        rows.append(result_row(env, "bench_e2e_cache_read", shape, f"{kind} {entries} {encoding}", "once",
+                               measured.pop("ms"), "student loss tokens/s", ratio, None, student_tokens_per_s=student,
+                               **measured))
+    print(f"environment: {env}")
+    append_rows(args.results, rows)
+    print_table(rows, {"cache": "provider", "tokens/s": "tokens_per_s", "B/token": "bytes_per_token",
+                       "× student": "ratio"})
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -74,7 +102,12 @@ def main():
                                 help="compare the teacher signals at equal steps and data instead")
     signal_quality.add_argument("--samples", type=int, default=12, help="teacher samples a token of the sampled "
                                 "signal")
+    cache = parser.add_argument_group("teacher cache read rate (--cache-read)")
+    cache.add_argument("--cache-read", action="store_true", help="time reading a synthetic teacher cache instead")
     args = parser.parse_args()
+    if args.cache_read:
+        cache_read(args)
+        return
     if args.quality:
         quality(args)
         return

@@ -134,3 +134,54 @@ def compare(config, samples: int = 12, progress: bool = False) -> list[dict]:
         row["gain_recovered"] = (floor - row["held_out_ce"]) / gain if gain > 0 else float("nan")
         row["recovered_per_byte"] = row["gain_recovered"] / row["bytes_per_token"] if row["bytes_per_token"] else None
     return results
+
+
+def cache_read_rate(directory: str, encoding: str, kind: str, entries: int, vocab: int = 151_936, rows: int = 256,
+                    positions: int = 512, batch_rows: int = 16, device=None) -> dict:
+    """Tokens a second that `TeacherCacheReader.micro_batches` delivers (decoded, on ``device``)
+    from a cache of ``rows`` synthetic rows of ``positions`` tokens written to ``directory``,
+    read in `shuffled_rows` order in batches of ``batch_rows`` rows; the bytes a token."""
+    from orchestration.teacher_cache import CacheHeader, TeacherCacheReader, TeacherCacheWriter
+
+    generator = torch.Generator().manual_seed(0)
+    fields = ("log_threshold",) if kind == "samples" else ()
+    header = CacheHeader(kind=kind, encoding=encoding, vocab_size=vocab, k=entries, temperature=1.0,
+                         tokenizer_hash="synthetic", data_hash="synthetic", fields=fields, positions_per_row=positions)
+    with TeacherCacheWriter(directory, header) as writer:
+        for start in range(0, rows, batch_rows):
+            count = min(batch_rows, rows - start) * positions
+            logprobs = torch.log_softmax(3 * torch.randn(count, 4 * entries, generator=generator), -1)
+            logprobs = logprobs.topk(entries, dim=-1).values
+            ids = torch.randint(0, vocab, (count, entries), generator=generator, dtype=torch.int32)
+            if kind == "samples":
+                signal = kd.TeacherSamples(logprobs, ids, logprobs[:, -1] - 1.0, None, 1.0)
+            else:
+                signal = kd.TopK(logprobs, ids, None, 1.0)
+            writer.add(torch.arange(start, start + min(batch_rows, rows - start)), signal)
+    with TeacherCacheReader(directory) as reader:
+        order = reader.shuffled_rows(seed=1)
+        picks = [order[start:start + batch_rows] for start in range(0, rows, batch_rows)]
+        started = time.perf_counter()
+        with reader.micro_batches(picks, device=device) as batches:
+            for batch in batches:
+                batch.logprobs.sum().item()  # the values are on the device
+        seconds = time.perf_counter() - started
+        bytes_per_token = reader.codec.bytes_per_position
+    return dict(tokens_per_s=rows * positions / seconds, bytes_per_token=bytes_per_token, ms=1e3 * seconds)
+
+
+def student_loss_rate(n: int = 8192, hidden_size: int = 2048, vocab: int = 151_936, k: int = 64) -> float:
+    """Tokens a second of the fused student loss alone (forward + backward, bf16, one CUDA device):
+    an upper bound on a student's training rate at that vocab."""
+    from harness import time_sustained_ms
+
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    hidden = (0.3 * torch.randn(n, hidden_size, device="cuda", generator=generator)).bfloat16().requires_grad_()
+    weight = (0.02 * torch.randn(vocab, hidden_size, device="cuda", generator=generator)).bfloat16().requires_grad_()
+    teacher = kd.teacher_topk(hidden.detach(), weight.detach(), k)
+
+    def step():
+        kd.topk_divergence(hidden, weight, teacher).backward()
+
+    steady, _ = time_sustained_ms({"loss": step})
+    return n / (steady["loss"] / 1e3)
