@@ -44,6 +44,14 @@ def measure(name, overrides, output_dir) -> dict:
                 ms=1e3 * statistics.median(r["tokens"] / r["tokens_per_s"] for r in records))
 
 
+def publish(args, env: dict, rows: list[dict], columns: dict) -> None:
+    """The environment line, the rows appended to the results file, and their table."""
+    print(f"environment: {env}")
+    append_rows(args.results, rows)
+    print()
+    print_table(rows, columns)
+
+
 def quality(args) -> None:
     """The --quality part: the teacher signals at equal steps and data (benchmarks/e2e_quality.py)."""
     from e2e_quality import CE_ONLY, compare
@@ -56,10 +64,7 @@ def quality(args) -> None:
     measured = compare(base, args.samples, progress=True)
     rows = [result_row(env, "bench_e2e_quality", shape, m.pop("name"), "equal steps", m.pop("ms"), CE_ONLY,
                        m["gain_recovered"], None, **m) for m in measured]
-    print(f"environment: {env}")
-    append_rows(args.results, rows)
-    print()
-    print_table(rows, {"signal": "provider", "held-out CE": "held_out_ce", "KL to teacher": "kl_to_teacher",
+    publish(args, env, rows, {"signal": "provider", "held-out CE": "held_out_ce", "KL to teacher": "kl_to_teacher",
                        "B/token": "bytes_per_token", "gain recovered": "gain_recovered",
                        "per byte": "recovered_per_byte", "ms/step": "ms"})
 
@@ -85,9 +90,7 @@ def cache_read(args) -> None:
         rows.append(result_row(env, "bench_e2e_cache_read", shape, f"{kind} {entries} {encoding}", "once",
                                measured.pop("ms"), "student loss tokens/s", ratio, None, student_tokens_per_s=student,
                                **measured))
-    print(f"environment: {env}")
-    append_rows(args.results, rows)
-    print_table(rows, {"cache": "provider", "tokens/s": "tokens_per_s", "B/token": "bytes_per_token",
+    publish(args, env, rows, {"cache": "provider", "tokens/s": "tokens_per_s", "B/token": "bytes_per_token",
                        "× student": "ratio"})
 
 
@@ -121,10 +124,7 @@ def main():
     floor = measured[FLOOR]["held_out_ce"]
     rows = [result_row(env, BENCHMARK, shape, name, "equal steps", m.pop("ms"), FLOOR, m["held_out_ce"] / floor,
                        None, **m) for name, m in measured.items()]
-    print(f"environment: {env}")
-    append_rows(args.results, rows)
-    print()
-    print_table(rows, {"student": "provider", "held-out CE": "held_out_ce", "× CE alone": "ratio",
+    publish(args, env, rows, {"student": "provider", "held-out CE": "held_out_ce", "× CE alone": "ratio",
                        "teacher held-out CE": "teacher_held_out_ce", "train CE first": "train_ce_first",
                        "last": "train_ce_last", "tokens/s": "tokens_per_s"})
     if measured["distilled"]["held_out_ce"] >= floor:

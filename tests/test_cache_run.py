@@ -78,12 +78,14 @@ def test_a_cache_made_for_another_run_is_refused_in_one_line(written, overrides,
     assert orchestrate.main(arguments) == 2
     lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("orchestrate.py:")]
     assert len(lines) == 1 and field in lines[0]
-    assert lines[0].startswith("orchestrate.py: error: teacher_cache:" if field != "support" else "orchestrate.py: error: support:")
+    option = "support" if field == "support" else "teacher_cache"
+    assert lines[0].startswith(f"orchestrate.py: error: {option}:")
 
 
+@pytest.mark.slow  # ~45 s on 2 cores: Ray and three driver runs, the acceptance test of training from a cache
 def test_training_from_the_cache_equals_training_with_the_live_teacher(written):
-    # three driver runs on one Ray cluster (~40 s on 2 cores): live, from the top-k cache, from a
-    # cache of samples with support="sampled"
+    # three driver runs on one Ray cluster: live, from the top-k cache, from a cache of samples
+    # with support="sampled"
     from orchestration.driver import run
     from orchestration.metrics_log import read_rows
 

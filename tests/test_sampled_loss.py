@@ -24,8 +24,10 @@ def _problem(n=29, h=16, v=203, samples=6, vocab_size=200, seed=0, temperature=2
     hidden = torch.randn(n, h, generator=generator).to(device, dtype)
     weight = torch.randn(v, h, generator=generator).to(device, dtype)
     bias = torch.randn(v, generator=generator).to(device, dtype)
-    teacher = kd.teacher_sample(torch.randn(n, h, generator=generator).to(device), torch.randn(v, h, generator=generator).to(device),
-                                samples, seed=seed + 11, temperature=temperature, vocab_size=vocab_size, backend="torch")
+    teacher_hidden = torch.randn(n, h, generator=generator).to(device)
+    teacher_weight = torch.randn(v, h, generator=generator).to(device)
+    teacher = kd.teacher_sample(teacher_hidden, teacher_weight, samples, seed=seed + 11, temperature=temperature,
+                                vocab_size=vocab_size, backend="torch")
     labels = torch.randint(0, vocab_size, (n,), generator=generator)
     labels[torch.rand(n, generator=generator) < 0.2] = -100
     return hidden, weight, bias, teacher, labels.to(device)
@@ -50,7 +52,8 @@ def _compare(problem, tolerance, chunk_rows=16, from_logits=False, **options):
                                  chunk_rows=chunk_rows, **kwargs)
     assert relative_error(got, expected) <= tolerance
     upstream = torch.rand_like(expected) + 0.5
-    for g, r in zip(torch.autograd.grad(got, leaves, upstream.float()), torch.autograd.grad(expected, leaves64, upstream)):
+    expected_grads = torch.autograd.grad(expected, leaves64, upstream)
+    for g, r in zip(torch.autograd.grad(got, leaves, upstream.float()), expected_grads):
         assert relative_error(g, r) <= tolerance
 
 
