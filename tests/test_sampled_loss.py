@@ -63,6 +63,13 @@ def test_every_sampled_divergence_matches_the_reference(divergence):
              skew_lambda=0.2)
 
 
+@pytest.mark.parametrize("divergence, extra", [("jsd", dict(beta=0.0)), ("jsd", dict(beta=1.0)),
+                                               ("skewed_forward_kl", dict(skew_lambda=0.0)),
+                                               ("skewed_reverse_kl", dict(skew_lambda=0.0))])
+def test_endpoints_that_are_another_divergence_match_the_reference(divergence, extra):
+    _compare(_problem(seed=9), 1e-5, divergence=divergence, **extra)
+
+
 @pytest.mark.parametrize("temperature, ce_weight, reduction", [(1.0, 0.5, "mean"), (2.0, 0.0, "sum"),
                                                                 (0.7, 0.5, "none")])
 def test_forward_kl_temperatures_reductions_and_from_logits(temperature, ce_weight, reduction):
