@@ -94,6 +94,11 @@ def main(argv: list[str] | None = None) -> int:
         return WORKER_ERROR
     with open(os.path.join(config.output_dir, "summary.json"), "w") as handle:
         json.dump(dict(config=vars(config), **summary), handle, indent=2)
+    if config.mode == "cache":
+        state = "complete" if summary["complete"] else "incomplete (run again to continue)"
+        print(f"teacher cache {summary['cache']}: {summary['train_rows']} training rows, {summary['kind']} "
+              f"({summary['entries']} a position, {summary['bytes_per_position']} B), {state}")
+        return 0
     print(f"data: {summary['train_rows']} training rows and {summary['held_out_rows']} held out, "
           f"{config.row_tokens} tokens each")
     print(f"held-out CE (nats/token): teacher {summary['teacher_held_out_ce']:.4f}, "

@@ -9,6 +9,8 @@ distillation does not beat CE alone. On a GPU it runs the driver's GPU default (
 one H200); on CPU the small default (~3 minutes on 2 cores).
 
 usage: python benchmarks/bench_e2e.py [--set key=value ...]   (the driver's options)
+       python benchmarks/bench_e2e.py --quality [--samples 12] [--set ...]   (teacher signals compared)
+       python benchmarks/bench_e2e.py --cache-read   (teacher cache read tokens/s against the student loss's)
 """
 from __future__ import annotations
 
@@ -42,12 +44,76 @@ def measure(name, overrides, output_dir) -> dict:
                 ms=1e3 * statistics.median(r["tokens"] / r["tokens_per_s"] for r in records))
 
 
+def publish(args, env: dict, rows: list[dict], columns: dict) -> None:
+    """The environment line, the rows appended to the results file, and their table."""
+    print(f"environment: {env}")
+    append_rows(args.results, rows)
+    print()
+    print_table(rows, columns)
+
+
+def quality(args) -> None:
+    """The --quality part: the teacher signals at equal steps and data (benchmarks/e2e_quality.py)."""
+    from e2e_quality import CE_ONLY, compare
+
+    base = load_config(None, args.set)
+    env = environment(args.commit)
+    shape = dict(name="signal quality", device=base.device, steps=base.steps, seed=base.seed,
+                 tokens_per_step=base.row_tokens * base.rows_per_micro_batch * base.micro_batches,
+                 vocab=base.tokenizer_vocab, samples=args.samples)
+    measured = compare(base, args.samples, progress=True)
+    rows = [result_row(env, "bench_e2e_quality", shape, m.pop("name"), "equal steps", m.pop("ms"), CE_ONLY,
+                       m["gain_recovered"], None, **m) for m in measured]
+    publish(args, env, rows, {"signal": "provider", "held-out CE": "held_out_ce", "KL to teacher": "kl_to_teacher",
+                       "B/token": "bytes_per_token", "gain recovered": "gain_recovered",
+                       "per byte": "recovered_per_byte", "ms/step": "ms"})
+
+
+def cache_read(args) -> None:
+    """The --cache-read part: the teacher cache's read rate (tokens/s, decoded) against the fused
+    student loss's tokens/s at V = 151,936 (on CUDA; the loss alone bounds a student's rate)."""
+    import tempfile
+
+    import torch
+    from e2e_quality import cache_read_rate, student_loss_rate
+
+    env = environment(args.commit)
+    device = "cuda" if torch.cuda.is_available() else None
+    student = student_loss_rate() if device else None
+    rows = []
+    for encoding, kind, entries in (("lossless", "topk", 64), ("compact", "topk", 64), ("lossless", "samples", 12),
+                                    ("compact", "samples", 12)):
+        with tempfile.TemporaryDirectory() as directory:
+            measured = cache_read_rate(directory, encoding, kind, entries, device=device)
+        shape = dict(name="cache read", vocab=151_936, kind=kind, entries=entries, encoding=encoding)
+        ratio = measured["tokens_per_s"] / student if student else None
+        rows.append(result_row(env, "bench_e2e_cache_read", shape, f"{kind} {entries} {encoding}", "once",
+                               measured.pop("ms"), "student loss tokens/s", ratio, None, student_tokens_per_s=student,
+                               **measured))
+    publish(args, env, rows, {"cache": "provider", "tokens/s": "tokens_per_s", "B/token": "bytes_per_token",
+                       "× student": "ratio"})
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="a driver option for both runs (python orchestrate.py --help lists them)")
     add_results_arguments(parser, BENCHMARK)
+    signal_quality = parser.add_argument_group("signal quality (--quality: CE only, full-vocab KD, top-k, sampled; "
+                                               "benchmarks/e2e_quality.py)")
+    signal_quality.add_argument("--quality", action="store_true",
+                                help="compare the teacher signals at equal steps and data instead")
+    signal_quality.add_argument("--samples", type=int, default=12, help="teacher samples a token of the sampled "
+                                "signal")
+    cache = parser.add_argument_group("teacher cache read rate (--cache-read)")
+    cache.add_argument("--cache-read", action="store_true", help="time reading a synthetic teacher cache instead")
     args = parser.parse_args()
+    if args.cache_read:
+        cache_read(args)
+        return
+    if args.quality:
+        quality(args)
+        return
     base = load_config(None, args.set)
     env = environment(args.commit)
     shape = dict(name="driver default", device=base.device, steps=base.steps, seed=base.seed, k=base.k,
@@ -58,10 +124,7 @@ def main():
     floor = measured[FLOOR]["held_out_ce"]
     rows = [result_row(env, BENCHMARK, shape, name, "equal steps", m.pop("ms"), FLOOR, m["held_out_ce"] / floor,
                        None, **m) for name, m in measured.items()]
-    print(f"environment: {env}")
-    append_rows(args.results, rows)
-    print()
-    print_table(rows, {"student": "provider", "held-out CE": "held_out_ce", "× CE alone": "ratio",
+    publish(args, env, rows, {"student": "provider", "held-out CE": "held_out_ce", "× CE alone": "ratio",
                        "teacher held-out CE": "teacher_held_out_ce", "train CE first": "train_ce_first",
                        "last": "train_ce_last", "tokens/s": "tokens_per_s"})
     if measured["distilled"]["held_out_ce"] >= floor:

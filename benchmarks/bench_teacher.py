@@ -16,9 +16,11 @@ and from bf16 logits already in memory (ratios to a device copy of them):
 Protocols: "blocks" for every provider; "sustained" (the one the targets are judged by) for
 the floor and ours from hidden states. Memory: peak beyond the inputs and the N·k top-k.
 Hidden states are scaled so the teacher's mean entropy at temperature 1 is 3 nats.
-Default: both shapes at k = 8, 64, 1024, ~6 minutes on one H200.
+Sampling rows: kd.teacher_sample (n = 16 by default, seed 1) against the floor, the top-k
+(k = 64, triton) beside it, both protocols.
+Default: both shapes at k = 8, 64, 1024 and n = 16, ~7 minutes on one H200.
 
-usage: python benchmarks/bench_teacher.py [--shapes qwen,llama] [--k 8,64,1024]
+usage: python benchmarks/bench_teacher.py [--shapes qwen,llama] [--k 8,64,1024] [--samples 16] [--sampling-only]
 """
 from __future__ import annotations
 
@@ -118,10 +120,43 @@ def bench_shape(shape, ks, env):
     return rows
 
 
+def bench_sampling(shape, sample_counts, env):
+    """kd.teacher_sample (n samples a row, seed 1) against the floor, the teacher top-k (k = 64,
+    triton) beside it: "blocks" and "sustained" rows, memory beyond the inputs and outputs."""
+    weight = lm_head(shape.v, shape.h)
+    hidden, entropy, _ = llm_like_hidden(shape.n, shape.h, weight)
+    rows = []
+    for n in sample_counts:
+        where = shape_fields(shape, samples=n, dtype="bfloat16", temperature=TEMPERATURE, entropy=round(entropy, 3))
+        group = {FLOOR: lambda: hidden @ weight.T,
+                 f"teacher_sample n={n} (triton)": lambda: kd.teacher_sample(hidden, weight, n, seed=1,
+                                                                             temperature=TEMPERATURE),
+                 "teacher_topk k=64 (triton)": lambda: kd.teacher_topk(hidden, weight, 64, temperature=TEMPERATURE,
+                                                                       backend="triton")}
+        keep = shape.n * (n * 8 + 12)
+        blocks = {}
+        for name, fn in group.items():
+            median, low, high = time_ms(fn, warmup=2, repeats=7)
+            blocks[name] = dict(ms=median, p20=low, p80=high, peak=peak_extra_gib(fn, keep_bytes=keep))
+            torch.cuda.empty_cache()
+        rows += [result_row(env, BENCHMARK, where, name, "blocks", timing["ms"], FLOOR,
+                            timing["ms"] / blocks[FLOOR]["ms"], timing["peak"], p20=timing["p20"], p80=timing["p80"])
+                 for name, timing in blocks.items()]
+        steady, ratios = time_sustained_ms(group)
+        rows += [result_row(env, BENCHMARK, where, name, "sustained", steady[name], FLOOR, ratios[name],
+                            blocks[name]["peak"]) for name in group]
+        print(f"samples n={n} done", flush=True)
+    return rows
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", default="all", help=f"all or a comma-separated list of {', '.join(TEACHER_SHAPES)}")
     parser.add_argument("--k", type=int_list, default=[8, 64, 1024], help="comma-separated k (default 8,64,1024)")
+    sampling = parser.add_argument_group("sampling (kd.teacher_sample against the floor and the top-k)")
+    sampling.add_argument("--samples", type=int_list, default=[16],
+                          help="comma-separated samples a row (default 16; rows after the top-k's)")
+    sampling.add_argument("--sampling-only", action="store_true", help="only the sampling rows")
     add_results_arguments(parser, BENCHMARK)
     args = parser.parse_args()
     shapes = pick(TEACHER_SHAPES, args.shapes, parser, "--shapes")
@@ -129,7 +164,8 @@ def main():
         sys.exit("bench_teacher: needs a CUDA device")
     env = environment(args.commit)
     print(f"environment: {env}\nbackends: {kd.available_backends()}")
-    rows = [row for shape in shapes for row in bench_shape(shape, args.k, env)]
+    rows = [] if args.sampling_only else [row for shape in shapes for row in bench_shape(shape, args.k, env)]
+    rows += [row for shape in shapes for row in bench_sampling(shape, args.samples, env)]
     append_rows(args.results, rows)
     print()
     print_table(rows, TIMING_COLUMNS)

@@ -162,18 +162,25 @@ def _student_options(group, local_columns: int, argument: str, teacher: TopK, kw
     """(options with the global V*, this rank's `VocabShard` or None)."""
     vocab_size, shard = _vocab(group, local_columns, kwargs.pop("vocab_size", None), argument)
     options = DivergenceOptions(vocab_size=vocab_size, **kwargs)
-    if isinstance(teacher, TopK) and teacher.temperature is not None and teacher.temperature != options.temperature:
+    if _teacher_temperature(teacher) is not None and teacher.temperature != options.temperature:
         raise ValueError(f"temperature: the student temperature {options.temperature} differs from the teacher's "
                          f"{teacher.temperature} (teacher.temperature); score both at one temperature, or set "
                          "teacher.temperature = None to mix them on purpose")
     return options, shard
 
 
-def _check_student_inputs(num_rows: int, device, teacher: TopK, labels, options: DivergenceOptions,
-                          num_tokens, check_values: bool) -> TopK:
+def _teacher_temperature(teacher) -> Optional[float]:
+    """The temperature a `TopK` / `TeacherSamples` was scored at (None: unknown, or another type)."""
+    from .samples import TeacherSamples
+
+    return teacher.temperature if isinstance(teacher, (TopK, TeacherSamples)) else None
+
+
+def _check_student_inputs(num_rows: int, device, teacher, labels, options: DivergenceOptions,
+                          num_tokens, check_values: bool):
     """Checks; returns the teacher to use: with the value checks off, entries whose ids lie
     outside [0, V*) are made invalid (with them on, such ids are refused)."""
-    check_teacher(teacher, num_rows, device)
+    check_teacher(teacher, num_rows, device, options.support)
     check_labels(labels, num_rows, device, options.ce_weight)
     check_num_tokens(num_tokens)
     if not check_values:
@@ -211,12 +218,17 @@ def topk_divergence(hidden: torch.Tensor, weight: torch.Tensor, teacher: TopK, l
     Args:
         hidden: ``[N, H]`` float32 / bfloat16 / float16 student final hidden states (rows are tokens).
         weight: ``[V, H]`` the student lm_head, same dtype.
-        teacher: `TopK` with ``[N, k]`` log-probs and ids from `teacher_topk`.
+        teacher: `TopK` with ``[N, k]`` log-probs and ids from `teacher_topk`; for
+            support="sampled" a `TeacherSamples` from `teacher_sample`.
         labels: ``[N]`` int, already shifted (row n predicts token n + 1); ``ignore_index``
             rows count for nothing. None: every row counts for KD, ``ce_weight`` must be 0.
         divergence: forward_kl | reverse_kl | jsd | skewed_forward_kl | skewed_reverse_kl |
             adaptive_kl | tvd (SPEC.md's table; ``beta``, ``skew_lambda``, ``adaptive_alpha``).
-        support: "renormalized" (both sides softmaxed over the k ids) or "tail" (k + 1 bins).
+        support: "renormalized" (both sides softmaxed over the k ids), "tail" (k + 1 bins) or
+            "sampled": KD is the unbiased estimate of the full-vocab divergence from the
+            teacher's Gumbel-top-n samples, ``Σ_i t'(p_i, q_i) / π_i`` (`sampling`; its mean over
+            seeds is the full-vocab divergence, its gradient's mean the full-vocab gradient).
+            Every divergence but adaptive_kl (refused: no unbiased sampled form).
         reduction: "mean" (over ``num_tokens`` if given, else counted rows), "sum" or "none" (``[N]``).
         return_metrics: also return a dict of detached sums (see SPEC "Loss").
         check_values: check teacher ids, NaN log-probs and labels on the device (one host sync).
@@ -311,7 +323,7 @@ def teacher_sample(hidden: torch.Tensor, weight: torch.Tensor, num_samples: int 
     threshold the (n+1)-th. Equals `kd_kernels.reference.teacher_sample` up to float32 rounding
     of the keys (ids may differ only where two keys are within it); never holds ``[N, V]`` logits
     for bf16 / fp16 inputs on the triton backend (the sampling matmul's epilogue keeps the
-    elements that may reach a floor; docs/DESIGN_SAMPLING.md).
+    elements that may reach a floor; docs/DESIGN.md, "Sampled sparse KD").
 
     Args:
         hidden: ``[N, H]`` float32 / bfloat16 / float16 teacher final hidden states.

@@ -14,7 +14,7 @@ DIVERGENCES = (
     "adaptive_kl",
     "tvd",
 )
-SUPPORTS = ("renormalized", "tail")
+SUPPORTS = ("renormalized", "tail", "sampled")
 REDUCTIONS = ("mean", "sum", "none")
 
 # Floors of the SPEC: a tail bin never drops below this mass (a divergence stays finite),
@@ -47,6 +47,10 @@ class DivergenceOptions:
         check_choice("divergence", self.divergence, DIVERGENCES)
         check_choice("support", self.support, SUPPORTS)
         check_choice("reduction", self.reduction, REDUCTIONS)
+        if self.support == "sampled" and self.divergence == "adaptive_kl":
+            raise ValueError("divergence: 'adaptive_kl' has no unbiased sampled form (its head/tail split sorts the "
+                             "whole vocab), so support='sampled' refuses it; use forward_kl, reverse_kl, jsd, "
+                             "skewed_forward_kl, skewed_reverse_kl or tvd, or support='tail'")
         check_temperature(self.temperature)
         for name in ("beta", "skew_lambda", "adaptive_alpha"):
             check_unit_interval(name, getattr(self, name))

@@ -15,7 +15,7 @@ Unlike the public API, ``k`` may exceed the number of columns (missing entries a
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional, Sequence
 
 import torch
@@ -89,8 +89,11 @@ def student_row_stats(logits: torch.Tensor, teacher: TopK, labels: Optional[torc
 def loss_from_row_stats(student: StudentRowStats, teacher: TopK, labels: Optional[torch.Tensor],
                         options: DivergenceOptions, vocab_size: int, num_tokens=None,
                         return_metrics: bool = False):
-    counted = counted_rows(labels, teacher.num_rows, options.ignore_index, student.values.device)
-    kd, ce = row_losses(student, teacher.logprobs, teacher.indices, counted, options, vocab_size)
+    counted = counted_rows(labels, teacher.logprobs.shape[0], options.ignore_index, student.values.device)
+    if options.support == "sampled":
+        kd, ce = sampled_row_losses(student, teacher, counted, options)
+    else:
+        kd, ce = row_losses(student, teacher.logprobs, teacher.indices, counted, options, vocab_size)
     loss = reduce_loss(kd, ce, counted, options, num_tokens)
     if return_metrics:
         return loss, row_metrics(student, teacher.logprobs, teacher.indices, counted, kd, ce)
@@ -236,8 +239,8 @@ def topk_divergence_sharded(logit_shards: Sequence[torch.Tensor], teacher: TopK,
 
 
 # ---------------------------------------------------------------------------------------
-# Sampled sparse KD (docs/DESIGN_SAMPLING.md): Gumbel-top-n samples of the teacher and the
-# unbiased estimate of the full-vocab divergence from them.
+# Sampled sparse KD (docs/DESIGN.md, "Sampled sparse KD"): Gumbel-top-n samples of the teacher
+# and the unbiased estimate of the full-vocab divergence from them.
 # ---------------------------------------------------------------------------------------
 
 def teacher_sample_from_logits(logits: torch.Tensor, num_samples: int, temperature: float = 1.0,
@@ -266,27 +269,27 @@ def teacher_sample(hidden: torch.Tensor, weight: torch.Tensor, num_samples: int,
                                       seed=seed, row_offset=row_offset)
 
 
+def sampled_row_losses(student: StudentRowStats, samples, counted: torch.Tensor, options: DivergenceOptions):
+    """Per-row KD and CE ``[N]`` (0 on rows not counted; CE None without labels), KD the unbiased
+    estimate `sampling.sampled_row_divergence` of ``options.divergence`` between the teacher and
+    the student's full-vocab ``softmax(z / τ)``, from `TeacherSamples` ``samples``."""
+    from .sampling import log_inclusion, sampled_row_divergence
+
+    log_p = samples.logprobs.to(student.values.dtype)
+    kd = sampled_row_divergence(log_p, student.values, student.lse_tempered,
+                                log_inclusion(log_p, samples.log_threshold.to(log_p.dtype)), options.divergence,
+                                options.beta, options.skew_lambda)
+    ce = None if student.label_logprob is None else torch.where(counted, -student.label_logprob, 0.0)
+    return torch.where(counted, kd, 0.0), ce
+
+
 def sampled_divergence_from_logits(logits: torch.Tensor, samples, labels: Optional[torch.Tensor] = None,
                                    options: DivergenceOptions = DivergenceOptions(), num_tokens=None):
     """``kd_weight · KD + ce_weight · CE`` reduced by ``options.reduction``, float64,
-    differentiable, with KD per row the unbiased estimate `sampling.sampled_row_divergence` of
-    ``options.divergence`` between the teacher and ``softmax(logits[:, :V*] / τ)`` over the
-    whole vocab, from `TeacherSamples` ``samples`` (``options.support`` is not read)."""
-    from .sampling import log_inclusion, sampled_row_divergence
-
-    z = _existing_columns(logits, options.vocab_size).double()
-    tempered = z / options.temperature
-    ids = _safe_ids(samples.indices, samples.valid)
-    log_p = samples.logprobs.double()
-    kd = sampled_row_divergence(log_p, tempered.gather(-1, ids), torch.logsumexp(tempered, dim=-1),
-                                log_inclusion(log_p, samples.log_threshold.double()), options.divergence,
-                                options.beta, options.skew_lambda)
-    counted = counted_rows(labels, z.shape[0], options.ignore_index, z.device)
-    ce = None
-    if labels is not None:
-        label_ids = _safe_ids(labels, labels != options.ignore_index).unsqueeze(-1)
-        ce = torch.where(counted, -torch.log_softmax(z, dim=-1).gather(-1, label_ids).squeeze(-1), 0.0)
-    return reduce_loss(torch.where(counted, kd, 0.0), ce, counted, options, num_tokens)
+    differentiable, KD per row `sampled_row_losses`' estimate from `TeacherSamples` ``samples``:
+    `topk_divergence_from_logits` with support "sampled"."""
+    return topk_divergence_from_logits(logits, samples, labels, replace(options, support="sampled"),
+                                       num_tokens)
 
 
 def sampled_divergence(hidden: torch.Tensor, weight: torch.Tensor, samples, labels: Optional[torch.Tensor] = None,

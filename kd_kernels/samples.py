@@ -93,6 +93,12 @@ class TeacherSamples:
         return torch.cat([header.view(torch.uint8).to(inner.device), thresholds.view(torch.uint8), inner])
 
     @staticmethod
+    def packed_in(buffer: torch.Tensor) -> bool:
+        """Whether a 1-D uint8 buffer starts with `pack`'s header (not, e.g., `TopK.pack`'s)."""
+        return (buffer.dtype == torch.uint8 and buffer.dim() == 1 and buffer.numel() >= _HEADER_BYTES
+                and int(buffer[:8].cpu().view(torch.int64)) == _PACK_MAGIC)
+
+    @staticmethod
     def unpack(buffer: torch.Tensor) -> "TeacherSamples":
         """Inverse of `pack`: views into ``buffer`` (no copy) except the headers read."""
         if buffer.dtype != torch.uint8 or buffer.dim() != 1:

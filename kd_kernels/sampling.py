@@ -1,5 +1,5 @@
 """Sampled sparse KD in plain PyTorch: the teacher's Gumbel noise and the unbiased estimator of a
-full-vocab divergence from Gumbel-top-n samples (docs/DESIGN_SAMPLING.md).
+full-vocab divergence from Gumbel-top-n samples (docs/DESIGN.md, "Sampled sparse KD").
 
 The noise. Token v of row r gets ``G = −log(E)``, ``E = −log1p(−w)``, ``w = (m + ½) · 2⁻³²`` with
 ``m`` 32 bits hashed from (seed, r, v) and nothing else, so every backend and every recompute
@@ -128,6 +128,12 @@ def _resolved(divergence: str, beta: float) -> str:
     return divergence
 
 
+def _dense_at_mean(divergence: str, beta: float, skew_lambda: float) -> bool:
+    """forward_kl (jsd at β = 0, skewed_forward_kl at λ = 0): its dense gradient part is taken at its mean."""
+    resolved = _resolved(divergence, beta)
+    return resolved == "forward_kl" or (resolved == "skewed_forward_kl" and skew_lambda == 0.0)
+
+
 def control_variate_slope(divergence: str, beta: float = 0.5, skew_lambda: float = 0.1) -> float:
     """c of the sampled term ``t − c (q − p)``: ``∂t/∂q`` at ``q = p`` for reverse_kl and
     skewed_reverse_kl (jsd at β = 1), 0 for the others."""
@@ -183,7 +189,7 @@ def sampled_row_divergence(log_p: torch.Tensor, values: torch.Tensor, lse_temper
     term, _ = sampled_bin_terms(log_p, log_q, divergence, beta, skew_lambda)
     inverse_pi = torch.where(valid, torch.exp(-log_pi), 0.0)
     estimate = (term * inverse_pi).sum(dim=-1)
-    if _resolved(divergence, beta) == "forward_kl":
+    if _dense_at_mean(divergence, beta, skew_lambda):
         weight_sum = (torch.exp(log_p) * inverse_pi).sum(dim=-1).detach()
         estimate = estimate + (1.0 - weight_sum) * (lse_tempered - lse_tempered.detach())
     return estimate
@@ -196,6 +202,6 @@ def sampled_gradients(log_p: torch.Tensor, log_q: torch.Tensor, log_pi: torch.Te
     valid, log_p, log_q, log_pi = _masked(log_p, log_q, log_pi)
     _, u = sampled_bin_terms(log_p, log_q, divergence, beta, skew_lambda)
     at_values = torch.where(valid, u * torch.exp(-log_pi), 0.0)
-    if _resolved(divergence, beta) == "forward_kl":
+    if _dense_at_mean(divergence, beta, skew_lambda):
         return at_values, torch.ones_like(at_values[..., 0])
     return at_values, -at_values.sum(dim=-1)

@@ -1,6 +1,6 @@
-"""Teacher Gumbel-top-n samples on the triton backend (docs/DESIGN_SAMPLING.md): for each row, the
-n largest keys ``κ_v = z_v / τ + G_v`` (G the noise of kd_kernels/sampling.py), their log-probs
-over the whole vocab and the (n+1)-th key, chunk by chunk of rows. Two schedules:
+"""Teacher Gumbel-top-n samples on the triton backend (docs/DESIGN.md, "Sampled sparse KD"): for
+each row, the n largest keys ``κ_v = z_v / τ + G_v`` (G the noise of kd_kernels/sampling.py), their
+log-probs over the whole vocab and the (n+1)-th key, chunk by chunk of rows. Two schedules:
 
 - appended (bf16 / fp16 inputs whose rows TMA can move; no logits stored): per chunk of rows,
   the logits of every ``stride``-th column give each row a floor, a lower bound of a high rank of

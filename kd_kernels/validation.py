@@ -1,10 +1,13 @@
 """Input checks of the public API: run before any kernel launch, errors name the argument."""
 from __future__ import annotations
 
+import dataclasses
+
 from typing import Optional
 
 import torch
 
+from .samples import TeacherSamples
 from .topk import TopK
 
 
@@ -72,9 +75,23 @@ def check_k(k: int, vocab_size: int) -> None:
         raise ValueError(f"k: expected an int in [1, {vocab_size}] (the vocab size V*), got {k!r}")
 
 
-def check_teacher(teacher: TopK, num_rows: int, device: torch.device) -> None:
-    if not isinstance(teacher, TopK):
-        raise TypeError(f"teacher: expected a kd_kernels.TopK, got {type(teacher).__name__}")
+def check_teacher(teacher, num_rows: int, device: torch.device, support: str = "renormalized") -> None:
+    """Types, shapes and devices: a `TopK` for support "renormalized" / "tail", a `TeacherSamples`
+    (whose estimator needs its ``log_threshold [N]``) for support "sampled"."""
+    if support == "sampled":
+        if not isinstance(teacher, TeacherSamples):
+            raise TypeError(f"teacher: support='sampled' expects a kd_kernels.TeacherSamples (from teacher_sample), "
+                            f"got {type(teacher).__name__}")
+        threshold = teacher.log_threshold
+        if not isinstance(threshold, torch.Tensor) or not threshold.is_floating_point() \
+                or tuple(threshold.shape) != (num_rows,):
+            raise ValueError(f"teacher.log_threshold: expected a float tensor of shape [{num_rows}], got "
+                             f"{getattr(threshold, 'dtype', type(threshold).__name__)} "
+                             f"{tuple(getattr(threshold, 'shape', ()))}")
+        check_same_device("teacher.log_threshold", threshold, device, "the student tensors")
+    elif not isinstance(teacher, TopK):
+        hint = " (samples are read with support='sampled')" if isinstance(teacher, TeacherSamples) else ""
+        raise TypeError(f"teacher: support={support!r} expects a kd_kernels.TopK, got {type(teacher).__name__}{hint}")
     logprobs, indices = teacher.logprobs, teacher.indices
     check_floating("teacher.logprobs", logprobs)
     check_rank("teacher.logprobs", logprobs, 2, "[N, k]")
@@ -88,15 +105,22 @@ def check_teacher(teacher: TopK, num_rows: int, device: torch.device) -> None:
     check_same_device("teacher.indices", indices, device, "the student tensors")
 
 
-def check_teacher_values(teacher: TopK, vocab_size: int, support: str) -> None:
-    """Value checks (one host sync): NaN log-probs, ids outside [0, V*), log-probs > 0 in tail mode."""
+def check_teacher_values(teacher, vocab_size: int, support: str) -> None:
+    """Value checks (one host sync): NaN log-probs, ids outside [0, V*), log-probs > 0 in tail and
+    sampled mode, a NaN or +inf ``log_threshold`` in sampled mode."""
     logprobs, indices = teacher.logprobs, teacher.indices
     valid = torch.isfinite(logprobs)
     bad_nan = torch.isnan(logprobs).any()
     bad_pos_inf = torch.isposinf(logprobs).any()
     bad_ids = (valid & ((indices < 0) | (indices >= vocab_size))).any()
-    bad_mass = (torch.where(valid, logprobs.float(), 0.0) > 1e-3).any() if support == "tail" else torch.zeros((), dtype=torch.bool)
-    bad = torch.stack([bad_nan, bad_pos_inf, bad_ids, bad_mass.to(bad_nan.device)]).tolist()
+    normalized = support in ("tail", "sampled")
+    bad_mass = (torch.where(valid, logprobs.float(), 0.0) > 1e-3).any() if normalized else torch.zeros((), dtype=torch.bool)
+    bad_threshold = torch.zeros((), dtype=torch.bool)
+    if support == "sampled":
+        threshold = teacher.log_threshold
+        bad_threshold = (torch.isnan(threshold) | torch.isposinf(threshold)).any()
+    bad = torch.stack([bad_nan, bad_pos_inf, bad_ids, bad_mass.to(bad_nan.device),
+                       bad_threshold.to(bad_nan.device)]).tolist()
     if bad[0]:
         raise ValueError("teacher.logprobs: contains NaN")
     if bad[1]:
@@ -104,8 +128,11 @@ def check_teacher_values(teacher: TopK, vocab_size: int, support: str) -> None:
     if bad[2]:
         raise ValueError(f"teacher.indices: a valid entry lies outside [0, {vocab_size}) (the vocab size V*)")
     if bad[3]:
-        raise ValueError("teacher.logprobs: entries > 0 in support='tail' (expected full-vocab log-probabilities, "
-                         "not logits)")
+        raise ValueError(f"teacher.logprobs: entries > 0 in support={support!r} (expected full-vocab "
+                         "log-probabilities, not logits)")
+    if bad[4]:
+        raise ValueError("teacher.log_threshold: contains NaN or +inf (expected the (n+1)-th key less the lse, "
+                         "-inf where every column is a sample)")
 
 
 def without_out_of_range_ids(teacher: TopK, vocab_size: int) -> TopK:
@@ -115,7 +142,7 @@ def without_out_of_range_ids(teacher: TopK, vocab_size: int) -> TopK:
     indices = teacher.indices
     in_range = (indices >= 0) & (indices < vocab_size)
     logprobs = torch.where(in_range, teacher.logprobs, float("-inf"))
-    return TopK(logprobs, indices, teacher.lse, teacher.temperature)
+    return dataclasses.replace(teacher, logprobs=logprobs)
 
 
 def check_labels(labels: Optional[torch.Tensor], num_rows: int, device: torch.device, ce_weight: float) -> None:

@@ -17,6 +17,8 @@ from typing import Callable, Iterable, Iterator, Optional
 
 import torch
 
+from .cache_identity import tokenizer_hash
+
 IGNORE_INDEX = -100
 
 
@@ -184,12 +186,14 @@ def train_tokenizer(records: list[dict], vocab_size: int, directory: str,
 @dataclass
 class Dataset:
     """The packed rows of a run, ``[R, T]`` int64 tokens and shifted labels, split into
-    training rows and held-out rows (the last 5 %, at least one), and the vocab."""
+    training rows and held-out rows (the last 5 %, at least one), the vocab and the tokenizer's
+    hash (`cache_identity.tokenizer_hash`, what a teacher cache must match)."""
     train_tokens: torch.Tensor
     train_labels: torch.Tensor
     held_tokens: torch.Tensor
     held_labels: torch.Tensor
     vocab: int
+    tokenizer_hash: str = ""
     tokenizer: object = None  # the transformers tokenizer of the ids (None: pre-tokenized data without one)
     # packed pre-tokenized rows: position ids restarting per document and document ids [R, T] (None: plain rows)
     train_positions: Optional[torch.Tensor] = None
@@ -223,4 +227,4 @@ def prepare_data(config, progress, tokenizer=None) -> Dataset:
     labels = torch.stack([r[1] for r in rows])
     held_out = max(1, len(rows) // 20)
     return Dataset(tokens[:-held_out], labels[:-held_out], tokens[-held_out:], labels[-held_out:], len(tokenizer),
-                   tokenizer=tokenizer)
+                   tokenizer_hash(tokenizer), tokenizer=tokenizer)

@@ -49,13 +49,22 @@ def run(config, progress: bool = True, return_parameters: bool = False) -> dict:
             and not config.tokenizer_path:
         raise UsageError(["teacher_path, student_path: the checkpoints hold no tokenizer; set tokenizer_path to the "
                           "one they were trained with, or give pre-tokenized data_path"])
+    if config.mode == "cache":
+        from .cache_run import write_cache
+
+        if pre_tokenized:
+            raise UsageError(["mode: 'cache' scores text data (a tokenizer's rows); pre-tokenized data_path "
+                              f"{config.data_path!r} is not supported by the cache writer"])
+        os.makedirs(config.output_dir, exist_ok=True)
+        return write_cache(config, prepare_data(config, report, tokenizer), report)
     resume_from = _resume_point(config, report)
     os.makedirs(config.output_dir, exist_ok=True)
     import ray
 
     device = device_type(config.device)
-    layout = resolve_layout(config.placement, config.transfer, device, gpu_count() if device == "cuda" else 0,
-                            config.teacher_workers, config.student_workers)
+    # a teacher cache is read on the CPU: its entries go through the object store
+    layout = resolve_layout(config.placement, "object_store" if config.teacher_cache else config.transfer, device,
+                            gpu_count() if device == "cuda" else 0, config.teacher_workers, config.student_workers)
     plan = CommPlan(config.teacher_workers, config.student_workers, config.micro_batches)
     if pre_tokenized:
         try:
@@ -69,6 +78,16 @@ def run(config, progress: bool = True, return_parameters: bool = False) -> dict:
         sampler = StepSampler(config.seed, len(data.train_tokens), config.micro_batches, config.rows_per_micro_batch)
     if config.k > data.vocab:
         raise UsageError(f"k: expected at most the vocab ({data.vocab} tokens in the tokenizer), got {config.k}")
+    if config.teacher_cache:
+        from .cache_run import check_cache
+
+        if pre_tokenized:
+            raise UsageError([f"teacher_cache: reads caches of text data; pre-tokenized data_path {config.data_path!r} "
+                              "is not supported"])
+        check_cache(config, data)
+    elif config.support == "sampled":
+        raise UsageError("support: 'sampled' trains from a teacher cache of samples (mode=cache with cache_samples "
+                         "> 0, then teacher_cache=DIR); the live teacher sends its top-k")
     if resume_from and (problem := sampler.mismatch(checkpoint.read_manifest(resume_from)["metadata"]["sampler"])):
         raise UsageError(f"resume: {resume_from} was written with another data order ({problem}); resume with the "
                          "options and data it was written with")
@@ -174,6 +193,7 @@ class _Session:
     def start_workers(self, device: str) -> None:
         """Teacher and student actors, up and answering; workers.json (name → pid, GPU);
         the placement check; the NCCL pair handshake; the training rows."""
+        from .cache_run import CacheTeacherWorker
         from .student import StudentWorker
         from .teacher import TeacherWorker
 
@@ -191,7 +211,8 @@ class _Session:
                                                 device, sharded=config.student_strategy == "fsdp2", host=host,
                                                 port=port)
         # actors take no CPU slot: the driver decides placement, and more actors than cores must start
-        self.teachers = self.actors.start("teacher", TeacherWorker, config.teacher_workers,
+        self.teachers = self.actors.start("teacher", CacheTeacherWorker if config.teacher_cache else TeacherWorker,
+                                          config.teacher_workers,
                                           dict(num_cpus=0, num_gpus=layout.gpus_per_teacher),
                                           lambda rank: (config, vocab, layout.transfer, teacher_worlds[rank]),
                                           (lambda rank: teacher_slots[rank].actor_options()) if teacher_slots else None)
@@ -253,7 +274,7 @@ class _Session:
         """A teacher built from a config pretrains (teacher-0, in chunks, with a bar), then the
         others get its weights: every teacher worker scores with the same ones."""
         config, first = self.config, self.teachers[0]
-        total = 0 if config.teacher_path else config.teacher_pretrain_steps
+        total = 0 if config.teacher_path or config.teacher_cache else config.teacher_pretrain_steps
         if total:
             chunk = -(-total // PRETRAIN_UPDATES)
             with self.report.bar("teacher pretraining", total, "step") as bar:

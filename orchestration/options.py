@@ -222,6 +222,21 @@ OPTIONS: tuple[Option, ...] = tuple([
            ("teacher_offload", bool, False, "keep the teacher's weights on the CPU between its scoring calls "
             "(colocated runs short of GPU memory)"),
            ("overlap", bool, True, "score step i + 1 on the teacher while the student trains step i")),
+    # the offline teacher cache (orchestration/cache_run.py); on merge, "cache" joins the on-policy mode choices
+    *_rows("teacher cache",
+           ("mode", str, "off_policy", "off_policy: train on dataset rows; cache: score the training rows with the "
+            "teacher into teacher_cache and stop (resumable: run it again to continue)",
+            dict(choices=("off_policy", "cache"))),
+           ("teacher_cache", str, None, "a teacher cache directory: written by mode=cache, read by training (no "
+            "teacher model; refused unless made for this tokenizer, data, temperature, k / cache_samples)",
+            dict(nullable=True)),
+           ("cache_encoding", str, "lossless", "the cache's entries: lossless (bf16 log-probs, 4.25 B an entry at "
+            "V = 152k) or compact (about 3 B an entry, log-probs quantized from the row's maximum)",
+            dict(choices=("lossless", "compact"))),
+           ("cache_samples", int, 0, "0: the cache holds the top-k (k a position); n > 0: n teacher samples a "
+            "position (train them with support=sampled)", dict(minimum=0)),
+           ("cache_rows_per_shard", int, 64, "rows a cache shard holds (a killed write resumes at a shard)",
+            dict(minimum=1))),
     *_rows("checkpoints",
            ("checkpoint_every", int, 40, "save the student every N steps (0: only at the end and on Ctrl-C)",
             dict(minimum=0, gpu_default=100)),

@@ -79,22 +79,30 @@ class TeacherWorker(Worker):
         return self.row_layout(pick, self.device, self.config.attention)
 
     @torch.no_grad()
-    def topk(self, tokens: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
-             attention_mask: Optional[torch.Tensor] = None) -> kd.TopK:
-        """The teacher's top-k of tokens ``[B, T]`` (``B·T`` rows; packed rows with their
-        position ids and block-diagonal mask) on its device."""
+    def entries(self, tokens: torch.Tensor, first_row: int = 0, samples: int = 0,
+                position_ids: Optional[torch.Tensor] = None, attention_mask: Optional[torch.Tensor] = None):
+        """The teacher's entries of tokens ``[B, T]`` (the consecutive training rows from
+        ``first_row``; packed rows with their position ids and block-diagonal mask) on its device:
+        `kd.TopK` of k a position, or with ``samples`` > 0 `kd.TeacherSamples` of that many a
+        position, seeded by the run's seed, the noise row of a position its global index
+        (row · T + t): a row's samples do not depend on how rows are batched."""
         if self.config.teacher_offload:
             self.model.to(self.device)
         self.model.eval()
+        tokens = tokens.to(self.device)
         with autocast(self.device):
-            hidden = final_hidden_states(self.model, tokens.to(self.device), position_ids=position_ids,
+            hidden = final_hidden_states(self.model, tokens, position_ids=position_ids,
                                          attention_mask=attention_mask)
-        hidden = hidden.reshape(-1, hidden.shape[-1])
-        topk = kd.teacher_topk(*lm_head_inputs(self.model, hidden), k=self.config.k,
-                               temperature=self.config.temperature, vocab_size=self.vocab)
+        inputs = lm_head_inputs(self.model, hidden.reshape(-1, hidden.shape[-1]))
+        if samples:
+            entries = kd.teacher_sample(*inputs, samples, seed=self.config.seed, temperature=self.config.temperature,
+                                        vocab_size=self.vocab, row_offset=first_row * tokens.shape[1])
+        else:
+            entries = kd.teacher_topk(*inputs, k=self.config.k, temperature=self.config.temperature,
+                                      vocab_size=self.vocab)
         if self.config.teacher_offload:
             self.model.to("cpu")
-        return topk
+        return entries
 
     def score(self, tokens: torch.Tensor, step: int = 0, student_rank: int = 0,
               position_ids: Optional[torch.Tensor] = None, attention_mask: Optional[torch.Tensor] = None):
@@ -102,7 +110,8 @@ class TeacherWorker(Worker):
         of rank ``student_rank``, seconds spent). With ``teacher_offload`` the weights come
         from the CPU for the call and go back after it."""
         start = time.perf_counter()
-        message = self.transfer.send(self.topk(tokens, position_ids, attention_mask), step, student_rank)
+        message = self.transfer.send(self.entries(tokens, position_ids=position_ids, attention_mask=attention_mask),
+                                     step, student_rank)
         return message, time.perf_counter() - start
 
     def score_rows(self, pick: torch.Tensor, step: int = 0, student_rank: int = 0):
@@ -113,7 +122,8 @@ class TeacherWorker(Worker):
         """The CPU `kd.TopK` of a held-out chunk ``(tokens, labels, positions or None,
         documents or None)``, for `StudentWorker.evaluate`."""
         tokens, _, positions, documents = chunk
-        top = self.topk(tokens, *layout_of(positions, documents, self.device, self.config.attention))
+        position_ids, mask = layout_of(positions, documents, self.device, self.config.attention)
+        top = self.entries(tokens, position_ids=position_ids, attention_mask=mask)
         return kd.TopK(top.logprobs.cpu(), top.indices.cpu(), None if top.lse is None else top.lse.cpu(),
                        top.temperature)
 

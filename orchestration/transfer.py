@@ -50,7 +50,8 @@ class ObjectStore(Transfer):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # read-only shared memory: we never write it
             buffer = torch.from_numpy(message)
-        return kd.TopK.unpack(buffer).to(device)
+        unpack = kd.TeacherSamples.unpack if kd.TeacherSamples.packed_in(buffer) else kd.TopK.unpack
+        return unpack(buffer).to(device)  # samples come from a teacher cache of them
 
 
 class _KeepsBuffers(Transfer):

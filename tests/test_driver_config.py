@@ -196,7 +196,7 @@ BAD = [  # (arguments, the start of each expected line)
     (["--set", "k=5000"], ["k: expected at most the vocab (tokenizer_vocab = 1024), got 5000"]),
     (["--set", "overlap=maybe"], ["overlap: expected true or false, got 'maybe'"]),
     (["--set", "divergence=foo"], ["divergence: expected one of 'forward_kl',"]),
-    (["--set", "support=foo"], ["support: expected one of 'renormalized', 'tail', got 'foo'"]),
+    (["--set", "support=foo"], ["support: expected one of 'renormalized', 'tail', 'sampled', got 'foo'"]),
     (["--set", "lr=-1"], ["lr: expected a finite number > 0, got '-1'"]),
     (["--set", "temperature=0"], ["temperature: expected a finite number > 0, got 0.0"]),
     (["--set", "ce_weight=-3"], ["ce_weight: expected a finite number >= 0, got '-3'"]),

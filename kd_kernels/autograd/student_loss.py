@@ -57,7 +57,8 @@ def default_chunk_rows(num_rows: int, num_columns: int) -> int:
     return max(1, min(num_rows, -(-rows // CHUNK_ROW_MULTIPLE) * CHUNK_ROW_MULTIPLE))
 
 
-def _fused_support(stats, teacher_logprobs, counted, options: DivergenceOptions, vocab_size, row_weight):
+def _fused_support(stats, teacher_logprobs, counted, options: DivergenceOptions, vocab_size, row_weight,
+                   log_threshold=None):
     """The O(N·k) loss math in one Triton kernel (closed-form gradients): (per-row loss, KD,
     CE, row stats, `SupportGradients` w.r.t. the statistics, or None without ``row_weight``).
     CE and its two gradients are O(N) torch ops."""
@@ -65,7 +66,7 @@ def _fused_support(stats, teacher_logprobs, counted, options: DivergenceOptions,
 
     kd_scale = None if row_weight is None else row_weight * options.kd_weight
     kd, grad_ids, grad_lse_tempered = support_loss(teacher_logprobs, stats.at_ids, stats.lse_tempered, counted,
-                                                   kd_scale, options, vocab_size)
+                                                   kd_scale, options, vocab_size, log_threshold)
     ce, label_logprob = None, None
     per_row = options.kd_weight * kd
     if stats.at_label is not None:
@@ -95,7 +96,7 @@ def one_read_exp_weight(options: DivergenceOptions, has_labels: bool, grad_dtype
     if grad_dtype not in (torch.bfloat16, torch.float32):
         return None
     # the renormalized support's gradient lives on the ids alone: no dense KD term
-    kd_dense = options.support == "tail" and options.temperature != 1.0
+    kd_dense = options.support in ("tail", "sampled") and options.temperature != 1.0
     if not kd_dense:
         return 1.0
     with_ce = has_labels and options.ce_weight != 0.0
@@ -211,12 +212,13 @@ class _ChunkedStudentPass:
     and the loss math from row statistics (losses, metrics, gradients w.r.t. the statistics)."""
 
     def __init__(self, teacher_logprobs, teacher_indices, labels, options: DivergenceOptions, vocab_size: int,
-                 shard=None):
+                 shard=None, teacher_threshold=None):
         self.shard = shard
         # this rank's existing columns and the global id of the first
         self.width, self.column_start = (vocab_size, 0) if shard is None else (shard.existing, shard.vocab_start)
         self.teacher_logprobs = teacher_logprobs
         self.teacher_indices = teacher_indices
+        self.teacher_threshold = teacher_threshold  # [N] log_threshold of support "sampled", else None
         self.labels = labels
         self.options = options
         self.vocab_size = vocab_size
@@ -244,9 +246,12 @@ class _ChunkedStudentPass:
         rows = self.teacher_logprobs.shape[0]
         return counted_rows(self.labels, rows, self.options.ignore_index, self.teacher_logprobs.device)
 
-    def support(self, stats: "_ChunkStats", teacher_logprobs, teacher_indices, counted, row_weight):
-        """(per-row loss, KD, CE, row stats, gradients w.r.t. the statistics or None)."""
-        return _fused_support(stats, teacher_logprobs, counted, self.options, self.vocab_size, row_weight)
+    def support(self, stats: "_ChunkStats", start, stop, row_weight):
+        """(per-row loss, KD, CE, row stats, gradients w.r.t. the statistics or None) of rows
+        [start, stop)."""
+        teacher_logprobs, _, counted = self.rows(start, stop)
+        threshold = None if self.teacher_threshold is None else self.teacher_threshold[start:stop]
+        return _fused_support(stats, teacher_logprobs, counted, self.options, self.vocab_size, row_weight, threshold)
 
     def rows(self, start, stop):
         """(teacher log-probs, teacher ids, counted-row mask) of rows [start, stop)."""
@@ -256,7 +261,7 @@ class _ChunkedStudentPass:
         """Loss math of rows [start, stop) from their statistics: (per-row loss, gradients
         w.r.t. the statistics if ``row_weight`` is given). Adds metric sums into ``metrics``."""
         teacher_logprobs, teacher_indices, counted = self.rows(start, stop)
-        per_row, kd, ce, row_stats, grads = self.support(stats, teacher_logprobs, teacher_indices, counted,
+        per_row, kd, ce, row_stats, grads = self.support(stats, start, stop,
                                                          None if row_weight is None else row_weight[start:stop])
         if metrics is not None:
             sums = row_metrics(row_stats, teacher_logprobs, teacher_indices, counted, kd, ce)
@@ -385,9 +390,10 @@ class LinearTopKDivergence(torch.autograd.Function):
     """loss = f(hidden @ weight.T + bias); see the module docstring for how."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, teacher_logprobs, teacher_indices, labels, num_tokens,
+    def forward(ctx, hidden, weight, bias, teacher_logprobs, teacher_indices, teacher_threshold, labels, num_tokens,
                 options: DivergenceOptions, vocab_size: int, chunk_rows, lean: bool, with_metrics: bool, shard):
-        student_pass = _ChunkedStudentPass(teacher_logprobs, teacher_indices, labels, options, vocab_size, shard)
+        student_pass = _ChunkedStudentPass(teacher_logprobs, teacher_indices, labels, options, vocab_size, shard,
+                                           teacher_threshold)
         needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2])
 
         def weigh_rows():
@@ -420,16 +426,17 @@ class LinearTopKDivergence(torch.autograd.Function):
             # when the upstream gradient is 1.
             scale_inplace = _kernels()[1]
             grads = tuple(None if g is None else scale_inplace(g, grad_loss) for g in ctx.saved_tensors)
-        return (*grads, None, None, None, None, None, None, None, None, None, None)
+        return (*grads, None, None, None, None, None, None, None, None, None, None, None)
 
 
 class LogitsTopKDivergence(torch.autograd.Function):
     """loss = f(logits); statistics in forward, ``[N, V]`` gradient written once in backward."""
 
     @staticmethod
-    def forward(ctx, logits, teacher_logprobs, teacher_indices, labels, num_tokens, options: DivergenceOptions,
-                vocab_size: int, with_metrics: bool, shard):
-        student_pass = _ChunkedStudentPass(teacher_logprobs, teacher_indices, labels, options, vocab_size, shard)
+    def forward(ctx, logits, teacher_logprobs, teacher_indices, teacher_threshold, labels, num_tokens,
+                options: DivergenceOptions, vocab_size: int, with_metrics: bool, shard):
+        student_pass = _ChunkedStudentPass(teacher_logprobs, teacher_indices, labels, options, vocab_size, shard,
+                                           teacher_threshold)
         metrics = [torch.zeros((), device=logits.device) for _ in _METRIC_NAMES] if with_metrics else None
         per_row, stats, _ = student_pass.chunk(logits, None, 0, logits.shape[0], None, metrics)
         row_weight = None
@@ -447,12 +454,12 @@ class LogitsTopKDivergence(torch.autograd.Function):
         student_pass, stats = ctx.student_pass, ctx.stats
         options = student_pass.options
         row_weight = grad_loss.float() if options.reduction == "none" else ctx.row_weight * grad_loss.float()
-        teacher_logprobs, teacher_indices, counted = student_pass.rows(0, logits.shape[0])
-        *_, grads = student_pass.support(stats, teacher_logprobs, teacher_indices, counted, row_weight)
+        teacher_logprobs = student_pass.teacher_logprobs
+        *_, grads = student_pass.support(stats, 0, logits.shape[0], row_weight)
         grad_logits = torch.empty_like(logits, memory_format=torch.contiguous_format)
         _write_logit_gradient(logits, None, _gradient_plan(stats, grads, teacher_logprobs, options), options,
                               student_pass.width, grad_logits, student_pass.column_start)
-        return grad_logits, None, None, None, None, None, None, None, None
+        return grad_logits, None, None, None, None, None, None, None, None, None
 
 
 def _metrics_dict(metrics: torch.Tensor) -> dict:
@@ -465,6 +472,11 @@ def _num_tokens_arg(num_tokens):
     return num_tokens if num_tokens is None or isinstance(num_tokens, torch.Tensor) else float(num_tokens)
 
 
+def _threshold(teacher, options: DivergenceOptions) -> Optional[torch.Tensor]:
+    """The samples' float32 ``log_threshold [N]`` for support "sampled", else None."""
+    return teacher.log_threshold.float().contiguous() if options.support == "sampled" else None
+
+
 @torch.compiler.disable
 def fused_topk_divergence(hidden, weight, bias, teacher: TopK, labels, options: DivergenceOptions, num_tokens,
                           return_metrics: bool, chunk_rows: Optional[int], lean: bool = False, shard=None):
@@ -472,8 +484,8 @@ def fused_topk_divergence(hidden, weight, bias, teacher: TopK, labels, options: 
 
     Under ``torch.compile`` this is a graph break (compiled code around it runs as usual)."""
     loss, metrics = LinearTopKDivergence.apply(
-        hidden, weight, bias, teacher.logprobs, teacher.indices, labels, _num_tokens_arg(num_tokens), options,
-        options.vocab_size, chunk_rows, lean, return_metrics, shard)
+        hidden, weight, bias, teacher.logprobs, teacher.indices, _threshold(teacher, options), labels,
+        _num_tokens_arg(num_tokens), options, options.vocab_size, chunk_rows, lean, return_metrics, shard)
     return (loss, _metrics_dict(metrics)) if return_metrics else loss
 
 
@@ -483,7 +495,8 @@ def fused_topk_divergence_from_logits(logits, teacher: TopK, labels, options: Di
     """The Triton path of `kd_kernels.topk_divergence_from_logits` (inputs already validated)."""
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
-    loss, metrics = LogitsTopKDivergence.apply(logits, teacher.logprobs, teacher.indices, labels,
+    loss, metrics = LogitsTopKDivergence.apply(logits, teacher.logprobs, teacher.indices, _threshold(teacher, options),
+                                               labels,
                                                _num_tokens_arg(num_tokens), options, options.vocab_size,
                                                return_metrics, shard)
     return (loss, _metrics_dict(metrics)) if return_metrics else loss

@@ -7,7 +7,12 @@ w.r.t. the raw logits at the ids and w.r.t. ``logsumexp(z / τ)``. With ``u_i = 
 - renormalized: ``∂D/∂s_i = u_i − q_i Σ_j u_j`` (softmax over the valid ids);
 - tail: ``log q_i = s_i − lse_τ``, tail bin ``q_T = max(1 − Σ q_i, floor)``;
   ``w_i = u_i − u_T q_i / (1 − Σ q)`` (the second term only when the floor is not active),
-  ``∂D/∂s_i = w_i``, ``∂D/∂lse_τ = −Σ w_i``.
+  ``∂D/∂s_i = w_i``, ``∂D/∂lse_τ = −Σ w_i``;
+- sampled (the ids are Gumbel-top-n samples, `kd_kernels.sampling`): ``log q_i = s_i − lse_τ``,
+  ``1/π_i = 1 / (1 − exp(−exp(log p_i − threshold)))`` (1 where the row's threshold is −inf),
+  the sampled term ``t' = t − c (q − p)`` and ``u' = u − c q`` (c = `control_variate_slope`:
+  reverse KLs only), ``D = Σ t'_i / π_i``, ``w_i = u'_i / π_i``, ``∂D/∂s_i = w_i`` and
+  ``∂D/∂lse_τ = −Σ w_i``, except forward_kl: 1 (its dense part at its mean).
 Per bin (p teacher, q student): forward_kl ``u = −p``; reverse_kl ``u = q (log q − log p + 1)``;
 jsd ``u = (1−β) q (log q − log m)``; skewed_forward_kl ``u = −(1−λ) p q / mix``;
 skewed_reverse_kl ``u = q (log q − log mix + 1 − λ q / mix)``; tvd ``u = −½ q sign(p − q)``.
@@ -19,12 +24,14 @@ each bin's cumulative mass from one reverse scan (O(k)); other rows by compariso
 other bin, in blocks of bins (O(k²), no sort), so the bins need no particular order.
 """
 import math
+from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
 from ..options import ADAPTIVE_EPS, TAIL_FLOOR
+from ..sampling import control_variate_slope
 from .utils import logaddexp
 
 FORWARD_KL, REVERSE_KL, JSD, SKEWED_FORWARD_KL, SKEWED_REVERSE_KL, TVD, ADAPTIVE_KL = range(7)
@@ -137,11 +144,12 @@ def _mass_at_or_before_descending(p, p_after, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def _support_loss_kernel(teacher_ptr, at_ids_ptr, lse_tempered_ptr, counted_ptr, scale_ptr,
+def _support_loss_kernel(teacher_ptr, at_ids_ptr, lse_tempered_ptr, counted_ptr, scale_ptr, threshold_ptr,
                          kd_ptr, grad_ids_ptr, grad_lse_tempered_ptr,
                          k, stride_teacher, stride_ids, stride_grad, vocab_size, inv_temperature,
                          log_beta, log_one_minus_beta, beta, lam, log_lam, log_one_minus_lam, tail_floor,
-                         alpha, adaptive_eps, DIVERGENCE: tl.constexpr, TAIL: tl.constexpr, GRADS: tl.constexpr,
+                         alpha, adaptive_eps, control_slope, DIVERGENCE: tl.constexpr, TAIL: tl.constexpr,
+                         SAMPLED: tl.constexpr, VOCAB_NORMALIZED: tl.constexpr, GRADS: tl.constexpr,
                          BLOCK_K: tl.constexpr, COMPARE_BLOCK: tl.constexpr):
     row = tl.program_id(0)
     offsets = tl.arange(0, BLOCK_K)
@@ -151,7 +159,7 @@ def _support_loss_kernel(teacher_ptr, at_ids_ptr, lse_tempered_ptr, counted_ptr,
     valid = in_k & (t > float("-inf"))
     s = tl.load(at_ids_ptr + row.to(tl.int64) * stride_ids + offsets, mask=in_k, other=0.0) * inv_temperature
     num_valid = tl.sum(valid.to(tl.int32), axis=0)
-    if TAIL:
+    if VOCAB_NORMALIZED:
         lse_tempered = tl.load(lse_tempered_ptr + row)
         lp = tl.where(valid, t, 0.0)
         lq = tl.where(valid, s - lse_tempered, 0.0)
@@ -175,6 +183,12 @@ def _support_loss_kernel(teacher_ptr, at_ids_ptr, lse_tempered_ptr, counted_ptr,
     else:
         term, u = _bin_terms(lp, lq, DIVERGENCE, log_beta, log_one_minus_beta, beta, lam, log_lam,
                              log_one_minus_lam)
+    if SAMPLED:
+        threshold = tl.load(threshold_ptr + row)
+        inverse_pi = 1.0 / _neg_expm1(-tl.exp(lp - threshold))  # 1 where the threshold is -inf
+        q_cv = tl.exp(lq)
+        term = (term - control_slope * (q_cv - tl.exp(lp))) * inverse_pi
+        u = (u - control_slope * q_cv) * inverse_pi
     term = tl.where(valid, term, 0.0)
     u = tl.where(valid, u, 0.0)
     divergence = tl.sum(term, axis=0)
@@ -244,18 +258,25 @@ def _support_loss_kernel(teacher_ptr, at_ids_ptr, lse_tempered_ptr, counted_ptr,
         # ∂ log q_T / ∂ log q_i = −q_i / (1 − Σ q); a floored tail is a constant
         tail_weight = tl.where(has_tail & unfloored, u_tail / tl.where(unfloored, uncovered_q, 1.0), 0.0)
         w = u - tail_weight * q
+    elif SAMPLED:
+        w = u
     else:
         w = u - q * tl.sum(u, axis=0)
     counted = tl.load(counted_ptr + row) != 0
     tl.store(kd_ptr + row, tl.where(counted, divergence, 0.0))
     if GRADS:
         scale = tl.where(counted, tl.load(scale_ptr + row), 0.0)
-        if not TAIL:
+        if not VOCAB_NORMALIZED:
             w = tl.where(flat, 0.0, w)
         w = tl.where(valid, w, 0.0) * scale
         tl.store(grad_ids_ptr + row.to(tl.int64) * stride_grad + offsets, w * inv_temperature, mask=in_k)
         if TAIL:
             tl.store(grad_lse_tempered_ptr + row, -tl.sum(w, axis=0))
+        if SAMPLED:
+            if DIVERGENCE == 0:
+                tl.store(grad_lse_tempered_ptr + row, scale)
+            else:
+                tl.store(grad_lse_tempered_ptr + row, -tl.sum(w, axis=0))
 
 
 def _log(value: float) -> float:
@@ -263,10 +284,12 @@ def _log(value: float) -> float:
 
 
 def support_loss(teacher_logprobs: torch.Tensor, logits_at_ids: torch.Tensor, lse_tempered: torch.Tensor,
-                 counted: torch.Tensor, grad_scale, options, vocab_size: int):
+                 counted: torch.Tensor, grad_scale, options, vocab_size: int,
+                 log_threshold: Optional[torch.Tensor] = None):
     """Per-row divergence ``[N]`` float32 (0 on rows not counted), and with ``grad_scale [N]``
     (d objective / d row divergence) the gradients w.r.t. ``logits_at_ids [N, k]`` (raw,
-    un-tempered) and ``lse_tempered [N]`` (None in renormalized mode)."""
+    un-tempered) and ``lse_tempered [N]`` (None in renormalized mode). Support "sampled" reads
+    the samples' ``log_threshold [N]`` float32."""
     rows, k = teacher_logprobs.shape
     device = teacher_logprobs.device
     divergence = options.divergence
@@ -274,21 +297,23 @@ def support_loss(teacher_logprobs: torch.Tensor, logits_at_ids: torch.Tensor, ls
         divergence = "forward_kl" if options.beta == 0.0 else "reverse_kl"
     if divergence.startswith("skewed_") and options.skew_lambda == 0.0:  # the mixture is q (forward) or p
         divergence = divergence[len("skewed_"):]
-    tail = options.support == "tail"
+    tail, sampled = options.support == "tail", options.support == "sampled"
+    control_slope = control_variate_slope(divergence, options.beta, options.skew_lambda) if sampled else 0.0
     grads = grad_scale is not None
     kd = torch.empty(rows, dtype=torch.float32, device=device)
     grad_ids = torch.empty(rows, k, dtype=torch.float32, device=device) if grads else kd
-    grad_lse = torch.empty(rows, dtype=torch.float32, device=device) if grads and tail else None
+    grad_lse = torch.empty(rows, dtype=torch.float32, device=device) if grads and (tail or sampled) else None
     logits_at_ids = logits_at_ids.float()
     if rows:
         beta, lam = float(options.beta), float(options.skew_lambda)
         block_k = triton.next_power_of_2(k)
         _support_loss_kernel[(rows,)](
             teacher_logprobs, logits_at_ids, lse_tempered, counted, grad_scale if grads else kd,
-            kd, grad_ids, grad_lse if grad_lse is not None else kd,
+            log_threshold if sampled else kd, kd, grad_ids, grad_lse if grad_lse is not None else kd,
             k, teacher_logprobs.stride(0), logits_at_ids.stride(0), grad_ids.stride(0) if grads else 0, vocab_size,
             1.0 / options.temperature, _log(beta), _log(1.0 - beta), beta, lam, _log(lam), _log(1.0 - lam),
-            TAIL_FLOOR, float(options.adaptive_alpha), ADAPTIVE_EPS, DIVERGENCE=_SELECTOR[divergence], TAIL=tail,
-            GRADS=grads, BLOCK_K=block_k, COMPARE_BLOCK=min(_COMPARE_BLOCK, block_k),
+            TAIL_FLOOR, float(options.adaptive_alpha), ADAPTIVE_EPS, control_slope, DIVERGENCE=_SELECTOR[divergence],
+            TAIL=tail, SAMPLED=sampled, VOCAB_NORMALIZED=tail or sampled, GRADS=grads, BLOCK_K=block_k,
+            COMPARE_BLOCK=min(_COMPARE_BLOCK, block_k),
             num_warps=4 if k <= 256 else 8)
     return kd, (grad_ids if grads else None), grad_lse
