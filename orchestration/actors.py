@@ -32,8 +32,11 @@ class Actors:
         self.handles: dict[str, Any] = {}
 
     def start(self, role: str, cls: type, count: int, options: dict, arguments: Callable[[int], tuple]) -> list[str]:
-        """``count`` actors of ``cls`` named ``role-rank``, built with ``arguments(rank)``; their names."""
-        remote = self.ray.remote(cls).options(max_restarts=0, **options)
+        """``count`` actors of ``cls`` named ``role-rank``, built with ``arguments(rank)``; their names.
+        ``cls.RAY_CLASS_OPTIONS``, if any, are the class's own ``ray.remote`` options (those that
+        ``.options()`` refuses, such as ``concurrency_groups``)."""
+        class_options = dict(getattr(cls, "RAY_CLASS_OPTIONS", {}), max_restarts=0)
+        remote = self.ray.remote(**class_options)(cls).options(**options)
         names = [f"{role}-{rank}" for rank in range(count)]
         for rank, name in enumerate(names):
             self.handles[name] = remote.remote(*arguments(rank))

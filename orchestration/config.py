@@ -104,6 +104,24 @@ def _divergence_options(values: dict) -> Optional[str]:
     return None
 
 
+def _on_policy(values: dict) -> Optional[str]:
+    """The GKD schedule and sampling options together, and a prompt + response that fits a built student."""
+    from .gkd import GkdSchedule
+
+    try:
+        GkdSchedule(values["mode"], values["lmbda"], values["sft_alpha"], values["steps_per_generation"],
+                    values["max_staleness"], values["seed"])
+    except ValueError as error:
+        return str(error)
+    if values["top_p"] > 1:
+        return f"top_p: expected a value in (0, 1], got {values['top_p']}"
+    longest = values["max_prompt_tokens"] + values["max_new_tokens"]
+    if values["mode"] != "off_policy" and values["student_path"] is None and longest > values["row_tokens"]:
+        return (f"max_prompt_tokens + max_new_tokens: expected at most row_tokens ({values['row_tokens']}, the built "
+                f"models' positions), got {longest}")
+    return None
+
+
 RULES = (
     (("teacher_workers", "student_workers", "micro_batches"), _comm_plan),
     (("teacher_hidden", "teacher_path", "heads"), _heads_divide("teacher")),
@@ -111,6 +129,8 @@ RULES = (
     (("k", "tokenizer_vocab", "tokenizer_path"), _k_within_trained_vocab),
     (("chat_template",), _chat_template),
     (LOSS_OPTION_NAMES, _divergence_options),
+    (("mode", "lmbda", "sft_alpha", "steps_per_generation", "max_staleness", "seed", "top_p", "max_prompt_tokens",
+      "max_new_tokens", "row_tokens", "student_path"), _on_policy),
 )
 
 

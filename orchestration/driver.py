@@ -60,7 +60,12 @@ def run(config, progress: bool = True, return_parameters: bool = False) -> dict:
             ray.init(num_cpus=max(2, os.cpu_count() or 2), num_gpus=gpu_count() if device == "cuda" else 0,
                      include_dashboard=False, log_to_driver=False, configure_logging=False)
     actors = Actors(ray, lambda: checkpoint.newest_good(config.output_dir))
-    session = _Session(config, plan, layout, data, sampler, actors, report)
+    if config.mode == "off_policy":
+        session = _Session(config, plan, layout, data, sampler, actors, report)
+    else:
+        from .onpolicy import OnPolicySession
+
+        session = OnPolicySession(config, plan, layout, data, sampler, actors, report)
     try:
         session.start_workers(device)
         start_step = session.restore(resume_from) if resume_from else 0
@@ -210,13 +215,20 @@ class _Session:
         return picks, [self.actors.call(self.teachers[self.plan.teacher_of(m)], "score_rows", pick, step,
                                         self.plan.student_of(m)) for m, pick in enumerate(picks)]
 
-    def train(self, step: int, picks: list, scored: list[Call]) -> dict:
+    def train(self, step: int, picks: list, scored: list[Call], ce_weight: Optional[float] = None) -> dict:
         """One student step over the micro-batches ``picks`` and the teacher's replies
-        ``scored`` (both from `submit`); the step's metrics."""
-        plan, labels = self.plan, self.data.train_labels
+        ``scored`` (both from `submit`); the step's metrics. ``ce_weight``: None, the option's."""
+        labels = self.data.train_labels
         num_tokens = max(1, sum(int((labels[pick] != IGNORE_INDEX).sum()) for pick in picks))
-        calls = [self.actors.call(s, "train_step_rows", step, [picks[m] for m in plan.micro_batches_of_student(rank)],
-                                  [scored[m].ref for m in plan.micro_batches_of_student(rank)], num_tokens)
+        return self.train_with("train_step_rows", step, picks, scored, num_tokens, ce_weight)
+
+    def train_with(self, method: str, step: int, batches: list, scored: list[Call], num_tokens: int,
+                   ce_weight: Optional[float]) -> dict:
+        """One student step: each student's ``method(step, its micro-batches of batches, their
+        teacher replies, num_tokens, ce_weight)``; the step's metrics."""
+        plan = self.plan
+        calls = [self.actors.call(s, method, step, [batches[m] for m in plan.micro_batches_of_student(rank)],
+                                  [scored[m].ref for m in plan.micro_batches_of_student(rank)], num_tokens, ce_weight)
                  for rank, s in enumerate(self.students)]
         called = time.perf_counter()
         parts = self.get(calls, f"at step {step}")
@@ -235,11 +247,15 @@ class _Session:
         """The checkpoint of ``step`` (written once: a second save of the same step is skipped)."""
         directory = checkpoint.path_of(self.config.output_dir, step)
         if self.saved_step != step:
-            metadata = dict(sampler=self.sampler.state_dict(), segment=self.metrics.segment)
+            metadata = self.checkpoint_metadata()
             self.get([self.actors.call(self.students[0], "save", directory, step, metadata)],  # ranks hold equal state
                      f"while saving step {step}")
             self.saved_step = step
         return directory
+
+    def checkpoint_metadata(self) -> dict:
+        """What the driver writes into a checkpoint's manifest: the data order, the run segment."""
+        return dict(sampler=self.sampler.state_dict(), segment=self.metrics.segment)
 
     def _metrics_path(self) -> str:
         return os.path.join(self.config.output_dir, "metrics.jsonl")

@@ -73,9 +73,10 @@ class TeacherWorker(Worker):
         self.model.load_state_dict(state)
 
     @torch.no_grad()
-    def score(self, tokens: torch.Tensor, step: int = 0, student_rank: int = 0):
+    def score(self, tokens: torch.Tensor, step: int = 0, student_rank: int = 0, rows: Optional[torch.Tensor] = None):
         """tokens ``[B, T]`` → (the transfer message of the packed bf16 top-k for the student
-        of rank ``student_rank``, seconds spent). With ``teacher_offload`` the weights come
+        of rank ``student_rank``, seconds spent). ``rows`` ``[R]`` (flat indices into ``B·T``):
+        the top-k of those rows only (a response's). With ``teacher_offload`` the weights come
         from the CPU for the call and go back after it."""
         start = time.perf_counter()
         if self.config.teacher_offload:
@@ -84,6 +85,8 @@ class TeacherWorker(Worker):
         tokens = tokens.to(self.device)
         with autocast(self.device):
             hidden = final_hidden_states(self.model, tokens)
+        if rows is not None:
+            hidden = hidden[rows.to(self.device)]
         topk = kd.teacher_topk(*lm_head_inputs(self.model, hidden), k=self.config.k,
                                temperature=self.config.temperature, vocab_size=self.vocab)
         message = self.transfer.send(topk, step, student_rank)
