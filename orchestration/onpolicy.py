@@ -30,7 +30,6 @@ import numpy as np
 import torch
 
 from . import checkpoint
-from .actors import Call
 from .chat_data import (ChatEncoder, PromptSource, align_response, parse_record, read_chat_records,
                         stdlib_function_records)
 from .driver import _Session, _StopOnInterrupt
@@ -147,6 +146,9 @@ class OnPolicySession(_Session):
         encoder = ChatEncoder(tokenizer)
         with self.report.phase("reading the prompts"):
             records = load_records(config.prompts_path)
+            if not config.prompts_path:  # the embedded default keeps the functions whose prompt fits
+                records = [record for record in records
+                           if len(encoder.prompt_ids(record)) <= config.max_prompt_tokens]
         if len(records) < 2:
             raise UsageError(f"prompts_path: expected at least 2 records (training and held-out prompts), got "
                              f"{len(records)}")

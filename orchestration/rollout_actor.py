@@ -8,13 +8,16 @@ driver sent them, so the buckets of an update are received in the sender's order
 from __future__ import annotations
 
 import ray
+import torch
 
 from .models import build_model, pick_device
 from .rollout import RolloutWorker
 from .workers import Worker
 
+
 class RolloutActor(RolloutWorker, Worker):
-    """``config`` (the run's `Config`), the real ``vocab``, the tokenizer's ``pad_token_id``."""
+    """``config`` (the run's `Config`), the real ``vocab``, the tokenizer's ``pad_token_id``. On a
+    GPU it generates in bfloat16 (the received float32 weights are cast as they are copied in)."""
 
     RAY_CLASS_OPTIONS = dict(concurrency_groups={"generation": 1})  # `actors.Actors.start` applies them
 
@@ -22,7 +25,8 @@ class RolloutActor(RolloutWorker, Worker):
         self.config, self.vocab = config, vocab
         super().__init__(lambda: build_model(config.student_path, config.student_hidden, config.student_layers,
                                              config, vocab, config.seed + 1),
-                         pad_token_id=pad_token_id, device=pick_device(config), vocab_size=vocab)
+                         pad_token_id=pad_token_id, device=pick_device(config), vocab_size=vocab,
+                         dtype=torch.bfloat16 if pick_device(config).type == "cuda" else None)
 
     @ray.method(concurrency_group="generation")
     def generate(self, prompts, sampling):
