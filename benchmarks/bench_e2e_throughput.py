@@ -345,8 +345,8 @@ def onpolicy_main(args, parser: argparse.ArgumentParser) -> None:
     print(f"environment: {env}")
     append_rows(args.results, rows)
     print()
-    print_table(rows, {"shape": lambda row: row["shape"]["name"], "provider": "provider", "ms": "ms", "× floor": "ratio",
-                       "GB/s": "gb_per_s", "share of floor": "share_of_floor", "cold s": "cold_seconds",
+    print_table(rows, {"shape": lambda row: row["shape"]["name"], "provider": "provider", "ms": "ms",
+                       "× floor": "ratio", "GB/s": "gb_per_s", "share of floor": "share_of_floor", "cold s": "cold_seconds",
                        "tokens/s": "tokens_per_s", "generate s": "generate_seconds", "sync s": "sync_seconds",
                        "teacher s": "teacher_seconds", "student s": "student_seconds"})
 

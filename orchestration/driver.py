@@ -278,21 +278,27 @@ class _Session:
                 result = self.train(step, *submitted)
                 if pending is None and step + 1 < config.steps:
                     pending = self.submit(step + 1)
-                step_seconds = time.perf_counter() - started
-                result.update(step=step, step_seconds=step_seconds, tokens_per_s=result["tokens"] / step_seconds)
-                self.metrics.write(result)
                 last_step = step
-                bar.update(1)
-                bar.set_postfix(loss=f"{result['loss']:.3f}", kd=f"{result['kd']:.3f}", ce=f"{result['ce']:.3f}",
-                                refresh=False)
-                if config.checkpoint_every and (step + 1) % config.checkpoint_every == 0:
-                    self.save(step)
-                if stop.requested:
-                    raise Interrupted(step, self.save(step))
-                if config.stop_after is not None and step >= config.stop_after:
+                if self.finish_step(step, result, started, bar, stop):
                     break
         self.metrics.close()
         return last_step
+
+    def finish_step(self, step: int, result: dict, started: float, bar, stop: _StopOnInterrupt) -> bool:
+        """After a step trained: its metrics row (``result`` and the step's timing), the bar, the
+        checkpoint when due; Interrupted on Ctrl-C; whether the loop stops (``stop_after``)."""
+        config = self.config
+        step_seconds = time.perf_counter() - started
+        result.update(step=step, step_seconds=step_seconds, tokens_per_s=result["tokens"] / step_seconds)
+        self.metrics.write(result)
+        bar.update(1)
+        bar.set_postfix(loss=f"{result['loss']:.3f}", kd=f"{result['kd']:.3f}", ce=f"{result['ce']:.3f}",
+                        refresh=False)
+        if config.checkpoint_every and (step + 1) % config.checkpoint_every == 0:
+            self.save(step)
+        if stop.requested:
+            raise Interrupted(step, self.save(step))
+        return config.stop_after is not None and step >= config.stop_after
 
     def held_out_ce(self) -> tuple[float, float]:
         """(teacher, student) held-out CE in nats per token, chunks of rows scored by teacher-0

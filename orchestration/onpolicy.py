@@ -33,7 +33,7 @@ from . import checkpoint
 from .chat_data import (ChatEncoder, PromptSource, align_response, parse_record, read_chat_records,
                         stdlib_function_records)
 from .driver import _Session, _StopOnInterrupt
-from .errors import Interrupted, UsageError
+from .errors import UsageError
 from .gkd import GkdSchedule
 from .metrics_log import MetricsLog
 from .process_group import free_port
@@ -111,10 +111,12 @@ class OnPolicySession(_Session):
         self.schedule = GkdSchedule(config.mode, config.lmbda, config.sft_alpha, config.steps_per_generation,
                                     config.max_staleness, config.seed)
         rollout_share = 0.0
-        if device == "cuda":
-            half = self.layout.gpus_per_student / 2
-            self.layout = dataclasses.replace(self.layout, gpus_per_student=half)
-            rollout_share = half * config.student_workers / config.rollout_workers
+        if device == "cuda":  # each rollout worker takes half of a student worker's GPU share
+            if config.rollout_workers > config.student_workers:
+                raise UsageError(f"rollout_workers: expected at most student_workers ({config.student_workers}) on "
+                                 f"GPUs (each takes half of a student's GPU share), got {config.rollout_workers}")
+            rollout_share = self.layout.gpus_per_student / 2
+            self.layout = dataclasses.replace(self.layout, gpus_per_student=rollout_share)
         super().start_workers(device)
         encoder = self._prompt_sources()
         from .rollout_actor import RolloutActor
@@ -305,22 +307,14 @@ class OnPolicySession(_Session):
                     row.update(metrics)
                     row.update(self._start_next_round(step, when))
                     mine = samples[plan.share * per_step:(plan.share + 1) * per_step]
-                    row.update(self.train_on_samples(step, mine), sample_weight_versions=[s.weight_version for s in mine],
-                               weight_version=min(s.weight_version for s in mine))
+                    versions = [sample.weight_version for sample in mine]
+                    row.update(self.train_on_samples(step, mine), sample_weight_versions=versions,
+                               weight_version=min(versions))
                     row["staleness"] = step - row["weight_version"]
                 else:
                     row.update(self.train(step, *self.submit(step), ce_weight=plan.ce_weight))
-                step_seconds = time.perf_counter() - started
-                row.update(step=step, step_seconds=step_seconds, tokens_per_s=row["tokens"] / step_seconds)
-                self.metrics.write(row)
                 last_step = step
-                bar.update(1)
-                bar.set_postfix(loss=f"{row['loss']:.3f}", kd=f"{row['kd']:.3f}", refresh=False)
-                if config.checkpoint_every and (step + 1) % config.checkpoint_every == 0:
-                    self.save(step)
-                if stop.requested:
-                    raise Interrupted(step, self.save(step))
-                if config.stop_after is not None and step >= config.stop_after:
+                if self.finish_step(step, row, started, bar, stop):
                     break
         self.metrics.close()
         return last_step

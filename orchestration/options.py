@@ -234,7 +234,8 @@ OPTIONS: tuple[Option, ...] = tuple([
             dict(minimum=1)),
            ("max_staleness", int, 0, "rounds the generating weights may lag: 0 strictly on-policy, 1 generates round "
             "r + 1 while round r trains", dict(choices=(0, 1))),
-           ("rollout_workers", int, 1, "rollout workers (Ray actors holding a copy of the student)", dict(minimum=1)),
+           ("rollout_workers", int, 1, "rollout workers (Ray actors holding a copy of the student; on GPUs each "
+            "shares a student worker's GPU, at most student_workers)", dict(minimum=1)),
            ("weight_sync_bucket_mb", int, 512, "MiB per flattened bucket of the trainer -> rollout weight broadcast",
             dict(minimum=1)),
            ("gen_temperature", float, 1.0, "sampling temperature of the rollouts (0: greedy)", dict(minimum=0)),
@@ -244,8 +245,9 @@ OPTIONS: tuple[Option, ...] = tuple([
            ("max_prompt_tokens", int, 80, "prompts longer than this are skipped and another one drawn (with "
             "max_new_tokens at most row_tokens when the student is built)", dict(minimum=1, gpu_default=384)),
            ("prompts_path", str, None, "JSONL of messages (chat) or prompt/response records (optional "
-            "teacher_prompt / teacher_messages for OPSD); null: the standard library's functions, signature and "
-            "docstring as the prompt, body as the response", dict(nullable=True, path="file"))),
+            "teacher_prompt / teacher_messages for OPSD) whose prompts the student completes; null: the standard "
+            "library's functions (signature and docstring). Dataset steps train on data_path's rows (point it at "
+            "the same JSONL for GKD's dataset responses)", dict(nullable=True, path="file"))),
     *_rows("checkpoints",
            ("checkpoint_every", int, 40, "save the student every N steps (0: only at the end and on Ctrl-C)",
             dict(minimum=0, gpu_default=100)),

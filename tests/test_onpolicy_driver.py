@@ -11,7 +11,6 @@ import threading
 import time
 
 import pytest
-import ray
 import torch
 
 from orchestration.config import Config
@@ -20,12 +19,7 @@ from orchestration.gkd import GkdSchedule
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
 
-@pytest.fixture(scope="module")
-def ray_cluster():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False,
-             ignore_reinit_error=True)
-    yield
-    ray.shutdown()
+from test_orchestration import ray_cluster  # noqa: E402,F401 - the module's Ray (a fixture)
 
 
 TINY = dict(device="cpu", max_corpus_bytes=60_000, tokenizer_vocab=300, row_tokens=64, rows_per_micro_batch=2,
