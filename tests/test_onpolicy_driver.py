@@ -38,9 +38,11 @@ def _rows(summary):
     return read_rows(summary["metrics"])
 
 
+@pytest.mark.slow
 def test_lmbda_zero_trains_exactly_as_off_policy(ray_cluster, tmp_path):
     """Every GKD round off-policy: the dataset steps are the off-policy driver's steps, with
-    sft_alpha as their CE weight, so the losses match step by step and the weights bit for bit."""
+    sft_alpha as their CE weight, so the losses match step by step and the weights bit for bit.
+    Two tiny driver runs, about 25 s on 2 cores."""
     from orchestration.driver import run
 
     off = run(_tiny(tmp_path, "off", ce_weight=0.25), progress=False, return_parameters=True)
@@ -52,10 +54,13 @@ def test_lmbda_zero_trains_exactly_as_off_policy(ray_cluster, tmp_path):
     assert gkd["weight_version"] == 6  # only the final evaluation synced the rollouts
 
 
+@pytest.mark.slow
 def test_a_gkd_run_resumed_mid_round_equals_an_uninterrupted_one(ray_cluster, tmp_path):
     """Rounds of two steps, one round of staleness: stopped after step 2 (the first step of round
     1, with round 2 generating), the resume trains step 3 on the kept samples of round 1 and
-    round 2 on the samples generated before the stop, as the uninterrupted run does."""
+    round 2 on the samples generated before the stop, as the uninterrupted run does. Also the
+    end-to-end checks of a GKD run (finite losses, weight versions, sync metrics). Three tiny
+    driver runs, about 45 s on 2 cores."""
     from orchestration.driver import run
 
     options = dict(mode="gkd", lmbda=0.5, steps_per_generation=2, max_staleness=1, seed=2)
@@ -116,11 +121,18 @@ def test_a_dead_rollout_worker_stops_the_run_naming_it(ray_cluster, tmp_path):
     assert "\n" not in message
 
 
-def test_the_cli_runs_on_policy_and_prints_the_teachers_reverse_kl(ray_cluster, tmp_path, capsys):
+def test_the_cli_runs_on_policy_with_opsd_prompts_and_prints_the_teachers_reverse_kl(ray_cluster, tmp_path, capsys):
+    """prompts_path records with a teacher_prompt (OPSD): the teacher scores the student's
+    responses under its own, longer prompt."""
     import orchestrate
 
+    prompts = tmp_path / "prompts.jsonl"
+    with open(prompts, "w") as handle:
+        for name, body in (("add", "a + b"), ("sub", "a - b"), ("mul", "a * b"), ("mod", "a % b")):
+            prompt = f'def {name}(a, b):\n    """Return {body}."""\n'
+            handle.write(json.dumps(dict(prompt=prompt, teacher_prompt=f"# {name}: {body}\n{prompt}")) + "\n")
     settings = [f"{key}={value}" for key, value in dict(TINY, output_dir=str(tmp_path / "cli"), steps=3,
-                                                        mode="on_policy").items()]
+                                                        mode="on_policy", prompts_path=str(prompts)).items()]
     assert orchestrate.main([argument for setting in settings for argument in ("--set", setting)]) == 0
     out = capsys.readouterr().out
     assert re.search(r"teacher's reverse KL of student samples \(held-out prompts, nats/token\): \d+\.\d{4} over "
