@@ -188,7 +188,8 @@ class RolloutWorker:
 
     def update_weights_from_tensor(self, names: Sequence[str], dtypes: Sequence, shapes: Sequence[Sequence[int]],
                                    payload: Any, weight_version: int) -> dict:
-        """A packed bucket (a ``uint8`` buffer, or a CUDA IPC handle of one) into the weights."""
+        """A packed bucket (a ``uint8`` buffer, or a CUDA IPC handle of one), or a list of CUDA IPC
+        handles of the tensors themselves, into the weights (`WeightReceiver.receive_buffer`)."""
         return self._receiver.receive_buffer(names, dtypes, shapes, payload, weight_version)
 
     def pause_generation(self) -> None:

@@ -16,6 +16,8 @@ Three ways a bucket travels, one receiver (`WeightReceiver`) for all:
   the GPU and returns a CUDA IPC handle of it (torch's multiprocessing reduction); the receiver
   maps that memory and copies out of it (`receive_buffer`): one device-to-device copy into its
   parameters, no host round trip. The sender keeps the buffer until `release_shared`.
+  `WeightSender.share_tensors` skips the packing: one CUDA IPC handle per parameter, of the
+  parameter's own storage, so the receiver's copies are the update's only device traffic.
 - a plain tensor (the Ray object store, or tests in one process): `receive_buffer` with the
   packed buffer itself.
 
