@@ -28,6 +28,22 @@ TINY = dict(device="cpu", max_corpus_bytes=60_000, tokenizer_vocab=300, row_toke
             max_prompt_tokens=58)
 
 
+@pytest.mark.parametrize("options, message", [
+    (dict(mode="gkd", lmbda=1.5), r"^lmbda: expected a probability in \[0, 1\], got 1.5$"),
+    (dict(mode="on_policy", top_p=1.5), r"^top_p: expected a value in \(0, 1\], got 1.5$"),
+    (dict(mode="gkd", max_prompt_tokens=100), r"^max_prompt_tokens \+ max_new_tokens: expected at most row_tokens "
+                                              r"\(128, the built models' positions\), got 148$"),
+    (dict(mode="gkd", max_staleness=2), r"^max_staleness: expected one of 0, 1, got 2$"),
+])
+def test_bad_on_policy_options_are_refused_before_any_work(options, message):
+    from orchestration.errors import UsageError
+
+    with pytest.raises(UsageError) as raised:
+        Config(**options)
+    assert len(raised.value.lines) == 1 and re.match(message, raised.value.lines[0]), raised.value.lines
+    Config(**dict(options, mode="off_policy", lmbda=0.5, top_p=1.0, max_staleness=0))  # the length rule: on-policy only
+
+
 def _tiny(tmp_path, name, **overrides):
     return Config(**dict(TINY, output_dir=str(tmp_path / name), **overrides))
 
