@@ -58,7 +58,7 @@ def _rows(summary):
 def test_lmbda_zero_trains_exactly_as_off_policy(ray_cluster, tmp_path):
     """Every GKD round off-policy: the dataset steps are the off-policy driver's steps, with
     sft_alpha as their CE weight, so the losses match step by step and the weights bit for bit.
-    Two tiny driver runs, about 25 s on 2 cores."""
+    Two tiny driver runs, about 40 s on 2 cores."""
     from orchestration.driver import run
 
     off = run(_tiny(tmp_path, "off", ce_weight=0.25), progress=False, return_parameters=True)
@@ -76,7 +76,7 @@ def test_a_gkd_run_resumed_mid_round_equals_an_uninterrupted_one(ray_cluster, tm
     1, with round 2 generating), the resume trains step 3 on the kept samples of round 1 and
     round 2 on the samples generated before the stop, as the uninterrupted run does. Also the
     end-to-end checks of a GKD run (finite losses, weight versions, sync metrics). Three tiny
-    driver runs, about 45 s on 2 cores."""
+    driver runs, about 75 s on 2 cores."""
     from orchestration.driver import run
 
     options = dict(mode="gkd", lmbda=0.5, steps_per_generation=2, max_staleness=1, seed=2)
