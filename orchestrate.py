@@ -6,7 +6,8 @@ with student training of step i, metrics, checkpoints.
 With no arguments it runs an embedded default on whatever the machine has: a byte-level
 BPE tokenizer trained on the Python standard library's sources, a small Llama teacher
 pretrained briefly on them, and a smaller student distilled from it (a few minutes on
-2 CPU cores).
+2 CPU cores); ``--set mode=gkd`` (or on_policy) distills on the student's own samples of the
+standard library's function signatures, scored by the teacher.
 
 Every option is checked before any work; a bad one exits with status 2 and one line per
 problem. Ctrl-C stops after the current step with a checkpoint and prints the command that
@@ -103,6 +104,10 @@ def main(argv: list[str] | None = None) -> int:
           f"{config.row_tokens} tokens each")
     print(f"held-out CE (nats/token): teacher {summary['teacher_held_out_ce']:.4f}, "
           f"student {summary['student_held_out_ce']:.4f} after {summary['last_step'] + 1} steps")
+    if "teacher_reverse_kl" in summary:
+        print(f"teacher's reverse KL of student samples (held-out prompts, nats/token): "
+              f"{summary['teacher_reverse_kl']:.4f} over {summary['reverse_kl_tokens']} tokens "
+              f"({summary['mode']}, weight_version {summary['weight_version']})")
     print(f"results in {config.output_dir}: metrics.jsonl, summary.json, checkpoints/, tokenizer/")
     return 0
 

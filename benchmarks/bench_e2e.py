@@ -8,9 +8,18 @@ the median ``tokens_per_s`` and ``ms`` a step, and the teacher's held-out CE. Ex
 distillation does not beat CE alone. On a GPU it runs the driver's GPU default (~2 minutes on
 one H200); on CPU the small default (~3 minutes on 2 cores).
 
+With ``--onpolicy``, instead: on-policy distillation at equal steps (protocol "equal steps,
+on-policy"): off-policy (mode=gkd with lmbda 0, which trains exactly as mode=off_policy, with
+sft_alpha = ce_weight), GKD (lmbda 0.5), on-policy (lmbda 1) and CE alone (kd_weight 0,
+sft_alpha 1, lmbda 0), every run with a pretrained teacher; rows add ``teacher_reverse_kl``, the
+teacher's reverse KL of the student's samples of held-out prompts (nats a token). The driver's
+loss options apply to every run: on-policy distillation usually runs reverse_kl or jsd
+(``--set divergence=reverse_kl``).
+
 usage: python benchmarks/bench_e2e.py [--set key=value ...]   (the driver's options)
        python benchmarks/bench_e2e.py --quality [--samples 12] [--set ...]   (teacher signals compared)
        python benchmarks/bench_e2e.py --cache-read   (teacher cache read tokens/s against the student loss's)
+       python benchmarks/bench_e2e.py --onpolicy [--set key=value ...]
 """
 from __future__ import annotations
 
@@ -94,10 +103,34 @@ def cache_read(args) -> None:
                        "× student": "ratio"})
 
 
+def onpolicy_rows(args, env: dict) -> list[dict]:
+    """The on-policy comparison (module docstring): four runs at equal steps."""
+    base = load_config(None, args.set)
+    off_policy = ["mode=gkd", "lmbda=0", f"sft_alpha={base.ce_weight}"]
+    runs = (("off-policy (lmbda 0)", off_policy), ("GKD (lmbda 0.5)", ["mode=gkd", "lmbda=0.5"]),
+            ("on-policy (lmbda 1)", ["mode=on_policy"]),
+            (FLOOR, ["mode=gkd", "lmbda=0", "kd_weight=0", "ce_weight=1", "sft_alpha=1"]))
+    shape = dict(name="driver default, on-policy", device=base.device, steps=base.steps, seed=base.seed, k=base.k,
+                 divergence=base.divergence, samples_per_step=base.rows_per_micro_batch * base.micro_batches,
+                 max_new_tokens=base.max_new_tokens, vocab=base.tokenizer_vocab)
+    measured = {}
+    for name, overrides in runs:
+        config = load_config(None, args.set + overrides + [f"output_dir={base.output_dir}/onpolicy_"
+                                                           f"{name.split(' ')[0]}", "overwrite=true"])
+        summary = run(config, progress=False)
+        measured[name] = dict(held_out_ce=summary["student_held_out_ce"],
+                              teacher_held_out_ce=summary["teacher_held_out_ce"],
+                              teacher_reverse_kl=summary["teacher_reverse_kl"], mode=config.mode, lmbda=config.lmbda)
+    floor = measured[FLOOR]["held_out_ce"]
+    return [result_row(env, BENCHMARK, shape, name, "equal steps, on-policy", None, FLOOR, m["held_out_ce"] / floor,
+                       None, **m) for name, m in measured.items()]
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="a driver option for both runs (python orchestrate.py --help lists them)")
+    parser.add_argument("--onpolicy", action="store_true", help="the on-policy comparison instead (see above)")
     add_results_arguments(parser, BENCHMARK)
     signal_quality = parser.add_argument_group("signal quality (--quality: CE only, full-vocab KD, top-k, sampled; "
                                                "benchmarks/e2e_quality.py)")
@@ -113,6 +146,12 @@ def main():
         return
     if args.quality:
         quality(args)
+        return
+    if args.onpolicy:
+        env = environment(args.commit)
+        publish(args, env, onpolicy_rows(args, env),
+                {"student": "provider", "held-out CE": "held_out_ce", "× CE alone": "ratio",
+                 "teacher reverse KL of samples": "teacher_reverse_kl", "teacher held-out CE": "teacher_held_out_ce"})
         return
     base = load_config(None, args.set)
     env = environment(args.commit)

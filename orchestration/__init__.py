@@ -10,7 +10,9 @@
   every Ray worker has; `teacher`, `student`: the two workers.
 - `actors`: named Ray actors, and the name of the one that died; `checkpoint`: atomic,
   verified checkpoints; `metrics`: metrics.jsonl with run segments; `progress`: bars and notes.
-- `driver`: the loop.
+- `driver`: the loop; `onpolicy`: the on-policy / GKD loop (`gkd`: the schedule, `chat_data`:
+  prompts and responses, `rollout` / `rollout_actor`: the generating workers, `weight_sync` /
+  `weight_source`: the trainer -> rollout weight updates).
 
 It imports only the public kd_kernels API, and nothing in kd_kernels imports it back.
 """

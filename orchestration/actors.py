@@ -34,12 +34,14 @@ class Actors:
     def start(self, role: str, cls: type, count: int, options: dict, arguments: Callable[[int], tuple],
               placed: Optional[Callable[[int], dict]] = None) -> list[str]:
         """``count`` actors of ``cls`` named ``role-rank``, built with ``arguments(rank)``, with
-        the Ray ``options`` (and ``placed(rank)``'s: a placement group slot); their names."""
-        remote = self.ray.remote(cls)
+        the Ray ``options`` (and ``placed(rank)``'s: a placement group slot); their names.
+        ``cls.RAY_CLASS_OPTIONS``, if any, are the class's own ``ray.remote`` options (those that
+        ``.options()`` refuses, such as ``concurrency_groups``)."""
+        remote = self.ray.remote(**dict(getattr(cls, "RAY_CLASS_OPTIONS", {}), max_restarts=0))(cls)
         names = [f"{role}-{rank}" for rank in range(count)]
         for rank, name in enumerate(names):
             extra = placed(rank) if placed is not None else {}
-            self.handles[name] = remote.options(max_restarts=0, **options, **extra).remote(*arguments(rank))
+            self.handles[name] = remote.options(**options, **extra).remote(*arguments(rank))
         return names
 
     def call(self, worker: str, method: str, *args) -> Call:

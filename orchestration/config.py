@@ -109,6 +109,31 @@ def _adam_betas(values: dict) -> Optional[str]:
     return f"adam_beta1, adam_beta2: expected each in [0, 1), got {', '.join(bad)}" if bad else None
 
 
+def _on_policy(values: dict) -> Optional[str]:
+    """The GKD schedule and sampling options together, and a prompt + response that fits a built student."""
+    from .gkd import GkdSchedule
+
+    if values["mode"] == "cache":  # scoring, no training schedule
+        return None
+    try:
+        GkdSchedule(values["mode"], values["lmbda"], values["sft_alpha"], values["steps_per_generation"],
+                    values["max_staleness"], values["seed"])
+    except ValueError as error:
+        return str(error)
+    if values["top_p"] > 1:
+        return f"top_p: expected a value in (0, 1], got {values['top_p']}"
+    if values["mode"] in ("on_policy", "gkd") and values["student_strategy"] != "replica":
+        return (f"student_strategy: mode {values['mode']} trains replicas (the rollout workers sync from one whole "
+                f"student), got {values['student_strategy']!r}")
+    if values["mode"] in ("on_policy", "gkd") and values["teacher_cache"]:
+        return f"teacher_cache: mode {values['mode']} scores the student's own samples with a live teacher; unset it"
+    longest = values["max_prompt_tokens"] + values["max_new_tokens"]
+    if values["mode"] != "off_policy" and values["student_path"] is None and longest > values["row_tokens"]:
+        return (f"max_prompt_tokens + max_new_tokens: expected at most row_tokens ({values['row_tokens']}, the built "
+                f"models' positions), got {longest}")
+    return None
+
+
 RULES = (
     (("adam_beta1", "adam_beta2"), _adam_betas),
     (("teacher_workers", "student_workers", "micro_batches"), _comm_plan),
@@ -117,6 +142,8 @@ RULES = (
     (("k", "tokenizer_vocab", "tokenizer_path"), _k_within_trained_vocab),
     (("chat_template",), _chat_template),
     (LOSS_OPTION_NAMES, _divergence_options),
+    (("mode", "lmbda", "sft_alpha", "steps_per_generation", "max_staleness", "seed", "top_p", "max_prompt_tokens",
+      "max_new_tokens", "row_tokens", "student_path", "student_strategy", "teacher_cache"), _on_policy),
 )
 
 

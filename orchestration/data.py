@@ -1,8 +1,11 @@
 """Data: documents → tokens → packed rows with shifted labels.
 
-Documents are JSONL records ``{"prompt": ..., "response": ...}`` (or ``{"text": ...}``), or
-plain text files (one document per blank-line-separated block). A chat template, when
-given, formats prompt/response and masks the prompt's labels. Rows are packed to a token
+Documents are JSONL records ``{"prompt": ..., "response": ...}``, ``{"messages": [...]}`` (a
+chat) or ``{"text": ...}``, or plain text files (one document per blank-line-separated block).
+Chat records, and prompt/response records when the tokenizer has a chat template, are encoded
+by `chat_data.ChatEncoder` (the tokenizer's own template; only the assistant's tokens trained).
+Otherwise the ``chat_template`` option (a format string), when given, formats prompt/response,
+and the text before ``{response}`` is the untrained prompt. Rows are packed to a token
 budget; labels are shifted here, once: ``labels[t] = tokens[t + 1]`` within a document and
 ``ignore_index`` at each document's last token, so KD and CE score the same positions.
 """
@@ -37,8 +40,8 @@ def read_documents(path: str) -> Iterator[dict]:
             for number, line in enumerate(handle, 1):
                 if line.strip():
                     record = json.loads(line)
-                    if not ({"prompt", "response"} <= record.keys() or "text" in record):
-                        raise ValueError(f"{path}:{number}: expected keys prompt/response or text")
+                    if not ({"prompt", "response"} <= record.keys() or "text" in record or "messages" in record):
+                        raise ValueError(f"{path}:{number}: expected keys prompt/response, messages or text")
                     yield record
         else:
             for block in handle.read().split("\n\n"):
@@ -73,11 +76,16 @@ def stdlib_corpus(max_bytes: int = 3_000_000) -> list[dict]:
 
 
 def encode(record: dict, tokenizer, chat_template: Optional[str]) -> Document:
-    """One record → a `Document`. With a chat template the prompt's tokens are not trained."""
+    """One record → a `Document` (module docstring: which tokens are trained)."""
     if "text" in record:
         return _text_document(tokenizer.encode(record["text"]))
+    if "messages" in record or (chat_template is None and getattr(tokenizer, "chat_template", None)):
+        from .chat_data import ChatEncoder, parse_record
+
+        return ChatEncoder(tokenizer).document(parse_record(record, "record"))
     if chat_template:
-        prompt = chat_template.format(prompt=record["prompt"], response="").rstrip()
+        # the prompt is the text before {response}: what follows it (an end-of-turn marker) is trained
+        prompt = chat_template[:chat_template.index("{response}")].format(prompt=record["prompt"])
         full = chat_template.format(prompt=record["prompt"], response=record["response"])
     else:
         prompt, full = record["prompt"], record["prompt"] + record["response"]
@@ -121,7 +129,7 @@ def encode_all(records: list[dict], tokenizer, chat_template: Optional[str]) -> 
 
 
 def _characters(record: dict) -> int:
-    return len(record["text"]) if "text" in record else len(record["prompt"]) + len(record["response"])
+    return len(_training_text(record))
 
 
 def shifted_labels(document: Document) -> list[int]:
@@ -151,6 +159,8 @@ def pack(documents: Iterable[Document], row_tokens: int, pad_id: int) -> Iterato
 
 
 def _training_text(record: dict) -> str:
+    if "messages" in record:
+        return "".join(str(message.get("content", "")) for message in record["messages"])
     return record["text"] if "text" in record else record["prompt"] + record["response"]
 
 

@@ -43,7 +43,8 @@ class DistillationStudent(torch.nn.Module):
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor, teacher: kd.TopK, *, num_tokens=None,
                 position_ids: Optional[torch.Tensor] = None, attention_mask: Optional[torch.Tensor] = None,
-                reduction: str = "mean", check_values: bool = True):
+                reduction: str = "mean", check_values: bool = True, rows: Optional[torch.Tensor] = None,
+                ce_weight: Optional[float] = None):
         """(loss, metrics) of ``kd.topk_divergence(hidden, W, teacher, labels, bias=b, ...)``.
 
         Args:
@@ -53,18 +54,24 @@ class DistillationStudent(torch.nn.Module):
             num_tokens: the "mean" reduction's denominator (the step's token count over every
                 rank and micro-batch, so that gradient sums over ranks equal one process's).
             position_ids, attention_mask: as in `hf_models.final_hidden_states`.
+            rows: ``[R]`` flat indices into ``B · T``: only those rows are trained (``labels``
+                and ``teacher`` then hold ``R`` rows).
+            ce_weight: this call's CE weight (None: the loss options').
         Returns:
             float32 loss and the metrics dict of sums (``kd_sum``, ``ce_sum``, ``rows``, ...).
         """
         hidden = final_hidden_states(self.causal_lm, input_ids, position_ids=position_ids,
                                      attention_mask=attention_mask)
         hidden = hidden.reshape(-1, hidden.shape[-1])
+        if rows is not None:
+            hidden = hidden[rows]
+        options = self.loss_options if ce_weight is None else dict(self.loss_options, ce_weight=ce_weight)
         weight, bias = output_embedding(self.causal_lm)
         dtype = self.compute_dtype or hidden.dtype
         bias = None if bias is None else bias.to(dtype)
         return kd.topk_divergence(hidden.to(dtype), weight.to(dtype), teacher, labels.reshape(-1), bias=bias,
                                   num_tokens=num_tokens, vocab_size=self.vocab_size, reduction=reduction,
-                                  return_metrics=True, check_values=check_values, **self.loss_options)
+                                  return_metrics=True, check_values=check_values, **options)
 
 
 @torch.no_grad()

@@ -98,7 +98,12 @@ def run(config, progress: bool = True, return_parameters: bool = False) -> dict:
                                                        num_gpus=gpu_count() if device == "cuda" else 0)
             connect(config.ray_address, runtime_env=_worker_environment(config.ray_address), **local)
     actors = Actors(ray, lambda: checkpoint.newest_good(config.output_dir))
-    session = _Session(config, plan, layout, data, sampler, actors, report)
+    if config.mode == "off_policy":  # mode "cache" returned above
+        session = _Session(config, plan, layout, data, sampler, actors, report)
+    else:
+        from .onpolicy import OnPolicySession
+
+        session = OnPolicySession(config, plan, layout, data, sampler, actors, report)
     try:
         session.start_workers(device)
         start_step = session.restore(resume_from) if resume_from else 0
@@ -298,13 +303,20 @@ class _Session:
         return picks, [self.actors.call(self.teachers[self.plan.teacher_of(m)], "score_rows", pick, step,
                                         self.plan.student_of(m)) for m, pick in enumerate(picks)]
 
-    def train(self, step: int, picks: list, scored: list[Call]) -> dict:
+    def train(self, step: int, picks: list, scored: list[Call], ce_weight: Optional[float] = None) -> dict:
         """One student step over the micro-batches ``picks`` and the teacher's replies
-        ``scored`` (both from `submit`); the step's metrics."""
-        plan, labels = self.plan, self.data.train_labels
+        ``scored`` (both from `submit`); the step's metrics. ``ce_weight``: None, the option's."""
+        labels = self.data.train_labels
         num_tokens = max(1, sum(int((labels[pick] != IGNORE_INDEX).sum()) for pick in picks))
-        calls = [self.actors.call(s, "train_step_rows", step, [picks[m] for m in plan.micro_batches_of_student(rank)],
-                                  [scored[m].ref for m in plan.micro_batches_of_student(rank)], num_tokens)
+        return self.train_with("train_step_rows", step, picks, scored, num_tokens, ce_weight)
+
+    def train_with(self, method: str, step: int, batches: list, scored: list[Call], num_tokens: int,
+                   ce_weight: Optional[float]) -> dict:
+        """One student step: each student's ``method(step, its micro-batches of batches, their
+        teacher replies, num_tokens, ce_weight)``; the step's metrics."""
+        plan = self.plan
+        calls = [self.actors.call(s, method, step, [batches[m] for m in plan.micro_batches_of_student(rank)],
+                                  [scored[m].ref for m in plan.micro_batches_of_student(rank)], num_tokens, ce_weight)
                  for rank, s in enumerate(self.students)]
         called = time.perf_counter()
         parts = self.get(calls, f"at step {step}")
@@ -327,7 +339,7 @@ class _Session:
         """The checkpoint of ``step`` (written once: a second save of the same step is skipped)."""
         directory = checkpoint.path_of(self.config.output_dir, step)
         if self.saved_step != step:
-            metadata = dict(sampler=self.sampler.state_dict(), segment=self.metrics.segment)
+            metadata = self.checkpoint_metadata()
             # replicas hold equal state: rank 0 writes it; FSDP2 ranks each write their shards
             savers = self.students if self.sharded else self.students[:1]
             self.get(self.each(savers, "save", directory, step, metadata), f"while saving step {step}")
@@ -363,6 +375,10 @@ class _Session:
             self.data.tokenizer.save_pretrained(directory)
         return directory
 
+    def checkpoint_metadata(self) -> dict:
+        """What the driver writes into a checkpoint's manifest: the data order, the run segment."""
+        return dict(sampler=self.sampler.state_dict(), segment=self.metrics.segment)
+
     def _metrics_path(self) -> str:
         return os.path.join(self.config.output_dir, "metrics.jsonl")
 
@@ -384,23 +400,29 @@ class _Session:
                 result = self.train(step, *submitted)
                 if pending is None and step + 1 < config.steps:
                     pending = self.submit(step + 1)
-                step_seconds = time.perf_counter() - started
-                result.update(step=step, step_seconds=step_seconds, tokens_per_s=result["tokens"] / step_seconds)
-                if config.eval_every and should_evaluate(step + 1, config.eval_every, config.steps):
-                    result.update(self.evaluate())  # after the step's timing: evaluation is not training time
-                self.metrics.write(result)
                 last_step = step
-                bar.update(1)
-                bar.set_postfix(loss=f"{result['loss']:.3f}", kd=f"{result['kd']:.3f}", ce=f"{result['ce']:.3f}",
-                                refresh=False)
-                if config.checkpoint_every and (step + 1) % config.checkpoint_every == 0:
-                    self.save(step)
-                if stop.requested:
-                    raise Interrupted(step, self.save(step))
-                if config.stop_after is not None and step >= config.stop_after:
+                if self.finish_step(step, result, started, bar, stop):
                     break
         self.metrics.close()
         return last_step
+
+    def finish_step(self, step: int, result: dict, started: float, bar, stop: _StopOnInterrupt) -> bool:
+        """After a step trained: its metrics row (``result`` and the step's timing), the bar, the
+        checkpoint when due; Interrupted on Ctrl-C; whether the loop stops (``stop_after``)."""
+        config = self.config
+        step_seconds = time.perf_counter() - started
+        result.update(step=step, step_seconds=step_seconds, tokens_per_s=result["tokens"] / step_seconds)
+        if config.eval_every and should_evaluate(step + 1, config.eval_every, config.steps):
+            result.update(self.evaluate())  # after the step's timing: evaluation is not training time
+        self.metrics.write(result)
+        bar.update(1)
+        bar.set_postfix(loss=f"{result['loss']:.3f}", kd=f"{result['kd']:.3f}", ce=f"{result['ce']:.3f}",
+                        refresh=False)
+        if config.checkpoint_every and (step + 1) % config.checkpoint_every == 0:
+            self.save(step)
+        if stop.requested:
+            raise Interrupted(step, self.save(step))
+        return config.stop_after is not None and step >= config.stop_after
 
     def held_out_ce(self) -> tuple[float, float]:
         """(teacher, student) held-out CE in nats per token, chunks of rows scored by teacher-0

@@ -222,11 +222,36 @@ OPTIONS: tuple[Option, ...] = tuple([
            ("teacher_offload", bool, False, "keep the teacher's weights on the CPU between its scoring calls "
             "(colocated runs short of GPU memory)"),
            ("overlap", bool, True, "score step i + 1 on the teacher while the student trains step i")),
-    # the offline teacher cache (orchestration/cache_run.py); on merge, "cache" joins the on-policy mode choices
+    # on-policy distillation (GKD): rollout workers, weight sync, the lmbda schedule (orchestration/onpolicy.py)
+    *_rows("on-policy",
+           ("mode", str, "off_policy", "off_policy: dataset rows only; on_policy: the student's own samples scored by "
+            "the teacher; gkd: a generation round is on-policy with probability lmbda (seeded), else the dataset's "
+            "rows. On-policy distillation usually runs divergence reverse_kl or jsd",
+            dict(choices=("off_policy", "on_policy", "gkd"))),
+           ("lmbda", float, 0.5, "gkd: the probability that a round's responses are student-generated (0 to 1)",
+            dict(minimum=0)),
+           ("sft_alpha", float, 0.0, "gkd / on_policy: the CE weight of dataset-response steps (on-policy steps have "
+            "none; ce_weight applies in off_policy mode only)", dict(minimum=0)),
+           ("steps_per_generation", int, 1, "optimizer steps trained on the samples of one generation round",
+            dict(minimum=1)),
+           ("max_staleness", int, 0, "rounds the generating weights may lag: 0 strictly on-policy, 1 generates round "
+            "r + 1 while round r trains", dict(choices=(0, 1))),
+           ("rollout_workers", int, 1, "rollout workers (Ray actors holding a copy of the student; on GPUs each "
+            "shares a student worker's GPU, at most student_workers)", dict(minimum=1)),
+           ("weight_sync_bucket_mb", int, 512, "MiB per flattened bucket of the trainer -> rollout weight broadcast",
+            dict(minimum=1)),
+           ("gen_temperature", float, 1.0, "sampling temperature of the rollouts (0: greedy)", dict(minimum=0)),
+           ("top_p", float, 1.0, "nucleus sampling of the rollouts (1: off; at most 1)", dict(above=0)),
+           ("top_k", int, 0, "top-k sampling of the rollouts (0: off)", dict(minimum=0)),
+           ("max_new_tokens", int, 48, "tokens sampled per response", dict(minimum=1, gpu_default=128)),
+           ("max_prompt_tokens", int, 80, "prompts longer than this are skipped and another one drawn (with "
+            "max_new_tokens at most row_tokens when the student is built)", dict(minimum=1, gpu_default=384)),
+           ("prompts_path", str, None, "JSONL of messages (chat) or prompt/response records (optional "
+            "teacher_prompt / teacher_messages for OPSD) whose prompts the student completes; null: the standard "
+            "library's functions (signature and docstring). Dataset steps train on data_path's rows (point it at "
+            "the same JSONL for GKD's dataset responses)", dict(nullable=True, path="file"))),
+    # the offline teacher cache (orchestration/cache_run.py)
     *_rows("teacher cache",
-           ("mode", str, "off_policy", "off_policy: train on dataset rows; cache: score the training rows with the "
-            "teacher into teacher_cache and stop (resumable: run it again to continue)",
-            dict(choices=("off_policy", "cache"))),
            ("teacher_cache", str, None, "a teacher cache directory: written by mode=cache, read by training (no "
             "teacher model; refused unless made for this tokenizer, data, temperature, k / cache_samples)",
             dict(nullable=True)),

@@ -86,15 +86,32 @@ def response_mask(tokens: torch.Tensor, stop_token_ids: Sequence[int]) -> torch.
     return stops_before == 0
 
 
+class _PaddingRowsOff:
+    """A logits processor: the scores of ids >= ``vocab_size`` (lm_head padding rows) -> -inf."""
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        return torch.cat([scores[:, :self.vocab_size], torch.full_like(scores[:, self.vocab_size:], -float("inf"))],
+                         dim=1)
+
+
 class RolloutWorker:
     """Holds a copy of the student (``model``: a Hugging Face causal LM, or a callable returning
     one) on ``device``, in ``dtype`` (None keeps the model's), and generates completions with it.
-    ``pad_token_id`` pads prompts (left) and responses (right)."""
+    ``pad_token_id`` pads prompts (left) and responses (right). ``vocab_size``: the tokenizer's
+    real vocab when the lm_head has padding rows beyond it (ids >= it are never sampled); None:
+    every row is a token."""
 
     def __init__(self, model: Union[torch.nn.Module, Callable[[], torch.nn.Module]], *, pad_token_id: int,
-                 device: Union[str, torch.device] = "cpu", dtype: Optional[torch.dtype] = None):
+                 device: Union[str, torch.device] = "cpu", dtype: Optional[torch.dtype] = None,
+                 vocab_size: Optional[int] = None):
         if not isinstance(pad_token_id, int) or pad_token_id < 0:
             raise ValueError(f"pad_token_id: expected a token id (int >= 0), got {pad_token_id!r}")
+        if vocab_size is not None and (not isinstance(vocab_size, int) or vocab_size < 1):
+            raise ValueError(f"vocab_size: expected None or an int >= 1, got {vocab_size!r}")
+        self.vocab_size = vocab_size
         self.device = torch.device(device)
         built = model if isinstance(model, torch.nn.Module) else model()
         self.model = built.to(device=self.device, dtype=dtype).eval()
@@ -123,6 +140,10 @@ class RolloutWorker:
             attention_mask[row, width - len(prompt):] = 1
         options: dict[str, Any] = dict(max_new_tokens=sampling.max_new_tokens, pad_token_id=self.pad_token_id,
                                        eos_token_id=list(sampling.stop_token_ids) or None, use_cache=True)
+        if self.vocab_size is not None:
+            from transformers import LogitsProcessorList
+
+            options["logits_processor"] = LogitsProcessorList([_PaddingRowsOff(self.vocab_size)])
         if sampling.temperature > 0:
             options.update(do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p,
                            top_k=sampling.top_k)
@@ -167,7 +188,8 @@ class RolloutWorker:
 
     def update_weights_from_tensor(self, names: Sequence[str], dtypes: Sequence, shapes: Sequence[Sequence[int]],
                                    payload: Any, weight_version: int) -> dict:
-        """A packed bucket (a ``uint8`` buffer, or a CUDA IPC handle of one) into the weights."""
+        """A packed bucket (a ``uint8`` buffer, or a CUDA IPC handle of one), or a list of CUDA IPC
+        handles of the tensors themselves, into the weights (`WeightReceiver.receive_buffer`)."""
         return self._receiver.receive_buffer(names, dtypes, shapes, payload, weight_version)
 
     def pause_generation(self) -> None:

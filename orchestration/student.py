@@ -23,6 +23,7 @@ from .hf_models import final_hidden_states
 from .models import autocast, build_model, held_out_sums, lm_head_inputs, pick_device
 from .process_group import World, join_world
 from .transfer import transfer_for
+from .weight_source import WeightSource
 from .workers import Worker, layout_of
 
 STATE_FILE = "student.pt"
@@ -39,7 +40,7 @@ def lr_factor(warmup_steps: int, total_steps: int):
     return factor
 
 
-class StudentWorker(Worker):
+class StudentWorker(Worker, WeightSource):
     """One data-parallel rank of the student. The loss options (``config.loss_options()``:
     divergence, support, temperature, weights, beta, ...) go to kd.topk_divergence as one
     dict; the driver owns ``vocab_size`` and the normalization by the step's token count."""
@@ -71,24 +72,33 @@ class StudentWorker(Worker):
         return self.row_layout(pick, self.device, self.config.attention)
 
     def loss(self, tokens: torch.Tensor, labels: torch.Tensor, teacher: kd.TopK, num_tokens: int,
+             rows: Optional[torch.Tensor] = None, ce_weight: Optional[float] = None,
              position_ids: Optional[torch.Tensor] = None, attention_mask: Optional[torch.Tensor] = None):
         """(loss, metrics) of kd.topk_divergence for one micro-batch: tokens ``[B, T]``,
         shifted labels ``[B·T]``, the teacher's top-k of its ``B·T`` rows, and for packed rows
         their position ids and block-diagonal mask; the loss is a sum divided by
-        ``num_tokens`` (the step's global count)."""
+        ``num_tokens`` (the step's global count). ``rows`` ``[R]`` (flat indices into ``B·T``):
+        only those rows are trained, ``labels`` and the top-k are then ``[R]`` (a response's
+        rows). ``ce_weight``: the CE weight of this step (None: the option's)."""
         if self.sharded:  # the loss runs in the root unit's forward: FSDP2 gathers the lm_head around it
             return self.student(tokens, labels, teacher, num_tokens=max(num_tokens, 1), position_ids=position_ids,
-                                attention_mask=attention_mask, check_values=not self._values_checked)
+                                attention_mask=attention_mask, rows=rows, ce_weight=ce_weight,
+                                check_values=not self._values_checked)
         with autocast(self.device):
             hidden = final_hidden_states(self.model, tokens, position_ids=position_ids,
                                          attention_mask=attention_mask)
             hidden = hidden.reshape(-1, hidden.shape[-1])
-        return kd.topk_divergence(*lm_head_inputs(self.model, hidden), teacher, labels, **self.loss_options,
+        if rows is not None:
+            hidden = hidden[rows]
+        options = self.loss_options if ce_weight is None else dict(self.loss_options, ce_weight=ce_weight)
+        return kd.topk_divergence(*lm_head_inputs(self.model, hidden), teacher, labels, **options,
                                   num_tokens=max(num_tokens, 1), vocab_size=self.vocab, return_metrics=True,
                                   check_values=not self._values_checked)
 
-    def train_step(self, step: int, micro_batches: list, topk_refs: list, num_tokens: int) -> dict:
-        """One optimizer step over this rank's micro-batches ``[(tokens, labels)]`` with the
+    def train_step(self, step: int, micro_batches: list, topk_refs: list, num_tokens: int,
+                   ce_weight: Optional[float] = None) -> dict:
+        """One optimizer step over this rank's micro-batches ``[(tokens, labels)]`` or
+        ``[(tokens, labels, rows)]`` (`loss`; ``ce_weight`` likewise) with the
         teacher's replies (object refs of (message, seconds), resolved here). The loss is
         normalized by the step's global token count ``num_tokens`` and gradients are summed
         over the ranks, so any split of the micro-batches gives the same update. Returns
@@ -108,9 +118,10 @@ class StudentWorker(Worker):
         self.optimizer.zero_grad(set_to_none=True)
         names = ("loss", "kd_sum", "ce_sum", "teacher_mass_sum", "rows")
         sums = torch.zeros(len(names), dtype=torch.float64, device=self.device)  # read once: one host sync a step
-        for (tokens, labels, *layout), teacher in zip(micro_batches, teachers):
+        for (tokens, labels, *extra), teacher in zip(micro_batches, teachers):
+            rows, *layout = extra if extra else (None,)  # (rows[, position_ids, attention_mask])
             loss, metrics = self.loss(tokens.to(self.device), labels.to(self.device).reshape(-1), teacher, num_tokens,
-                                      *layout)
+                                      None if rows is None else rows.to(self.device), ce_weight, *layout)
             loss.backward()
             sums += torch.stack([loss.detach().double()] + [metrics[name].double() for name in names[1:]])
         # our own teacher and data pipeline made them: their ids and labels are checked on the first step only
@@ -125,10 +136,11 @@ class StudentWorker(Worker):
                     student_seconds=worker_seconds - wait_seconds - transfer_seconds, worker_seconds=worker_seconds,
                     lr=self.scheduler.get_last_lr()[0], grad_norm=grad_norm, memory=self.memory())
 
-    def train_step_rows(self, step: int, picks: list, topk_refs: list, num_tokens: int) -> dict:
+    def train_step_rows(self, step: int, picks: list, topk_refs: list, num_tokens: int,
+                        ce_weight: Optional[float] = None) -> dict:
         """`train_step` on the training rows ``picks`` (one ``[B]`` int64 tensor per micro-batch)."""
-        return self.train_step(step, [(*self.micro_batch(pick), *self._layout(pick)) for pick in picks], topk_refs,
-                               num_tokens)
+        return self.train_step(step, [(*self.micro_batch(pick), None, *self._layout(pick)) for pick in picks],
+                               topk_refs, num_tokens, ce_weight)
 
     def training_state(self, step: int) -> dict:
         """Everything an exact resume after ``step`` needs: model, optimizer and `loop_state`."""

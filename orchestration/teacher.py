@@ -80,12 +80,14 @@ class TeacherWorker(Worker):
 
     @torch.no_grad()
     def entries(self, tokens: torch.Tensor, first_row: int = 0, samples: int = 0,
-                position_ids: Optional[torch.Tensor] = None, attention_mask: Optional[torch.Tensor] = None):
+                position_ids: Optional[torch.Tensor] = None, attention_mask: Optional[torch.Tensor] = None,
+                rows: Optional[torch.Tensor] = None):
         """The teacher's entries of tokens ``[B, T]`` (the consecutive training rows from
         ``first_row``; packed rows with their position ids and block-diagonal mask) on its device:
         `kd.TopK` of k a position, or with ``samples`` > 0 `kd.TeacherSamples` of that many a
         position, seeded by the run's seed, the noise row of a position its global index
-        (row · T + t): a row's samples do not depend on how rows are batched."""
+        (row · T + t): a row's samples do not depend on how rows are batched. ``rows`` ``[R]``
+        (flat indices into ``B·T``): the entries of those rows only (a response's)."""
         if self.config.teacher_offload:
             self.model.to(self.device)
         self.model.eval()
@@ -93,7 +95,10 @@ class TeacherWorker(Worker):
         with autocast(self.device):
             hidden = final_hidden_states(self.model, tokens, position_ids=position_ids,
                                          attention_mask=attention_mask)
-        inputs = lm_head_inputs(self.model, hidden.reshape(-1, hidden.shape[-1]))
+        hidden = hidden.reshape(-1, hidden.shape[-1])
+        if rows is not None:
+            hidden = hidden[rows.to(self.device)]
+        inputs = lm_head_inputs(self.model, hidden)
         if samples:
             entries = kd.teacher_sample(*inputs, samples, seed=self.config.seed, temperature=self.config.temperature,
                                         vocab_size=self.vocab, row_offset=first_row * tokens.shape[1])
@@ -104,19 +109,20 @@ class TeacherWorker(Worker):
             self.model.to("cpu")
         return entries
 
-    def score(self, tokens: torch.Tensor, step: int = 0, student_rank: int = 0,
+    def score(self, tokens: torch.Tensor, step: int = 0, student_rank: int = 0, rows: Optional[torch.Tensor] = None,
               position_ids: Optional[torch.Tensor] = None, attention_mask: Optional[torch.Tensor] = None):
         """tokens ``[B, T]`` → (the transfer message of the packed bf16 top-k for the student
-        of rank ``student_rank``, seconds spent). With ``teacher_offload`` the weights come
+        of rank ``student_rank``, seconds spent). ``rows`` ``[R]`` (flat indices into ``B·T``):
+        the top-k of those rows only (a response's). With ``teacher_offload`` the weights come
         from the CPU for the call and go back after it."""
         start = time.perf_counter()
-        message = self.transfer.send(self.entries(tokens, position_ids=position_ids, attention_mask=attention_mask),
-                                     step, student_rank)
+        message = self.transfer.send(self.entries(tokens, position_ids=position_ids, attention_mask=attention_mask,
+                                                  rows=rows), step, student_rank)
         return message, time.perf_counter() - start
 
     def score_rows(self, pick: torch.Tensor, step: int = 0, student_rank: int = 0):
         """`score` of the training rows ``pick`` ``[B]`` int64."""
-        return self.score(self.micro_batch(pick)[0], step, student_rank, *self._layout(pick))
+        return self.score(self.micro_batch(pick)[0], step, student_rank, None, *self._layout(pick))
 
     def topk_of_chunk(self, chunk: tuple) -> kd.TopK:
         """The CPU `kd.TopK` of a held-out chunk ``(tokens, labels, positions or None,

@@ -16,6 +16,8 @@ Three ways a bucket travels, one receiver (`WeightReceiver`) for all:
   the GPU and returns a CUDA IPC handle of it (torch's multiprocessing reduction); the receiver
   maps that memory and copies out of it (`receive_buffer`): one device-to-device copy into its
   parameters, no host round trip. The sender keeps the buffer until `release_shared`.
+  `WeightSender.share_tensors` skips the packing: one CUDA IPC handle per parameter, of the
+  parameter's own storage, so the receiver's copies are the update's only device traffic.
 - a plain tensor (the Ray object store, or tests in one process): `receive_buffer` with the
   packed buffer itself.
 
@@ -261,6 +263,7 @@ class WeightSender:
         self._group: Optional[WeightGroup] = None
         self._shared: list[torch.Tensor] = []
         self._sharing: Optional[tuple[int, int, float]] = None  # (weight_version, next bucket, start)
+        self._shared_bytes = 0  # bytes of the update `share_tensors` handed out
 
     def _sent_dtype(self, tensor: torch.Tensor) -> torch.dtype:
         return self._dtype if self._dtype is not None and tensor.is_floating_point() else tensor.dtype
@@ -361,6 +364,34 @@ class WeightSender:
             self._sharing = (weight_version, index + 1, self._sharing[2])
             return bucket.names, bucket.dtypes, bucket.shapes, reduce_tensor(buffer), weight_version
 
+    def share_tensors(self, weight_version: int) -> tuple:
+        """The whole update as CUDA IPC handles of the source's tensors themselves (no packing): the
+        arguments of `WeightReceiver.receive_buffer` with a list payload, one ``(rebuild, args)`` per
+        tensor in plan order. A receiver on the same GPU copies straight out of the trainer's
+        parameters, one device-to-device copy per tensor. Tensors that need a cast (``dtype``) are
+        cast into copies kept until `release_shared`, which ends the update and returns its metrics
+        once the receivers have returned. The trainer must not step while they copy."""
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        with self._lock:
+            self._next_version(weight_version)
+            if self._sharing is not None:
+                raise RuntimeError(f"share_tensors: the update to {self._sharing[0]} is still in progress")
+            start, current = time.perf_counter(), self._current()
+            names = [name for bucket in self.buckets for name in bucket.names]
+            tensors = [current[name] for name in names]
+            if not all(tensor.is_cuda for tensor in tensors):
+                raise RuntimeError("share_tensors: CUDA IPC needs CUDA tensors; the source has tensors on "
+                                   f"{sorted({str(tensor.device) for tensor in tensors})}")
+            sent = [tensor if tensor.dtype == self._sent_dtype(tensor) else tensor.to(self._sent_dtype(tensor))
+                    for tensor in tensors]
+            self._shared.extend(fresh for fresh, tensor in zip(sent, tensors) if fresh is not tensor)
+            torch.cuda.current_stream(sent[0].device).synchronize()  # another process reads them next
+            self._sharing = (weight_version, len(self.buckets), start)
+            self._shared_bytes = sum(tensor.numel() * tensor.element_size() for tensor in sent)
+            return (tuple(names), tuple(tensor.dtype for tensor in sent), tuple(tuple(tensor.shape) for tensor in sent),
+                    [reduce_tensor(tensor) for tensor in sent], weight_version)
+
     def release_shared(self) -> Optional[UpdateMetrics]:
         """Frees the buffers handed out by `share` (their receivers have returned). After the last
         bucket of an update, ends it and returns its metrics (seconds from the first `share`)."""
@@ -370,7 +401,8 @@ class WeightSender:
                 return None
             weight_version, _, start = self._sharing
             self._sharing = None
-            total = sum(bucket.nbytes for bucket in self.buckets)
+            total = self._shared_bytes or sum(bucket.nbytes for bucket in self.buckets)
+            self._shared_bytes = 0
             return self._finish(weight_version, total, time.perf_counter() - start)
 
 
@@ -397,6 +429,7 @@ class WeightReceiver:
         self._paused = False
         self._pending: Optional[_PendingUpdate] = None
         self._group: Optional[WeightGroup] = None
+        self._mapped: list[torch.Tensor] = []  # the last list payload's tensors (receive_buffer)
         self.weight_version = 0
         self.last_update: Optional[UpdateMetrics] = None
 
@@ -469,11 +502,18 @@ class WeightReceiver:
     def receive_buffer(self, names: Sequence[str], dtypes: Sequence, shapes: Sequence[Sequence[int]],
                        payload: Any, weight_version: int) -> dict:
         """A bucket packed by `pack_bucket` into the parameters. ``payload``: that ``uint8`` buffer,
-        or ``(rebuild, args)`` of a CUDA IPC handle (`WeightSender.share`), copied out of before
-        this returns."""
-        def fetch(bucket: Bucket) -> torch.Tensor:
+        ``(rebuild, args)`` of a CUDA IPC handle of it (`WeightSender.share`), or a list of such
+        handles, one per tensor of ``names`` (`WeightSender.share_tensors`); copied out of before
+        this returns. The tensors of a list payload stay mapped until the next update, so that
+        the same handles open at no cost again."""
+        def fetch(bucket: Bucket):
             if isinstance(payload, torch.Tensor):
                 return payload
+            if isinstance(payload, list):
+                if len(payload) != len(bucket.names):
+                    raise ValueError(f"payload: expected {len(bucket.names)} tensor handles, got {len(payload)}")
+                self._mapped = [rebuild(*arguments) for rebuild, arguments in payload]
+                return self._mapped
             rebuild, arguments = payload
             return rebuild(*arguments)
 
@@ -496,18 +536,24 @@ class WeightReceiver:
                 if name in pending.received:
                     raise ValueError(f"names: {name!r} came twice in the update to weight_version {weight_version}")
             start = time.perf_counter()
-            buffer = fetch(bucket)
+            fetched = fetch(bucket)
+            views = fetched if isinstance(fetched, list) else bucket_views(fetched, bucket)
             with torch.no_grad():
-                for name, view in zip(bucket.names, bucket_views(buffer, bucket)):
+                for name, view, dtype, shape in zip(bucket.names, views, bucket.dtypes, bucket.shapes):
+                    if view.dtype != dtype or tuple(view.shape) != shape:
+                        raise ValueError(f"payload: {name!r} is {view.dtype} {tuple(view.shape)}, the update says "
+                                         f"{dtype} {shape}")
                     self._parameters[name].data.copy_(view)
-            if buffer.is_cuda:
-                torch.cuda.current_stream(buffer.device).synchronize()  # the sender may free or reuse it now
+            if views and views[0].is_cuda:
+                torch.cuda.current_stream(views[0].device).synchronize()  # the sender may free or reuse it now
             seconds = time.perf_counter() - start
             pending.received.update(bucket.names)
-            pending.bytes += bucket.nbytes
+            moved = fetched.numel() if isinstance(fetched, torch.Tensor) else sum(v.numel() * v.element_size()
+                                                                                   for v in views)
+            pending.bytes += moved
             pending.buckets += 1
             pending.seconds += seconds
-            return dict(bytes=bucket.nbytes, seconds=seconds, weight_version=weight_version)
+            return dict(bytes=moved, seconds=seconds, weight_version=weight_version)
 
     def _start(self, weight_version: int) -> _PendingUpdate:
         if self._pending is None:

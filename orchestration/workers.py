@@ -57,6 +57,15 @@ class Worker:
         """This worker's GPU UUID, or None without CUDA."""
         return gpu_identity()
 
+    @torch.no_grad()
+    def row_log_probs(self, tokens: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """``[R, vocab]`` float32 ``log_softmax`` of this worker's model (``self.model``, real vocab
+        ``self.vocab``) at the flat rows ``rows`` ``[R]`` of ``tokens`` ``[B, T]``, on the CPU."""
+        self.model.eval()
+        self.model.to(self.device)  # an offloaded teacher comes back for it
+        logits = self.model(input_ids=tokens.to(self.device)).logits
+        picked = logits.reshape(-1, logits.shape[-1])[rows.to(self.device), :self.vocab]
+        return torch.log_softmax(picked.float(), dim=-1).cpu()
 
 def mask_dtype(device: torch.device) -> torch.dtype:
     """The dtype of eager attention masks: the compute dtype (bf16 on GPUs, float32 on CPU)."""

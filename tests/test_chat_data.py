@@ -214,3 +214,28 @@ def test_stdlib_functions_become_signature_prompts_and_body_responses():
         prompt_lines = record["prompt"].count("\n")
         assert record["prompt"].endswith("\n") and function.body[0].end_lineno == prompt_lines
         assert function.body[1].lineno > prompt_lines  # the body is all in the response
+
+
+def test_the_drivers_data_path_trains_the_response_under_a_real_or_format_template(tokenizer, tmp_path):
+    """data.py: a prompt/response or messages record is encoded with the tokenizer's chat template
+    (ChatEncoder), and a format-string template's text after {response} no longer counts as
+    prompt (with a Qwen-style ending it used to mask the response's first tokens)."""
+    from orchestration.data import encode, read_documents
+
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    response = _ids(tokenizer, "The brown fox jumps.") + [im_end]
+    path = tmp_path / "chat.jsonl"
+    path.write_text(json.dumps({"prompt": "Jumps the fox?", "response": "The brown fox jumps."}) + "\n"
+                    + json.dumps({"messages": [{"role": "user", "content": "Jumps the fox?"},
+                                               {"role": "assistant", "content": "The brown fox jumps."}]}) + "\n")
+    for record in read_documents(str(path)):
+        assert [label for label in shifted_labels(encode(record, tokenizer, None)) if label != -100] == response
+
+    plain = _tokenizer(chat_template=None)
+    template = "<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n{response}<|im_end|>\n"
+    document = encode({"prompt": "Jumps the fox?", "response": "The brown fox jumps."}, plain, template)
+    prompt = _ids(plain, "<|im_start|>user\nJumps the fox?<|im_end|>\n<|im_start|>assistant\n")
+    assert document.tokens[:len(prompt)] == prompt
+    trained = [label for label in shifted_labels(document) if label != -100]
+    assert trained == document.tokens[len(prompt):]  # the response, its <|im_end|> and the newline after it
+    assert plain.decode(trained) == "The brown fox jumps.<|im_end|>\n"

@@ -79,3 +79,22 @@ def test_disaggregated_nccl_equals_the_object_store(ray_cluster, tmp_path):
     by_nccl = run(_small(tmp_path, "nccl", placement="disaggregated"), progress=False, return_parameters=True)
     assert (by_nccl["placement"], by_nccl["transfer"]) == ("disaggregated", "nccl")
     _same_training(by_store, by_nccl)
+
+
+def test_a_colocated_gkd_run_syncs_the_rollout_worker_by_cuda_ipc(ray_cluster, tmp_path):
+    """mode=gkd on one GPU: the rollout worker shares the student's GPU, so the weights travel as
+    CUDA IPC handles of the student's parameters; every on-policy step's samples come from the
+    weights of that step (max_staleness 0) and each sync moves the whole fp32 student."""
+    from orchestration.driver import run
+
+    summary = run(_small(tmp_path, "gkd", placement="colocated", mode="gkd", lmbda=0.5, max_new_tokens=16,
+                         max_prompt_tokens=100), progress=False)
+    assert summary["weight_sync"] == "cuda_ipc" and summary["weight_version"] == 8
+    with open(summary["metrics"]) as handle:
+        rows = [json.loads(line) for line in handle]
+    assert all(torch.isfinite(torch.tensor(row["loss"])) for row in rows)
+    on_policy = [row for row in rows if row["on_policy"]]
+    assert on_policy and all(row["weight_version"] == row["step"] for row in on_policy)
+    synced = [row for row in rows if "sync_bytes" in row]
+    assert synced and len({row["sync_bytes"] for row in synced}) == 1 and synced[0]["sync_gb_per_s"] > 0
+    assert summary["teacher_reverse_kl"] >= 0

@@ -134,3 +134,16 @@ def test_pause_waits_for_the_running_generation():
     assert len(forwards) == GREEDY.max_new_tokens and forwards[-1] < paused  # it waited for the last forward
     assert results["rollout"].responses() == expected and results["rollout"].weight_version == 0
     worker.continue_generation()
+
+
+def test_ids_past_the_tokenizers_vocab_are_never_sampled():
+    """An lm_head padded past the tokenizer (96 rows, 10 real tokens here): its padding rows are
+    masked out of the sampling."""
+    worker = RolloutWorker(tiny_llama(3), pad_token_id=0, vocab_size=10)
+    rollout = worker.generate(PROMPTS, SamplingParams(max_new_tokens=16, temperature=2.0, seed=1))
+    assert int(rollout.response_ids.max()) < 10
+    unmasked = RolloutWorker(tiny_llama(3), pad_token_id=0).generate(PROMPTS, SamplingParams(max_new_tokens=16,
+                                                                                              temperature=2.0, seed=1))
+    assert int(unmasked.response_ids.max()) >= 10  # the same sampling without the mask reaches them
+    with pytest.raises(ValueError, match="vocab_size: expected None or an int >= 1, got 0"):
+        RolloutWorker(tiny_llama(3), pad_token_id=0, vocab_size=0)

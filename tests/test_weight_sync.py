@@ -268,3 +268,62 @@ def _nccl_ranks(rank, world, init_file, port, queue):
 @pytest.mark.skipif(not HAS_CUDA or torch.cuda.device_count() < 2, reason="needs two CUDA devices")
 def test_nccl_sync_across_two_gpus_gives_bit_equal_parameters():
     spawn_ranks(_nccl_ranks, 2, free_port(), multiprocessing.get_context("spawn").SimpleQueue())
+
+
+def _mapped(tensor):
+    return tensor
+
+
+def test_a_payload_of_one_handle_per_tensor_updates_the_whole_model_in_one_call():
+    """The colocated path's payload shape (`WeightSender.share_tensors`: one ``(rebuild, args)``
+    per tensor, here rebuilding to the trainer's own tensors on CPU): one call covers the model,
+    its bytes are the tensors' own, and a tensor of another dtype than announced is refused."""
+    trainer, worker = tiny_llama(1), RolloutWorker(tiny_llama(2), pad_token_id=0)
+    named = list(trainer.named_parameters())
+    names, dtypes, shapes = [n for n, _ in named], [p.dtype for _, p in named], [tuple(p.shape) for _, p in named]
+    worker.pause_generation()
+    wrong = [(_mapped, (p.detach().double(),)) for _, p in named]
+    with pytest.raises(ValueError, match=f"payload: '{names[0]}' is torch.float64 .* the update says torch.float32"):
+        worker.update_weights_from_tensor(names, dtypes, shapes, wrong, 1)
+    with pytest.raises(ValueError, match=f"payload: expected {len(names)} tensor handles, got 1"):
+        worker.update_weights_from_tensor(names, dtypes, shapes, wrong[:1], 1)
+    reply = worker.update_weights_from_tensor(names, dtypes, shapes, [(_mapped, (p.detach(),)) for _, p in named], 1)
+    metrics = worker.continue_generation()
+    assert reply["bytes"] == metrics["bytes"] == sum(p.numel() * p.element_size() for _, p in named)
+    assert metrics["buckets"] == 1 and worker.weight_version == 1
+    assert torch.equal(worker.model(TOKENS).logits, trainer(TOKENS).logits)
+
+
+def _ipc_storages(rank, world, init_file, queue, acks):
+    if rank == 0:
+        model = tiny_llama(1, vocab=32_000, hidden=512).cuda()
+        sender = WeightSender(model, bucket_bytes=8 << 20)
+        for version in (1, 2):
+            queue.put(sender.share_tensors(version))
+            acks.get()
+            metrics = sender.release_shared()
+            assert metrics.weight_version == version
+            assert metrics.bytes == sum(p.numel() * p.element_size() for p in model.parameters())
+            with torch.no_grad():
+                queue.put(model(TOKENS.cuda()).logits.cpu())
+            acks.get()
+            with torch.no_grad():  # in place: the same storages, so the same handles, hold the new weights
+                for parameter in model.parameters():
+                    parameter.mul_(1.0 + 0.01 * version)
+        return
+    worker = RolloutWorker(tiny_llama(2, vocab=32_000, hidden=512), pad_token_id=0, device="cuda")
+    for _ in (1, 2):
+        worker.pause_generation()
+        worker.update_weights_from_tensor(*queue.get())
+        worker.continue_generation()
+        acks.put(True)
+        expected = queue.get()
+        with torch.no_grad():
+            assert torch.equal(worker.model(TOKENS.cuda()).logits.cpu(), expected)
+        acks.put(True)
+
+
+@pytest.mark.gpu
+def test_cuda_ipc_of_the_parameters_storages_gives_bit_equal_logits_update_after_update():
+    context = multiprocessing.get_context("spawn")
+    spawn_ranks(_ipc_storages, 2, context.SimpleQueue(), context.SimpleQueue())

@@ -1,0 +1,48 @@
+"""The trainer's side of the weight sync, as methods of student rank 0's Ray actor: a
+`weight_sync.WeightSender` over the student's parameters, sending by broadcast over the weight
+group (gloo / NCCL) or sharing the parameters' storages by CUDA IPC (a rollout worker on the
+same GPU)."""
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Optional
+
+from .weight_sync import WeightSender
+
+
+class WeightSource:
+    """Mixed into `student.StudentWorker` (``self.model``). The bucket plan is made once, by
+    `open_weight_sender`; the other methods need it."""
+
+    _weight_sender: Optional[WeightSender] = None
+
+    def open_weight_sender(self, bucket_bytes: int) -> list[tuple]:
+        """Plans the buckets over the model's parameters; their metadata, ``[(names, dtypes as
+        names, shapes)]`` in send order (the arguments of the receivers' per-bucket calls)."""
+        self._weight_sender = WeightSender(self.model, bucket_bytes=bucket_bytes)
+        return [(bucket.names, tuple(str(dtype).removeprefix("torch.") for dtype in bucket.dtypes), bucket.shapes)
+                for bucket in self._weight_sender.buckets]
+
+    def _sender(self) -> WeightSender:
+        if self._weight_sender is None:
+            raise RuntimeError("weight sync: call open_weight_sender first")
+        return self._weight_sender
+
+    def init_weight_group(self, master_address: str, master_port: int, world_size: int, group_name: str,
+                          backend: str) -> None:
+        """Joins the weight group as its rank 0 (the rollout workers join at the same time)."""
+        self._sender().init_group(master_address, master_port, world_size, group_name, backend,
+                                  timeout=timedelta(minutes=10))
+
+    def send_weights(self, weight_version: int) -> dict:
+        """Broadcasts every bucket (`WeightSender.send`); the update's metrics."""
+        return self._sender().send(weight_version).as_dict()
+
+    def share_weights(self, weight_version: int) -> tuple:
+        """The parameters' CUDA IPC handles (`WeightSender.share_tensors`)."""
+        return self._sender().share_tensors(weight_version)
+
+    def release_shared_weights(self) -> Optional[dict]:
+        """Ends a `share_weights` update once the receivers returned; its metrics."""
+        metrics = self._sender().release_shared()
+        return None if metrics is None else metrics.as_dict()
