@@ -226,8 +226,9 @@ OPTIONS: tuple[Option, ...] = tuple([
     *_rows("on-policy",
            ("mode", str, "off_policy", "off_policy: dataset rows only; on_policy: the student's own samples scored by "
             "the teacher; gkd: a generation round is on-policy with probability lmbda (seeded), else the dataset's "
-            "rows. On-policy distillation usually runs divergence reverse_kl or jsd",
-            dict(choices=("off_policy", "on_policy", "gkd"))),
+            "rows (on-policy distillation usually runs divergence reverse_kl or jsd); cache: score the training "
+            "rows with the teacher into teacher_cache and stop (resumable: run it again to continue)",
+            dict(choices=("off_policy", "on_policy", "gkd", "cache"))),
            ("lmbda", float, 0.5, "gkd: the probability that a round's responses are student-generated (0 to 1)",
             dict(minimum=0)),
            ("sft_alpha", float, 0.0, "gkd / on_policy: the CE weight of dataset-response steps (on-policy steps have "
