@@ -162,6 +162,7 @@ class _Session:
     saved_step: Optional[int] = None
     teacher_pretrain_loss: float = float("nan")
     slots: list = field(default_factory=list)  # placement group slots in a joined cluster
+    nodes: dict = field(default_factory=dict)  # worker name -> the id of its Ray node
     held_out_chunks: Optional[list] = None  # held-out rows in chunks (object refs)
     held_out_topk: Optional[list] = None  # the teacher's top-k of each chunk (object refs), computed once
 
@@ -172,7 +173,7 @@ class _Session:
         return [self.actors.call(worker, method, *args) for worker in workers]
 
     def start_workers(self, device: str) -> None:
-        """Teacher and student actors, up and answering; workers.json (name → pid, GPU);
+        """Teacher and student actors, up and answering; workers.json (name → pid, GPU, Ray node);
         the placement check; the NCCL pair handshake; the training rows."""
         from .student import StudentWorker
         from .teacher import TeacherWorker
@@ -204,8 +205,10 @@ class _Session:
         with self.report.phase(f"starting {len(workers)} workers"):
             pids = self.get(self.each(workers, "pid"), "during setup")
             gpus = self.get(self.each(workers, "gpu"), "during setup")
+            self.nodes = dict(zip(workers, self.get(self.each(workers, "node"), "during setup")))
         with open(os.path.join(config.output_dir, "workers.json"), "w") as handle:
-            json.dump({name: dict(pid=pid, gpu=gpu) for name, pid, gpu in zip(workers, pids, gpus)}, handle, indent=1)
+            json.dump({name: dict(pid=pid, gpu=gpu, node=self.nodes[name])
+                       for name, pid, gpu in zip(workers, pids, gpus)}, handle, indent=1)
         if device == "cuda":
             check_placement(layout, gpus[:len(self.teachers)], gpus[len(self.teachers):])
         if layout.transfer == "nccl":  # both sides of every pair at once: see transfer.Nccl
@@ -407,7 +410,8 @@ class _Session:
             last_step=last_step, vocab=data.vocab, teacher_pretrain_loss=self.teacher_pretrain_loss,
             teacher_held_out_ce=teacher_ce, student_held_out_ce=student_ce, train_rows=len(data.train_tokens),
             held_out_rows=len(data.held_tokens), metrics=self._metrics_path(), checkpoint=saved,
-            segment=self.metrics.segment, placement=self.layout.placement, transfer=self.layout.transfer)
+            segment=self.metrics.segment, placement=self.layout.placement, transfer=self.layout.transfer,
+            nodes=self.nodes)
         workers = self.teachers + self.students
         summary["memory"] = dict(zip(workers, self.get(self.each(workers, "memory"), "while reading memory")))
         if self.config.export:

@@ -57,6 +57,12 @@ class Worker:
         """This worker's GPU UUID, or None without CUDA."""
         return gpu_identity()
 
+    def node(self) -> str:
+        """The id of the Ray node this worker runs on."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
 
 def mask_dtype(device: torch.device) -> torch.dtype:
     """The dtype of eager attention masks: the compute dtype (bf16 on GPUs, float32 on CPU)."""
