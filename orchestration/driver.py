@@ -5,6 +5,7 @@ the newest one that verifies, a stop naming the worker that died, and Ctrl-C tha
 after the current step with a checkpoint."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -27,8 +28,8 @@ from .metrics_log import MetricsLog
 from .placement import Layout, check_placement, device_type, gpu_count, resolve_layout
 from .process_group import worlds
 from .progress import Progress
-from .sampler import StepSampler
-from .token_data import EpochSampler, is_pre_tokenized, prepare_token_data
+from .sampler import EpochSampler, StepSampler
+from .token_data import is_pre_tokenized, prepare_token_data
 
 PRETRAIN_UPDATES = 50  # the teacher pretrains in this many calls, so its bar moves
 HELD_OUT_ROWS_PER_CALL = 32
@@ -62,11 +63,12 @@ def run(config, progress: bool = True, return_parameters: bool = False) -> dict:
             data = prepare_token_data(config, tokenizer, report)
         except ValueError as error:
             raise UsageError([f"data_path: {error}"]) from None
-        sampler = EpochSampler(config.seed, len(data.train_tokens), config.micro_batches,
-                               config.rows_per_micro_batch)
     else:
         data = prepare_data(config, report, tokenizer)
-        sampler = StepSampler(config.seed, len(data.train_tokens), config.micro_batches, config.rows_per_micro_batch)
+    order = EpochSampler if pre_tokenized or config.epochs else StepSampler
+    sampler = order(config.seed, len(data.train_tokens), config.micro_batches, config.rows_per_micro_batch)
+    if config.epochs:  # the workers' LR schedule and the loop read the steps from the config
+        config = dataclasses.replace(config, steps=sampler.steps_for(config.epochs))
     if config.k > data.vocab:
         raise UsageError(f"k: expected at most the vocab ({data.vocab} tokens in the tokenizer), got {config.k}")
     if resume_from and (problem := sampler.mismatch(checkpoint.read_manifest(resume_from)["metadata"]["sampler"])):
@@ -411,7 +413,7 @@ class _Session:
             teacher_held_out_ce=teacher_ce, student_held_out_ce=student_ce, train_rows=len(data.train_tokens),
             held_out_rows=len(data.held_tokens), metrics=self._metrics_path(), checkpoint=saved,
             segment=self.metrics.segment, placement=self.layout.placement, transfer=self.layout.transfer,
-            nodes=self.nodes)
+            nodes=self.nodes, steps=self.config.steps)
         workers = self.teachers + self.students
         summary["memory"] = dict(zip(workers, self.get(self.each(workers, "memory"), "while reading memory")))
         if self.config.export:
