@@ -167,6 +167,7 @@ class _Session:
     nodes: dict = field(default_factory=dict)  # worker name -> the id of its Ray node
     held_out_chunks: Optional[list] = None  # held-out rows in chunks (object refs)
     held_out_topk: Optional[list] = None  # the teacher's top-k of each chunk (object refs), computed once
+    teacher_memory: list = field(default_factory=list)  # calls answering each teacher's peak memory
 
     def get(self, calls: list[Call], when: str) -> list:
         return self.actors.get(calls, when)
@@ -293,11 +294,15 @@ class _Session:
         called = time.perf_counter()
         parts = self.get(calls, f"at step {step}")
         call_seconds = time.perf_counter() - called
-        self.each(self.teachers, "release", step)  # actor calls run in order: after this step's scoring
+        # actor calls run in order: after this step's scoring. The teachers' memory comes from the
+        # previous step's release, done by now, so the next step's scoring (overlap) is not waited on
+        earlier, self.teacher_memory = self.teacher_memory, self.each(self.teachers, "release", step)
+        teacher_memory = self.get(earlier, f"at step {step}")
         total = {key: sum(part[key] for part in parts) for key in parts[0]
                  if key not in ("lr", "worker_seconds", "grad_norm", "memory")}
-        memory = {f"{name}_{key}": value for name, part in zip(self.students, parts)
-                  for key, value in part["memory"].items()}
+        memory = {f"{name}_{key}": value for name, part in zip(self.teachers + self.students,
+                                                               teacher_memory + [part["memory"] for part in parts])
+                  for key, value in part.items()}
         rows = max(total["rows"], 1)
         return dict(loss=total["loss"], kd=total["kd_sum"] / rows, ce=total["ce_sum"] / rows,
                     teacher_tail_mass=1.0 - total["teacher_mass_sum"] / rows, tokens=num_tokens,
@@ -322,20 +327,26 @@ class _Session:
     def sharded(self) -> bool:
         return self.config.student_strategy == "fsdp2"
 
-    def evaluate(self) -> dict:
-        """Held-out CE and KD of the student (`StudentWorker.evaluate` on every student rank);
-        the teacher's top-k of the held-out rows is computed once (teacher-0) and kept."""
-        data = self.data
-        if self.held_out_topk is None:
+    def held_out(self) -> list:
+        """The held-out rows in chunks of `HELD_OUT_ROWS_PER_CALL` (object refs of ``(tokens,
+        labels, positions or None, documents or None)``), put in the object store once."""
+        if self.held_out_chunks is None:
             import ray
 
+            data = self.data
             parts = (data.held_tokens, data.held_labels, data.held_positions, data.held_documents)
             self.held_out_chunks = [ray.put(tuple(None if part is None else part[s:s + HELD_OUT_ROWS_PER_CALL]
                                                   for part in parts))
                                     for s in range(0, len(data.held_tokens), HELD_OUT_ROWS_PER_CALL)]
+        return self.held_out_chunks
+
+    def evaluate(self) -> dict:
+        """Held-out CE and KD of the student (`StudentWorker.evaluate` on every student rank);
+        the teacher's top-k of the held-out rows is computed once (teacher-0) and kept."""
+        if self.held_out_topk is None:
             self.held_out_topk = [self.actors.call(self.teachers[0], "topk_of_chunk", chunk).ref
-                                  for chunk in self.held_out_chunks]
-        return self.get(self.each(self.students, "evaluate", self.held_out_chunks, self.held_out_topk),
+                                  for chunk in self.held_out()]
+        return self.get(self.each(self.students, "evaluate", self.held_out(), self.held_out_topk),
                         "during held-out evaluation")[0]
 
     def export(self) -> str:
@@ -357,6 +368,7 @@ class _Session:
         if self.metrics is None:
             self.metrics = MetricsLog(self._metrics_path(), tensorboard=config.tensorboard)
         last_step = start_step - 1
+        self.teacher_memory = self.each(self.teachers, "memory")
         with self.report.bar("distill", config.steps, "step", initial=start_step) as bar, \
                 _StopOnInterrupt(self.report.note) as stop:
             pending = self.submit(start_step) if start_step < config.steps else None
@@ -387,20 +399,19 @@ class _Session:
         return last_step
 
     def held_out_ce(self) -> tuple[float, float]:
-        """(teacher, student) held-out CE in nats per token, chunks of rows scored by teacher-0
-        and student-0 at once; a sharded student's is its fused CE (`evaluate`)."""
-        tokens, labels = self.data.held_tokens, self.data.held_labels
-        chunks = [(tokens[s:s + HELD_OUT_ROWS_PER_CALL], labels[s:s + HELD_OUT_ROWS_PER_CALL])
-                  for s in range(0, len(tokens), HELD_OUT_ROWS_PER_CALL)]
+        """(teacher, student) held-out CE in nats per token, chunks of rows (`held_out`: packed
+        rows with their document mask) scored by teacher-0 and student-0 at once; a sharded
+        student's is its fused CE (`evaluate`)."""
+        rows, chunks = len(self.data.held_tokens), self.held_out()
         sides = (self.teachers[0],) if self.sharded else (self.teachers[0], self.students[0])
-        calls = [self.actors.call(worker, "held_out_sums", *chunk) for worker in sides for chunk in chunks]
+        calls = [self.actors.call(worker, "held_out_sums", chunk) for worker in sides for chunk in chunks]
         sums = [[0.0, 0], [0.0, 0]]
-        with self.report.bar("held-out CE", len(tokens) * len(sides), "row") as bar:
+        with self.report.bar("held-out CE", rows * len(sides), "row") as bar:
             for index, (total, count) in self.actors.wait_each(calls, "during held-out evaluation"):
-                side = index // len(chunks)
+                side, chunk = divmod(index, len(chunks))
                 sums[side][0] += total
                 sums[side][1] += count
-                bar.update(len(chunks[index % len(chunks)][0]))
+                bar.update(min(HELD_OUT_ROWS_PER_CALL, rows - chunk * HELD_OUT_ROWS_PER_CALL))
         teacher, student = (total / max(count, 1) for total, count in sums)
         return teacher, self.evaluate()["held_out_ce"] if self.sharded else student
 

@@ -57,15 +57,24 @@ def autocast(device: torch.device):
 
 
 @torch.no_grad()
-def held_out_sums(model, rows: torch.Tensor, labels: torch.Tensor, vocab: int, device: torch.device):
-    """(summed CE in nats, counted tokens) of ``model`` on ``rows`` / shifted ``labels`` ``[R, T]``."""
+def held_out_sums(model, chunk: tuple, vocab: int, device: torch.device, implementation: str) -> tuple[float, int]:
+    """(summed CE in nats, counted tokens) of ``model`` on a held-out ``chunk`` ``(tokens,
+    labels, positions or None, documents or None)``, each ``[R, T]`` int64 (labels shifted):
+    packed rows with their position ids and block-diagonal mask for ``implementation``
+    (`workers.layout_of`), so a token never attends across a document; plain causal rows
+    without document ids."""
+    from .workers import layout_of
+
+    rows, labels, positions, documents = chunk
     model.eval()
     total, count = 0.0, 0
     for start in range(0, rows.shape[0], 8):
-        tokens, targets = rows[start:start + 8].to(device), labels[start:start + 8].to(device)
-        logits = model(input_ids=tokens).logits[..., :vocab].float()
-        mask = targets != IGNORE_INDEX
+        part = slice(start, start + 8)
+        position_ids, mask = layout_of(None if positions is None else positions[part],
+                                       None if documents is None else documents[part], device, implementation)
+        tokens, targets = rows[part].to(device), labels[part].to(device)
+        logits = model(input_ids=tokens, position_ids=position_ids, attention_mask=mask).logits[..., :vocab].float()
         total += F.cross_entropy(logits.reshape(-1, vocab), targets.reshape(-1), ignore_index=IGNORE_INDEX,
                                  reduction="sum").item()
-        count += mask.sum().item()
+        count += (targets != IGNORE_INDEX).sum().item()
     return total, count

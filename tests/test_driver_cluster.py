@@ -43,7 +43,8 @@ def test_the_driver_trains_with_workers_on_two_nodes(two_nodes, tmp_path):
         assert {name: entry["node"] for name, entry in json.load(handle).items()} == summary["nodes"]
     rows = [json.loads(line) for line in open(summary["metrics"])]
     assert [row["step"] for row in rows] == [0, 1, 2]
-    assert all(math.isfinite(row["loss"]) and row["grad_norm"] > 0 for row in rows)
+    assert all(math.isfinite(row["loss"]) and row["grad_norm"] > 0 and row["teacher-0_peak_rss_mib"] > 0 and
+               row["student-1_peak_rss_mib"] > 0 for row in rows)
     assert math.isfinite(summary["student_held_out_ce"]) and math.isfinite(summary["teacher_held_out_ce"])
     assert summary["checkpoint"] == checkpoint.path_of(config.output_dir, 2)
     assert checkpoint.candidates(config.output_dir) == [checkpoint.path_of(config.output_dir, step) for step in (2, 1)]

@@ -36,7 +36,7 @@ def test_fsdp2_two_workers_train_like_one_and_resume_exactly(ray_cluster, tmp_pa
     rows = [json.loads(line) for line in open(one["metrics"])]
     assert [row["step"] for row in rows] == [0, 1, 2, 3]
     assert all(row["grad_norm"] > 0 and row["lr"] > 0 and 0 <= row["teacher_tail_mass"] <= 1 and
-               row["student-0_peak_rss_mib"] > 0 for row in rows)
+               row["student-0_peak_rss_mib"] > 0 and row["teacher-0_peak_rss_mib"] > 0 for row in rows)
     assert [("held_out_ce" in row, "held_out_kd" in row) for row in rows] == [(False, False), (True, True)] * 2
     assert rows[-1]["held_out_ce"] == pytest.approx(one["student_held_out_ce"], rel=1e-6)
 
