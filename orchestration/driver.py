@@ -5,6 +5,7 @@ the newest one that verifies, a stop naming the worker that died, and Ctrl-C tha
 after the current step with a checkpoint."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -27,8 +28,8 @@ from .metrics_log import MetricsLog
 from .placement import Layout, check_placement, device_type, gpu_count, resolve_layout
 from .process_group import worlds
 from .progress import Progress
-from .sampler import StepSampler
-from .token_data import EpochSampler, is_pre_tokenized, prepare_token_data
+from .sampler import EpochSampler, StepSampler
+from .token_data import is_pre_tokenized, prepare_token_data
 
 PRETRAIN_UPDATES = 50  # the teacher pretrains in this many calls, so its bar moves
 HELD_OUT_ROWS_PER_CALL = 32
@@ -71,11 +72,12 @@ def run(config, progress: bool = True, return_parameters: bool = False) -> dict:
             data = prepare_token_data(config, tokenizer, report)
         except ValueError as error:
             raise UsageError([f"data_path: {error}"]) from None
-        sampler = EpochSampler(config.seed, len(data.train_tokens), config.micro_batches,
-                               config.rows_per_micro_batch)
     else:
         data = prepare_data(config, report, tokenizer)
-        sampler = StepSampler(config.seed, len(data.train_tokens), config.micro_batches, config.rows_per_micro_batch)
+    order = EpochSampler if pre_tokenized or config.epochs else StepSampler
+    sampler = order(config.seed, len(data.train_tokens), config.micro_batches, config.rows_per_micro_batch)
+    if config.epochs:  # the workers' LR schedule and the loop read the steps from the config
+        config = dataclasses.replace(config, steps=sampler.steps_for(config.epochs))
     if config.k > data.vocab:
         raise UsageError(f"k: expected at most the vocab ({data.vocab} tokens in the tokenizer), got {config.k}")
     if config.teacher_cache:
@@ -186,8 +188,10 @@ class _Session:
     saved_step: Optional[int] = None
     teacher_pretrain_loss: float = float("nan")
     slots: list = field(default_factory=list)  # placement group slots in a joined cluster
+    nodes: dict = field(default_factory=dict)  # worker name -> the id of its Ray node
     held_out_chunks: Optional[list] = None  # held-out rows in chunks (object refs)
     held_out_topk: Optional[list] = None  # the teacher's top-k of each chunk (object refs), computed once
+    teacher_memory: list = field(default_factory=list)  # calls answering each teacher's peak memory
 
     def get(self, calls: list[Call], when: str) -> list:
         return self.actors.get(calls, when)
@@ -196,7 +200,7 @@ class _Session:
         return [self.actors.call(worker, method, *args) for worker in workers]
 
     def start_workers(self, device: str) -> None:
-        """Teacher and student actors, up and answering; workers.json (name → pid, GPU);
+        """Teacher and student actors, up and answering; workers.json (name → pid, GPU, Ray node);
         the placement check; the NCCL pair handshake; the training rows."""
         from .cache_run import CacheTeacherWorker
         from .student import StudentWorker
@@ -230,8 +234,10 @@ class _Session:
         with self.report.phase(f"starting {len(workers)} workers"):
             pids = self.get(self.each(workers, "pid"), "during setup")
             gpus = self.get(self.each(workers, "gpu"), "during setup")
+            self.nodes = dict(zip(workers, self.get(self.each(workers, "node"), "during setup")))
         with open(os.path.join(config.output_dir, "workers.json"), "w") as handle:
-            json.dump({name: dict(pid=pid, gpu=gpu) for name, pid, gpu in zip(workers, pids, gpus)}, handle, indent=1)
+            json.dump({name: dict(pid=pid, gpu=gpu, node=self.nodes[name])
+                       for name, pid, gpu in zip(workers, pids, gpus)}, handle, indent=1)
         if device == "cuda":
             check_placement(layout, gpus[:len(self.teachers)], gpus[len(self.teachers):])
         if layout.transfer == "nccl":  # both sides of every pair at once: see transfer.Nccl
@@ -321,11 +327,15 @@ class _Session:
         called = time.perf_counter()
         parts = self.get(calls, f"at step {step}")
         call_seconds = time.perf_counter() - called
-        self.each(self.teachers, "release", step)  # actor calls run in order: after this step's scoring
+        # actor calls run in order: after this step's scoring. The teachers' memory comes from the
+        # previous step's release, done by now, so the next step's scoring (overlap) is not waited on
+        earlier, self.teacher_memory = self.teacher_memory, self.each(self.teachers, "release", step)
+        teacher_memory = self.get(earlier, f"at step {step}")
         total = {key: sum(part[key] for part in parts) for key in parts[0]
                  if key not in ("lr", "worker_seconds", "grad_norm", "memory")}
-        memory = {f"{name}_{key}": value for name, part in zip(self.students, parts)
-                  for key, value in part["memory"].items()}
+        memory = {f"{name}_{key}": value for name, part in zip(self.teachers + self.students,
+                                                               teacher_memory + [part["memory"] for part in parts])
+                  for key, value in part.items()}
         rows = max(total["rows"], 1)
         return dict(loss=total["loss"], kd=total["kd_sum"] / rows, ce=total["ce_sum"] / rows,
                     teacher_tail_mass=1.0 - total["teacher_mass_sum"] / rows, tokens=num_tokens,
@@ -350,20 +360,26 @@ class _Session:
     def sharded(self) -> bool:
         return self.config.student_strategy == "fsdp2"
 
-    def evaluate(self) -> dict:
-        """Held-out CE and KD of the student (`StudentWorker.evaluate` on every student rank);
-        the teacher's top-k of the held-out rows is computed once (teacher-0) and kept."""
-        data = self.data
-        if self.held_out_topk is None:
+    def held_out(self) -> list:
+        """The held-out rows in chunks of `HELD_OUT_ROWS_PER_CALL` (object refs of ``(tokens,
+        labels, positions or None, documents or None)``), put in the object store once."""
+        if self.held_out_chunks is None:
             import ray
 
+            data = self.data
             parts = (data.held_tokens, data.held_labels, data.held_positions, data.held_documents)
             self.held_out_chunks = [ray.put(tuple(None if part is None else part[s:s + HELD_OUT_ROWS_PER_CALL]
                                                   for part in parts))
                                     for s in range(0, len(data.held_tokens), HELD_OUT_ROWS_PER_CALL)]
+        return self.held_out_chunks
+
+    def evaluate(self) -> dict:
+        """Held-out CE and KD of the student (`StudentWorker.evaluate` on every student rank);
+        the teacher's top-k of the held-out rows is computed once (teacher-0) and kept."""
+        if self.held_out_topk is None:
             self.held_out_topk = [self.actors.call(self.teachers[0], "topk_of_chunk", chunk).ref
-                                  for chunk in self.held_out_chunks]
-        return self.get(self.each(self.students, "evaluate", self.held_out_chunks, self.held_out_topk),
+                                  for chunk in self.held_out()]
+        return self.get(self.each(self.students, "evaluate", self.held_out(), self.held_out_topk),
                         "during held-out evaluation")[0]
 
     def export(self) -> str:
@@ -389,6 +405,7 @@ class _Session:
         if self.metrics is None:
             self.metrics = MetricsLog(self._metrics_path(), tensorboard=config.tensorboard)
         last_step = start_step - 1
+        self.teacher_memory = self.each(self.teachers, "memory")
         with self.report.bar("distill", config.steps, "step", initial=start_step) as bar, \
                 _StopOnInterrupt(self.report.note) as stop:
             pending = self.submit(start_step) if start_step < config.steps else None
@@ -425,20 +442,19 @@ class _Session:
         return config.stop_after is not None and step >= config.stop_after
 
     def held_out_ce(self) -> tuple[float, float]:
-        """(teacher, student) held-out CE in nats per token, chunks of rows scored by teacher-0
-        and student-0 at once; a sharded student's is its fused CE (`evaluate`)."""
-        tokens, labels = self.data.held_tokens, self.data.held_labels
-        chunks = [(tokens[s:s + HELD_OUT_ROWS_PER_CALL], labels[s:s + HELD_OUT_ROWS_PER_CALL])
-                  for s in range(0, len(tokens), HELD_OUT_ROWS_PER_CALL)]
+        """(teacher, student) held-out CE in nats per token, chunks of rows (`held_out`: packed
+        rows with their document mask) scored by teacher-0 and student-0 at once; a sharded
+        student's is its fused CE (`evaluate`)."""
+        rows, chunks = len(self.data.held_tokens), self.held_out()
         sides = (self.teachers[0],) if self.sharded else (self.teachers[0], self.students[0])
-        calls = [self.actors.call(worker, "held_out_sums", *chunk) for worker in sides for chunk in chunks]
+        calls = [self.actors.call(worker, "held_out_sums", chunk) for worker in sides for chunk in chunks]
         sums = [[0.0, 0], [0.0, 0]]
-        with self.report.bar("held-out CE", len(tokens) * len(sides), "row") as bar:
+        with self.report.bar("held-out CE", rows * len(sides), "row") as bar:
             for index, (total, count) in self.actors.wait_each(calls, "during held-out evaluation"):
-                side = index // len(chunks)
+                side, chunk = divmod(index, len(chunks))
                 sums[side][0] += total
                 sums[side][1] += count
-                bar.update(len(chunks[index % len(chunks)][0]))
+                bar.update(min(HELD_OUT_ROWS_PER_CALL, rows - chunk * HELD_OUT_ROWS_PER_CALL))
         teacher, student = (total / max(count, 1) for total, count in sums)
         return teacher, self.evaluate()["held_out_ce"] if self.sharded else student
 
@@ -450,7 +466,8 @@ class _Session:
             last_step=last_step, vocab=data.vocab, teacher_pretrain_loss=self.teacher_pretrain_loss,
             teacher_held_out_ce=teacher_ce, student_held_out_ce=student_ce, train_rows=len(data.train_tokens),
             held_out_rows=len(data.held_tokens), metrics=self._metrics_path(), checkpoint=saved,
-            segment=self.metrics.segment, placement=self.layout.placement, transfer=self.layout.transfer)
+            segment=self.metrics.segment, placement=self.layout.placement, transfer=self.layout.transfer,
+            nodes=self.nodes, steps=self.config.steps)
         workers = self.teachers + self.students
         summary["memory"] = dict(zip(workers, self.get(self.each(workers, "memory"), "while reading memory")))
         if self.config.export:

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from .data import IGNORE_INDEX
 
+HELD_OUT_LOGIT_ROWS = 2048  # positions whose [rows, V] float32 logits the held-out CE holds at once
 LM_HEAD_ROW_MULTIPLE = 64  # lm_head rows padded like real models'; kd vocab_size keeps the real count
 
 
@@ -57,15 +58,33 @@ def autocast(device: torch.device):
 
 
 @torch.no_grad()
-def held_out_sums(model, rows: torch.Tensor, labels: torch.Tensor, vocab: int, device: torch.device):
-    """(summed CE in nats, counted tokens) of ``model`` on ``rows`` / shifted ``labels`` ``[R, T]``."""
+def held_out_sums(model, chunk: tuple, vocab: int, device: torch.device, implementation: str) -> tuple[float, int]:
+    """(summed CE in nats, counted tokens) of ``model`` on a held-out ``chunk`` ``(tokens,
+    labels, positions or None, documents or None)``, each ``[R, T]`` int64 (labels shifted):
+    packed rows with their position ids and block-diagonal mask for ``implementation``
+    (`workers.layout_of`), so a token never attends across a document; plain causal rows
+    without document ids."""
+    from .hf_models import final_hidden_states as hidden_states_of, output_embedding
+    from .workers import layout_of
+
+    rows, labels, positions, documents = chunk
     model.eval()
+    weight, bias = output_embedding(model)
     total, count = 0.0, 0
     for start in range(0, rows.shape[0], 8):
-        tokens, targets = rows[start:start + 8].to(device), labels[start:start + 8].to(device)
-        logits = model(input_ids=tokens).logits[..., :vocab].float()
-        mask = targets != IGNORE_INDEX
-        total += F.cross_entropy(logits.reshape(-1, vocab), targets.reshape(-1), ignore_index=IGNORE_INDEX,
-                                 reduction="sum").item()
-        count += mask.sum().item()
+        part = slice(start, start + 8)
+        position_ids, mask = layout_of(None if positions is None else positions[part],
+                                       None if documents is None else documents[part], device, implementation)
+        tokens, targets = rows[part].to(device), labels[part].to(device).reshape(-1)
+        with autocast(device):
+            hidden = hidden_states_of(model, tokens, position_ids=position_ids, attention_mask=mask)
+        hidden = hidden.reshape(-1, hidden.shape[-1])
+        # float32 logits of HELD_OUT_LOGIT_ROWS positions at a time: never [8·T, V] at once
+        for first in range(0, hidden.shape[0], HELD_OUT_LOGIT_ROWS):
+            piece = slice(first, first + HELD_OUT_LOGIT_ROWS)
+            logits = hidden[piece].to(weight.dtype) @ weight[:vocab].T
+            if bias is not None:
+                logits = logits + bias[:vocab]
+            total += F.cross_entropy(logits.float(), targets[piece], ignore_index=IGNORE_INDEX, reduction="sum").item()
+        count += (targets != IGNORE_INDEX).sum().item()
     return total, count

@@ -201,7 +201,11 @@ OPTIONS: tuple[Option, ...] = tuple([
             "compared bit for bit; sdpa's fused kernels may accumulate with atomics)",
             dict(choices=("sdpa", "eager")))),
     *_rows("training",
-           ("steps", int, 100, "student optimizer steps", dict(minimum=1, gpu_default=300)),
+           ("steps", int, 100, "student optimizer steps (epochs > 0 sets them from the data)",
+            dict(minimum=1, gpu_default=300)),
+           ("epochs", int, 0, "passes over the training rows, each row once a pass in an order drawn from (seed, "
+            "pass); steps = ceil(epochs * training rows / (micro_batches * rows_per_micro_batch)). 0: train `steps` "
+            "steps (rows drawn with replacement; pre-tokenized data in passes)", dict(minimum=0)),
            ("lr", float, 3e-3, "AdamW peak learning rate", dict(above=0)),
            ("warmup_steps", int, 10, "linear warm-up steps, then cosine decay to 10 %",
             dict(minimum=0, gpu_default=30)),

@@ -37,7 +37,7 @@ def worlds(transfer: str, num_teachers: int, num_students: int, device_type: str
     backend = "nccl" if device_type == "cuda" else "gloo"
     if transfer == "nccl":
         size = num_students + num_teachers
-        return ([World(num_students + t, size, port, num_students, backend) for t in range(num_teachers)],
+        return ([World(num_students + t, size, port, num_students, backend, host) for t in range(num_teachers)],
                 [World(r, size, port, num_students, backend, host) for r in range(num_students)])
     students = [World(r, num_students, port, num_students, backend, host) if num_students > 1 or sharded else None
                 for r in range(num_students)]

@@ -199,9 +199,9 @@ class StudentWorker(Worker, WeightSource):
         parts = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in self.model.parameters()]
         return torch.cat([p.detach().float().cpu().reshape(-1) for p in parts])
 
-    def held_out_sums(self, rows: torch.Tensor, labels: torch.Tensor) -> tuple[float, int]:
-        """(summed CE, tokens) on held-out rows (see `models.held_out_sums`); replicas only."""
-        return held_out_sums(self.model, rows, labels, self.vocab, self.device)
+    def held_out_sums(self, chunk: tuple) -> tuple[float, int]:
+        """(summed CE, tokens) on a held-out chunk (see `models.held_out_sums`); replicas only."""
+        return held_out_sums(self.model, chunk, self.vocab, self.device, self.config.attention)
 
     def evaluate(self, chunks: list, topk_refs: list) -> dict:
         """`metrics.held_out_losses` over held-out ``chunks`` (object refs of ``(tokens, labels,

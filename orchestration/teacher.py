@@ -137,11 +137,13 @@ class TeacherWorker(Worker):
         """Connects to these students' process-group ranks before any scoring (`Transfer.setup`)."""
         self.transfer.setup(student_ranks, self.device, sending=True)
 
-    def release(self, step: int) -> None:
-        """The students are done with the buffers of ``step``: free them."""
+    def release(self, step: int) -> dict:
+        """The students are done with the buffers of ``step``: free them. Returns this
+        process's peak memory (`Worker.memory`), for the metrics."""
         self.transfer.release(step)
+        return self.memory()
 
-    def held_out_sums(self, rows: torch.Tensor, labels: torch.Tensor) -> tuple[float, int]:
-        """(summed CE, tokens) on held-out rows (see `models.held_out_sums`)."""
+    def held_out_sums(self, chunk: tuple) -> tuple[float, int]:
+        """(summed CE, tokens) on a held-out chunk (see `models.held_out_sums`)."""
         self.model.to(self.device)  # offloaded teachers come back for it
-        return held_out_sums(self.model, rows, labels, self.vocab, self.device)
+        return held_out_sums(self.model, chunk, self.vocab, self.device, self.config.attention)

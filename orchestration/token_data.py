@@ -1,7 +1,8 @@
 """Pre-tokenized data for the driver: documents of token ids (`packing`: JSONL of
 ``{"input_ids": [...]}`` or ``NAME.npy`` + ``NAME.offsets.npy``) packed into rows with an EOS
 between documents, position ids restarting per document and document ids for the
-block-diagonal mask; read in epochs (`EpochSampler`), the data position a function of the step.
+block-diagonal mask; read in epochs (`sampler.EpochSampler`), the data position a function of
+the step.
 
 The last 5 % of the documents (at least one) are held out. Training documents are packed
 once, in the order of a permutation drawn from the seed; each epoch then visits every packed
@@ -17,8 +18,7 @@ import numpy as np
 import torch
 
 from .data import Dataset
-from .packing import DataPosition, PackedRows, load_token_documents
-from .sampler import StepSampler
+from .packing import PackedRows, load_token_documents
 
 HELD_OUT_SHARE = 20  # one document in 20 is held out
 
@@ -78,32 +78,3 @@ def prepare_token_data(config, tokenizer, progress) -> Dataset:
             PackedRows(held_out, config.row_tokens, eos_id=eos_id, pad_id=pad_id, shuffle=False))
     return Dataset(tokens, labels, held_tokens, held_labels, vocab, tokenizer=tokenizer, train_positions=positions,
                    train_documents=ids, held_positions=held_positions, held_documents=held_ids)
-
-
-class EpochSampler(StepSampler):
-    """The micro-batches of a step read in epochs over ``num_rows`` rows: step ``s`` takes
-    rows ``s·R .. (s+1)·R - 1`` of the stream (R = micro_batches · rows_per_micro_batch) in
-    which epoch ``e`` visits every row once, in ``permutation(seed, e)`` order. The interface
-    of `StepSampler`; its state (what the order depends on) must match on resume, and the
-    data position after a step is `position` of the next."""
-
-    def _order(self, epoch: int) -> torch.Tensor:
-        return torch.from_numpy(np.random.default_rng([self.seed, epoch]).permutation(self.num_rows))
-
-    def position(self, step: int) -> DataPosition:
-        """Where step ``step`` starts reading."""
-        start = step * self.micro_batches * self.rows_per_micro_batch
-        return DataPosition(start // self.num_rows, start % self.num_rows)
-
-    def picks(self, step: int) -> list[torch.Tensor]:
-        position, count = self.position(step), self.micro_batches * self.rows_per_micro_batch
-        rows, epoch, index = [], position.epoch, position.index
-        while sum(len(part) for part in rows) < count:
-            order = self._order(epoch)
-            take = min(count - sum(len(part) for part in rows), self.num_rows - index)
-            rows.append(order[index:index + take])
-            epoch, index = (epoch + 1, 0) if index + take == self.num_rows else (epoch, index + take)
-        return list(torch.cat(rows).to(torch.int64).reshape(self.micro_batches, self.rows_per_micro_batch))
-
-    def state_dict(self) -> dict:
-        return dict(super().state_dict(), kind="epochs")

@@ -264,6 +264,7 @@ class WeightSender:
         self._shared: list[torch.Tensor] = []
         self._sharing: Optional[tuple[int, int, float]] = None  # (weight_version, next bucket, start)
         self._shared_bytes = 0  # bytes of the update `share_tensors` handed out
+        self._handed_storages: Optional[tuple] = None  # what `share_tensors` last sent handles of
 
     def _sent_dtype(self, tensor: torch.Tensor) -> torch.dtype:
         return self._dtype if self._dtype is not None and tensor.is_floating_point() else tensor.dtype
@@ -370,7 +371,9 @@ class WeightSender:
         tensor in plan order. A receiver on the same GPU copies straight out of the trainer's
         parameters, one device-to-device copy per tensor. Tensors that need a cast (``dtype``) are
         cast into copies kept until `release_shared`, which ends the update and returns its metrics
-        once the receivers have returned. The trainer must not step while they copy."""
+        once the receivers have returned. The trainer must not step while they copy. When the
+        tensors are the storages whose handles the last update sent, the payload is a
+        `MappedTensors` marker instead: every receiver keeps those tensors mapped."""
         from torch.multiprocessing.reductions import reduce_tensor
 
         with self._lock:
@@ -389,8 +392,16 @@ class WeightSender:
             torch.cuda.current_stream(sent[0].device).synchronize()  # another process reads them next
             self._sharing = (weight_version, len(self.buckets), start)
             self._shared_bytes = sum(tensor.numel() * tensor.element_size() for tensor in sent)
+            # the parameters' storages do not move between updates: their handles go once, then a marker
+            storages = tuple((tensor.data_ptr(), tensor.dtype, tuple(tensor.shape)) for tensor in sent)
+            if storages == self._handed_storages and all(fresh is tensor for fresh, tensor in zip(sent, tensors)):
+                payload = MappedTensors(len(sent))
+            else:
+                payload = [reduce_tensor(tensor) for tensor in sent]
+                self._handed_storages = storages if all(fresh is tensor for fresh, tensor in zip(sent, tensors)) \
+                    else None
             return (tuple(names), tuple(tensor.dtype for tensor in sent), tuple(tuple(tensor.shape) for tensor in sent),
-                    [reduce_tensor(tensor) for tensor in sent], weight_version)
+                    payload, weight_version)
 
     def release_shared(self) -> Optional[UpdateMetrics]:
         """Frees the buffers handed out by `share` (their receivers have returned). After the last
@@ -407,6 +418,13 @@ class WeightSender:
 
 
 # ---- receiver -----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class MappedTensors:
+    """A `WeightReceiver.receive_buffer` payload: the ``count`` tensors of the receiver's last list
+    payload again (the sender's parameters did not move, so their handles are not sent twice)."""
+    count: int
+
 
 @dataclass
 class _PendingUpdate:
@@ -503,12 +521,17 @@ class WeightReceiver:
                        payload: Any, weight_version: int) -> dict:
         """A bucket packed by `pack_bucket` into the parameters. ``payload``: that ``uint8`` buffer,
         ``(rebuild, args)`` of a CUDA IPC handle of it (`WeightSender.share`), or a list of such
-        handles, one per tensor of ``names`` (`WeightSender.share_tensors`); copied out of before
-        this returns. The tensors of a list payload stay mapped until the next update, so that
-        the same handles open at no cost again."""
+        handles, one per tensor of ``names`` (`WeightSender.share_tensors`), or `MappedTensors`
+        (the tensors of the last list payload again); copied out of before this returns. The
+        tensors of a list payload stay mapped until the next list payload."""
         def fetch(bucket: Bucket):
             if isinstance(payload, torch.Tensor):
                 return payload
+            if isinstance(payload, MappedTensors):
+                if len(self._mapped) != len(bucket.names) or payload.count != len(bucket.names):
+                    raise ValueError(f"payload: MappedTensors({payload.count}) needs the {len(bucket.names)} tensors "
+                                     f"of an earlier list payload mapped here, this worker holds {len(self._mapped)}")
+                return self._mapped
             if isinstance(payload, list):
                 if len(payload) != len(bucket.names):
                     raise ValueError(f"payload: expected {len(bucket.names)} tensor handles, got {len(payload)}")
@@ -543,7 +566,12 @@ class WeightReceiver:
                     if view.dtype != dtype or tuple(view.shape) != shape:
                         raise ValueError(f"payload: {name!r} is {view.dtype} {tuple(view.shape)}, the update says "
                                          f"{dtype} {shape}")
-                    self._parameters[name].data.copy_(view)
+                targets = [self._parameters[name].data for name in bucket.names]
+                if all(target.dtype == view.dtype for target, view in zip(targets, views)):
+                    torch._foreach_copy_(targets, list(views))  # one multi-tensor launch, not one per tensor
+                else:
+                    for target, view in zip(targets, views):
+                        target.copy_(view)
             if views and views[0].is_cuda:
                 torch.cuda.current_stream(views[0].device).synchronize()  # the sender may free or reuse it now
             seconds = time.perf_counter() - start

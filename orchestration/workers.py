@@ -57,6 +57,12 @@ class Worker:
         """This worker's GPU UUID, or None without CUDA."""
         return gpu_identity()
 
+    def node(self) -> str:
+        """The id of the Ray node this worker runs on."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
     @torch.no_grad()
     def row_log_probs(self, tokens: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """``[R, vocab]`` float32 ``log_softmax`` of this worker's model (``self.model``, real vocab

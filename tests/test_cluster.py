@@ -103,3 +103,12 @@ def test_addresses_and_init_methods():
     assert tcp_init_method("fe80::1", 29500) == "tcp://[fe80::1]:29500"
     node = Node("id", "10.0.0.1", {"CPU": 16.0, "GPU": 8.0})
     assert [slots_on(node, bundle) for bundle in ({"GPU": 1, "CPU": 2}, {"GPU": 1, "CPU": 4}, {"TPU": 1})] == [8, 4, 0]
+
+
+def test_every_member_of_the_process_group_rendezvouses_on_the_node_ip():
+    from orchestration.process_group import worlds
+
+    for transfer, members in (("nccl", 3), ("object_store", 2)):  # nccl: the teacher joins the students' group
+        teachers, students = worlds(transfer, 1, 2, "cuda", host="10.0.0.7", port=29500)
+        joined = [world for world in teachers + students if world is not None]
+        assert len(joined) == members and {(world.host, world.port) for world in joined} == {("10.0.0.7", 29500)}

@@ -9,10 +9,14 @@ import sys
 import time
 
 import pytest
+import torch
 
 from orchestration import checkpoint
+from orchestration.config import Config
+from orchestration.errors import UsageError
 from orchestration.metrics_log import MetricsLog, read_rows
-from orchestration.sampler import StepSampler
+from orchestration.packing import DataPosition
+from orchestration.sampler import EpochSampler, StepSampler
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -90,6 +94,21 @@ def test_the_data_order_is_a_function_of_seed_and_step_and_is_checked_on_resume(
     assert sampler.mismatch(again.state_dict()) is None
     other = StepSampler(seed=4, num_rows=90, micro_batches=2, rows_per_micro_batch=4).state_dict()
     assert sampler.mismatch(other) == "seed 4 there, 3 here; num_rows 90 there, 100 here"
+
+
+def test_epochs_visit_every_row_once_a_pass_and_the_steps_cover_the_passes():
+    sampler = EpochSampler(seed=3, num_rows=10, micro_batches=2, rows_per_micro_batch=2)  # 4 rows a step
+    assert sampler.steps_for(1) == 3 and sampler.steps_for(2) == 5 and sampler.steps_for(4) == 10
+    stream = torch.cat([torch.cat(sampler.picks(step)) for step in range(sampler.steps_for(3))])  # 12 steps, 48 rows
+    for start in (0, 10, 20):  # each pass a permutation, and each pass in its own order
+        assert sorted(stream[start:start + 10].tolist()) == list(range(10))
+    assert not torch.equal(stream[0:10], stream[10:20])
+    assert sampler.position(5) == DataPosition(2, 0) and sampler.position(7) == DataPosition(2, 8)
+    again = EpochSampler(seed=3, num_rows=10, micro_batches=2, rows_per_micro_batch=2)
+    assert torch.equal(torch.cat(again.picks(7)), stream[28:32])  # a resumed run reads the step where it stopped
+    assert sampler.mismatch(StepSampler(3, 10, 2, 2).state_dict()) == "kind 'seed_and_step' there, 'epochs' here"
+    with pytest.raises(UsageError, match=r"^epochs: expected an integer >= 0, got -1$"):
+        Config(epochs=-1)
 
 
 # ---- Ctrl-C, resume, a killed teacher (one run of orchestrate.py each) --------------------------

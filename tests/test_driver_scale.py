@@ -1,6 +1,7 @@
 """The driver at scale on CPU (gloo): FSDP2 students, local Hugging Face checkpoints in and
 out, pre-tokenized packed data, held-out evaluation, and joining a Ray cluster."""
 import json
+import shutil
 
 import pytest
 import ray
@@ -35,7 +36,7 @@ def test_fsdp2_two_workers_train_like_one_and_resume_exactly(ray_cluster, tmp_pa
     rows = [json.loads(line) for line in open(one["metrics"])]
     assert [row["step"] for row in rows] == [0, 1, 2, 3]
     assert all(row["grad_norm"] > 0 and row["lr"] > 0 and 0 <= row["teacher_tail_mass"] <= 1 and
-               row["student-0_peak_rss_mib"] > 0 for row in rows)
+               row["student-0_peak_rss_mib"] > 0 and row["teacher-0_peak_rss_mib"] > 0 for row in rows)
     assert [("held_out_ce" in row, "held_out_kd" in row) for row in rows] == [(False, False), (True, True)] * 2
     assert rows[-1]["held_out_ce"] == pytest.approx(one["student_held_out_ce"], rel=1e-6)
 
@@ -48,6 +49,26 @@ def _documents(path, count=30, seed=0):
             handle.write(json.dumps({"input_ids": torch.randint(3, VOCAB, (length,), generator=generator).tolist()})
                          + "\n")
     return str(path)
+
+
+@pytest.mark.slow  # ~26 s on 2 cores: two driver runs of 7 steps
+def test_epochs_set_the_steps_and_a_resume_across_an_epoch_boundary_is_exact(ray_cluster, tmp_path):
+    from orchestration import checkpoint
+    from orchestration.driver import run
+
+    data = _documents(tmp_path / "docs.jsonl")
+    # 4 rows a step (2 micro-batches of 2) over the ~13 packed training rows: passes end inside steps
+    epochs = dict(data_path=data, epochs=2, steps=1, student_strategy="replica", checkpoint_every=2)
+    whole = run(_tiny(tmp_path, "whole", **epochs), progress=False, return_parameters=True)
+    assert whole["steps"] == -(-2 * whole["train_rows"] // 4) == whole["last_step"] + 1
+    assert whole["train_rows"] % 4  # the first pass ends inside a step
+    shutil.copytree(tmp_path / "whole", tmp_path / "resumed")  # as if stopped after step 1, in the first pass
+    for later in checkpoint.candidates(str(tmp_path / "resumed"))[:-1]:
+        shutil.rmtree(later)
+    assert checkpoint.candidates(str(tmp_path / "resumed")) == [checkpoint.path_of(str(tmp_path / "resumed"), 1)]
+    resumed = run(_tiny(tmp_path, "resumed", resume=True, **epochs), progress=False, return_parameters=True)
+    assert resumed["last_step"] == whole["last_step"]
+    assert torch.equal(resumed["student_parameters"][0], whole["student_parameters"][0])
 
 
 def test_hf_checkpoints_and_pre_tokenized_data_train_and_export(ray_cluster, tmp_path):

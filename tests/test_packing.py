@@ -202,3 +202,30 @@ def test_documents_stay_apart_on_the_gpu_in_bf16(attention):
         alone = final_hidden_states(model, torch.tensor([b + [EOS]], device="cuda"))[0].float()
     torch.testing.assert_close(hidden[b_span], alone, rtol=2e-2, atol=2e-2)
     assert rows.rows_in_epoch() == 1
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_held_out_ce_of_packed_rows_is_each_documents_ce_alone(attention):
+    import torch.nn.functional as F
+
+    from helpers_hf import VOCAB, tiny_causal_lm
+    from orchestration.models import held_out_sums
+
+    model = tiny_causal_lm("llama", attention=attention).eval()
+    batch = PackedRows(from_lists(DOCUMENTS), 8, eos_id=EOS, pad_id=PAD, shuffle=False).batch(
+        [(0, index) for index in range(4)])  # 4 rows of 8, two documents split across rows
+    chunk = (batch.input_ids, batch.labels, batch.position_ids, batch.document_ids)
+    total, count = held_out_sums(model, chunk, VOCAB, torch.device("cpu"), attention)
+    expected, tokens = 0.0, 0  # every piece of a document run alone, at positions 0..
+    for row in range(batch.input_ids.shape[0]):
+        for piece in batch.document_ids[row].unique():
+            where = batch.document_ids[row] == piece
+            labels = batch.labels[row, where]
+            with torch.no_grad():
+                logits = model(input_ids=batch.input_ids[row, where][None]).logits[0, :, :VOCAB]
+            expected += F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum").item()
+            tokens += int((labels != IGNORE_INDEX).sum())
+    assert count == tokens == sum(len(document) for document in DOCUMENTS) - 1  # [19, EOS]'s EOS is its own
+    assert total == pytest.approx(expected, rel=1e-5)
+    causal, _ = held_out_sums(model, chunk[:2] + (None, None), VOCAB, torch.device("cpu"), attention)
+    assert causal != pytest.approx(expected, rel=1e-3)  # attending across documents changes the CE

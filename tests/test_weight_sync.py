@@ -8,8 +8,8 @@ import torch
 
 from helpers import HAS_CUDA, free_port, spawn_ranks, tiny_llama
 from orchestration.rollout import RolloutWorker
-from orchestration.weight_sync import (ALIGNMENT, WeightSender, as_dtype, bucket_layout, bucket_views, pack_bucket,
-                                       plan_buckets)
+from orchestration.weight_sync import (ALIGNMENT, MappedTensors, WeightSender, as_dtype, bucket_layout, bucket_views,
+                                       pack_bucket, plan_buckets)
 
 TOKENS = torch.tensor([[3, 17, 42, 5, 88, 1, 9, 60]])
 
@@ -292,6 +292,16 @@ def test_a_payload_of_one_handle_per_tensor_updates_the_whole_model_in_one_call(
     assert reply["bytes"] == metrics["bytes"] == sum(p.numel() * p.element_size() for _, p in named)
     assert metrics["buckets"] == 1 and worker.weight_version == 1
     assert torch.equal(worker.model(TOKENS).logits, trainer(TOKENS).logits)
+    # the next update names the mapped tensors again: the trainer's new values arrive without new handles
+    with torch.no_grad():
+        for _, parameter in named:
+            parameter.add_(0.01)
+    worker.pause_generation()
+    with pytest.raises(ValueError, match=r"payload: MappedTensors\(1\) needs the .* tensors of an earlier list"):
+        worker.update_weights_from_tensor(names, dtypes, shapes, MappedTensors(1), 2)
+    worker.update_weights_from_tensor(names, dtypes, shapes, MappedTensors(len(names)), 2)
+    worker.continue_generation()
+    assert worker.weight_version == 2 and torch.equal(worker.model(TOKENS).logits, trainer(TOKENS).logits)
 
 
 def _ipc_storages(rank, world, init_file, queue, acks):
