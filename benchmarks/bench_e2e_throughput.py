@@ -171,7 +171,9 @@ def driver(strategy: str, paths: tuple, data: str, args) -> dict:
     except Exception as error:  # noqa: BLE001 - out of memory is a result of this comparison
         if "out of memory" not in str(error).lower():
             raise
-        return dict(provider=name, ms=None, tokens_per_s=None, peak_mib=None, note="out of memory")
+        where = str(error).strip().splitlines()[0][:300]
+        print(f"{name}: out of memory: {where}", file=sys.stderr)
+        return dict(provider=name, ms=None, tokens_per_s=None, peak_mib=None, note=f"out of memory: {where}")
     with open(summary["metrics"]) as handle:
         records = [json.loads(line) for line in handle][args.warmup:]
     peaks = {worker: values.get("cuda_max_allocated_mib", values["peak_rss_mib"])
