@@ -168,19 +168,13 @@ def _appended_chunk(part: torch.Tensor, weight: torch.Tensor, bias, sample_bias,
                     temperature: float, plan, key: int, first_row: int, outputs, lse: torch.Tensor) -> None:
     """One chunk of `teacher_sample_appended`: rows ``part [R, H]`` (global rows from
     ``first_row``) -> their rows of ``outputs`` and ``lse``. Its buffers live only within this call."""
-    from .ops.buffers import empty_parts
     from .ops.lm_head_group_maxima import EpilogueMatmul
     from .ops.lm_head_sample import SampleAppends, SampleMatmul
     from .ops.sample_keys import rank_samples, sample_key_floors
-    from .ops.topk_from_appended import tile_logsumexp
+    from .ops.topk_from_appended import chunk_buffers, tile_logsumexp
 
     chunk, device = part.shape[0], part.device
-    sample_bytes = part.element_size() * plan.sample_columns
-    # the sample's logits, in the inputs' dtype (they only bound the floors), then the keys in the same bytes
-    shared, floors, counts = empty_parts(device, ((max(sample_bytes, 8 * plan.capacity) * chunk,), torch.uint8),
-                                         ((chunk,), torch.float32), ((chunk,), torch.int32))
-    sample = shared[:sample_bytes * chunk].view(part.dtype).view(chunk, plan.sample_columns)
-    keys = shared[:8 * plan.capacity * chunk].view(torch.int64).view(chunk, plan.capacity)
+    sample, keys, floors, counts = chunk_buffers(part, plan)
     global_rows = first_row + torch.arange(chunk, device=device)
     sampler = EpilogueMatmul(part, weight[:width:plan.stride], sample_bias, plan.sample_width, temperature, sample)
     appender = SampleMatmul(part, weight, bias, width, temperature, SampleAppends(floors, keys, counts), key,

@@ -62,17 +62,10 @@ def _appended_chunk(part: torch.Tensor, weight: torch.Tensor, bias, sample_bias,
     """One chunk of `teacher_topk_appended`: rows ``part [R, H]`` -> ``outputs`` (its rows of the
     tempered values, local ids, lse and overflow) filled. Its buffers live only within this call,
     so the next chunk's never coexist with them."""
-    from ..ops.buffers import empty_parts
     from ..ops.lm_head_group_maxima import Appends, EpilogueMatmul
-    from ..ops.topk_from_appended import rank_appended, sample_floors, tile_logsumexp
+    from ..ops.topk_from_appended import chunk_buffers, rank_appended, sample_floors, tile_logsumexp
 
-    chunk, device = part.shape[0], part.device
-    sample_bytes = part.element_size() * plan.sample_columns
-    # the sample's logits, in the inputs' dtype (they only bound the floors), then the keys in the same bytes
-    shared, floors, counts = empty_parts(device, ((max(sample_bytes, 8 * plan.capacity) * chunk,), torch.uint8),
-                                         ((chunk,), torch.float32), ((chunk,), torch.int32))
-    sample = shared[:sample_bytes * chunk].view(part.dtype).view(chunk, plan.sample_columns)
-    keys = shared[:8 * plan.capacity * chunk].view(torch.int64).view(chunk, plan.capacity)
+    sample, keys, floors, counts = chunk_buffers(part, plan)
     # both matmuls set up before the first launch: no host work between the launches
     sampler = EpilogueMatmul(part, weight[:width:plan.stride], sample_bias, plan.sample_width, temperature, sample)
     appender = EpilogueMatmul(part, weight, bias, width, temperature, None, appends=Appends(floors, keys, counts))
