@@ -82,7 +82,7 @@ def test_a_cache_made_for_another_run_is_refused_in_one_line(written, overrides,
     assert lines[0].startswith(f"orchestrate.py: error: {option}:")
 
 
-@pytest.mark.slow  # ~45 s on 2 cores: Ray and three driver runs, the acceptance test of training from a cache
+@pytest.mark.slow  # Ray and three driver runs, the acceptance test of training from a cache
 def test_training_from_the_cache_equals_training_with_the_live_teacher(written):
     # three driver runs on one Ray cluster: live, from the top-k cache, from a cache of samples
     # with support="sampled"

@@ -26,7 +26,7 @@ def two_nodes():
     cluster.shutdown()
 
 
-@pytest.mark.slow  # ~30 s on 2 cores: two Ray nodes start, then three workers import torch and train
+@pytest.mark.slow  # two Ray nodes start, then three workers import torch and train
 def test_the_driver_trains_with_workers_on_two_nodes(two_nodes, tmp_path):
     from orchestration import checkpoint
     from orchestration.driver import run

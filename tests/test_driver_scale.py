@@ -21,7 +21,7 @@ def _tiny(tmp_path, name, **overrides):
     return tiny_config(tmp_path, name, **{**SCALE, **overrides})
 
 
-@pytest.mark.slow  # four driver runs (~80 s on 2 cores): 1 rank, 2 ranks, 2 ranks stopped and resumed
+@pytest.mark.slow  # four driver runs: 1 rank, 2 ranks, 2 ranks stopped and resumed
 def test_fsdp2_two_workers_train_like_one_and_resume_exactly(ray_cluster, tmp_path):
     from orchestration.driver import run
 
@@ -51,7 +51,7 @@ def _documents(path, count=30, seed=0):
     return str(path)
 
 
-@pytest.mark.slow  # ~26 s on 2 cores: two driver runs of 7 steps
+@pytest.mark.slow  # two driver runs of 7 steps
 def test_epochs_set_the_steps_and_a_resume_across_an_epoch_boundary_is_exact(ray_cluster, tmp_path):
     from orchestration import checkpoint
     from orchestration.driver import run
