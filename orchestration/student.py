@@ -97,8 +97,8 @@ class StudentWorker(Worker, WeightSource):
 
     def train_step(self, step: int, micro_batches: list, topk_refs: list, num_tokens: int,
                    ce_weight: Optional[float] = None) -> dict:
-        """One optimizer step over this rank's micro-batches ``[(tokens, labels)]`` or
-        ``[(tokens, labels, rows)]`` (`loss`; ``ce_weight`` likewise) with the
+        """One optimizer step over this rank's micro-batches ``[(tokens, labels[, rows[,
+        position_ids, attention_mask]])]`` (`loss`; ``ce_weight`` likewise) with the
         teacher's replies (object refs of (message, seconds), resolved here). The loss is
         normalized by the step's global token count ``num_tokens`` and gradients are summed
         over the ranks, so any split of the micro-batches gives the same update. Returns
