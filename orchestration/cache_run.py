@@ -151,9 +151,11 @@ class CacheTeacherWorker(Worker):
     def connect(self, student_ranks: list) -> None:
         self.transfer.setup(student_ranks, None, sending=True)
 
-    def release(self, step: int) -> None:
+    def release(self, step: int) -> dict:
+        """As `TeacherWorker.release`: frees ``step``'s buffers, returns this process's peak memory."""
         self.transfer.release(step)
+        return self.memory()
 
-    def held_out_sums(self, rows: torch.Tensor, labels: torch.Tensor) -> tuple[float, int]:
+    def held_out_sums(self, chunk: tuple) -> tuple[float, int]:
         """No teacher model: (NaN, 0), so the teacher's held-out CE reads NaN."""
         return math.nan, 0

@@ -125,6 +125,9 @@ def _on_policy(values: dict) -> Optional[str]:
     if values["mode"] in ("on_policy", "gkd") and values["student_strategy"] != "replica":
         return (f"student_strategy: mode {values['mode']} trains replicas (the rollout workers sync from one whole "
                 f"student), got {values['student_strategy']!r}")
+    if values["teacher_cache"] and values["mode"] != "cache" and values["eval_every"]:
+        return ("eval_every: a run from a teacher_cache has no teacher model to score the held-out rows; "
+                f"set eval_every=0 (the student's held-out CE is still reported at the end), got {values['eval_every']}")
     if values["mode"] in ("on_policy", "gkd") and values["teacher_cache"]:
         return f"teacher_cache: mode {values['mode']} scores the student's own samples with a live teacher; unset it"
     longest = values["max_prompt_tokens"] + values["max_new_tokens"]
@@ -143,7 +146,8 @@ RULES = (
     (("chat_template",), _chat_template),
     (LOSS_OPTION_NAMES, _divergence_options),
     (("mode", "lmbda", "sft_alpha", "steps_per_generation", "max_staleness", "seed", "top_p", "max_prompt_tokens",
-      "max_new_tokens", "row_tokens", "student_path", "student_strategy", "teacher_cache"), _on_policy),
+      "max_new_tokens", "row_tokens", "student_path", "student_strategy", "teacher_cache", "eval_every"),
+     _on_policy),
 )
 
 
