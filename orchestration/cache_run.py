@@ -18,7 +18,7 @@ import torch
 
 from .cache_identity import data_hash, teacher_identity
 from .errors import UsageError
-from .sampler import StepSampler
+from .sampler import EpochSampler, StepSampler
 from .teacher_cache import (CacheCorrupt, CacheHeader, CacheMismatch, Expectation, TeacherCacheReader,
                             TeacherCacheWriter)
 from .transfer import transfer_for
@@ -122,8 +122,9 @@ class CacheTeacherWorker(Worker):
         self._ahead = None
 
     def _planned(self, step: int):
-        sampler = StepSampler(self.config.seed, self.rows.shape[0], self.config.micro_batches,
-                              self.config.rows_per_micro_batch)
+        order = EpochSampler if self.config.epochs else StepSampler  # the driver's order (cache data is text)
+        sampler = order(self.config.seed, self.rows.shape[0], self.config.micro_batches,
+                        self.config.rows_per_micro_batch)
         return (pick for later in range(step, self.config.steps) for pick in sampler.picks(later))
 
     def _entries(self, pick: torch.Tensor, step: int):

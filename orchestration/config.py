@@ -125,6 +125,9 @@ def _on_policy(values: dict) -> Optional[str]:
     if values["mode"] in ("on_policy", "gkd") and values["student_strategy"] != "replica":
         return (f"student_strategy: mode {values['mode']} trains replicas (the rollout workers sync from one whole "
                 f"student), got {values['student_strategy']!r}")
+    if values["teacher_cache"] and values["mode"] != "cache" and values["student_strategy"] == "fsdp2":
+        return ("student_strategy: fsdp2 takes its held-out CE from the teacher's top-k, which a run from a "
+                "teacher_cache has no model to compute; train replicas from a cache")
     if values["teacher_cache"] and values["mode"] != "cache" and values["eval_every"]:
         return ("eval_every: a run from a teacher_cache has no teacher model to score the held-out rows; "
                 f"set eval_every=0 (the student's held-out CE is still reported at the end), got {values['eval_every']}")

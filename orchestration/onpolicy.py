@@ -293,7 +293,8 @@ class OnPolicySession(_Session):
         Interrupted after the current step and its checkpoint."""
         config = self.config
         if self.metrics is None:
-            self.metrics = MetricsLog(self._metrics_path())
+            self.metrics = MetricsLog(self._metrics_path(), tensorboard=config.tensorboard)
+        self.teacher_memory = self.each(self.teachers, "memory")  # as the off-policy loop: step 0's row
         per_step = config.micro_batches * config.rows_per_micro_batch
         last_step = start_step - 1
         with self.report.bar(f"distill ({config.mode})", config.steps, "step", initial=start_step) as bar, \

@@ -97,6 +97,17 @@ def test_config_objects_check_themselves():
     assert Config(lr=1).lr == 1.0 and isinstance(Config(lr=1).lr, float)
 
 
+def test_a_run_from_a_teacher_cache_refuses_what_needs_a_teacher_model(tmp_path):
+    cache = str(tmp_path)
+    with pytest.raises(UsageError, match=r"^student_strategy: fsdp2 takes its held-out CE from the teacher's top-k"):
+        Config(teacher_cache=cache, student_strategy="fsdp2")
+    with pytest.raises(UsageError, match=r"^eval_every: a run from a teacher_cache has no teacher model"):
+        Config(teacher_cache=cache, eval_every=5)
+    with pytest.raises(UsageError, match=r"^teacher_cache: mode gkd scores the student's own samples"):
+        Config(teacher_cache=cache, mode="gkd")
+    assert Config(teacher_cache=cache, mode="cache", student_strategy="fsdp2").student_strategy == "fsdp2"
+
+
 def test_the_attention_option_builds_that_attention():
     from orchestration.models import build_model
 
