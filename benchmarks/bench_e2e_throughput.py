@@ -38,6 +38,7 @@ usage: python benchmarks/bench_e2e_throughput.py [--steps 20] [--tiny] [--strate
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -157,6 +158,14 @@ def single_process(kind: str, paths: tuple, args, device: torch.device) -> dict:
                 peak_mib=_peak_mib(device))
 
 
+def release_memory(device: torch.device) -> None:
+    """Hands this process's cached CUDA blocks back: the driver's workers, other processes on the
+    same GPU, cannot use what a finished row's caching allocator still holds."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def driver(strategy: str, paths: tuple, data: str, args) -> dict:
     name = f"driver colocated ({strategy})"
     config = load_config(None, [f"output_dir={args.output_dir}/{strategy}", f"steps={args.steps}",
@@ -223,8 +232,10 @@ def main(argv=None):
     env = environment(args.commit)
     shape = dict(name="tiny CPU" if args.tiny else "Qwen2.5-1.5B -> 0.5B-like", teacher=args.teacher,
                  student=args.student, vocab=args.vocab, tokens_per_step=args.rows * args.row_tokens, k=args.k)
-    measurements = [] if args.skip_single else [single_process("full", paths, args, device),
-                                                single_process("kd_kernels", paths, args, device)]
+    measurements = []
+    for kind in () if args.skip_single else ("full", "kd_kernels"):
+        measurements.append(single_process(kind, paths, args, device))
+        release_memory(device)
     measurements += [driver(strategy, paths, data, args) for strategy in args.strategies.split(",")]
     floor = next((m["ms"] for m in measurements if m["provider"] == FLOOR), None)
     rows = []
@@ -278,19 +289,22 @@ def qwen_like(name: str):
 def _sync_receiver(name: str, inbox, outbox) -> None:
     """The rollout side in its own process: a model of the same shapes, updated from each message
     ``(receive_buffer arguments, last bucket of the update)``; answers each message."""
+    from orchestration.flat_parameters import flatten_parameters
     from orchestration.weight_sync import WeightReceiver
 
     torch.cuda.set_device(0)
-    receiver = WeightReceiver(qwen_like(name))
+    model = qwen_like(name)
+    flatten_parameters(model)
+    receiver = WeightReceiver(model)
     outbox.put("ready")
     while (message := inbox.get()) is not None:
         arguments, last = message
         if not receiver.paused:
             receiver.pause()
-        receiver.receive_buffer(*arguments)
+        reply = receiver.receive_buffer(*arguments)
         if last:
             receiver.resume()
-        outbox.put("done")
+        outbox.put(reply["seconds"])
 
 
 def weight_sync_rows(env: dict, names: list[str]) -> list[dict]:
@@ -298,6 +312,7 @@ def weight_sync_rows(env: dict, names: list[str]) -> list[dict]:
     paths of `orchestration.weight_sync` to a receiver process on the same GPU."""
     import torch.multiprocessing as mp
 
+    from orchestration.flat_parameters import flatten_parameters
     from orchestration.weight_sync import WeightSender
 
     rows = []
@@ -323,30 +338,36 @@ def weight_sync_rows(env: dict, names: list[str]) -> list[dict]:
         child = context.Process(target=_sync_receiver, args=(name, inbox, outbox))
         child.start()
         assert outbox.get(timeout=600) == "ready"
+        flatten_parameters(model)
         sender = WeightSender(model, bucket_bytes=512 * 2**20)
         version = 0
-        for provider in ("CUDA IPC, the parameters' storages", "CUDA IPC, packed 512 MiB buckets"):
-            seconds = []
+        for provider in ("CUDA IPC, the flattened parameters", "CUDA IPC, packed 512 MiB buckets"):
+            seconds, copies = [], []
             for _ in range(SYNC_REPEATS + 1):
                 version += 1
-                if provider.endswith("storages"):
+                copy = 0.0
+                if provider.endswith("parameters"):
                     inbox.put((sender.share_tensors(version), True))
-                    assert outbox.get(timeout=600) == "done"
+                    copy += outbox.get(timeout=600)
                 else:
                     for index in range(len(sender.buckets)):
                         inbox.put((sender.share(index, version), index == len(sender.buckets) - 1))
-                        assert outbox.get(timeout=600) == "done"
+                        copy += outbox.get(timeout=600)
                         if index < len(sender.buckets) - 1:
                             sender.release_shared()  # frees the bucket; the last one's call ends the update
                 metrics = sender.release_shared()
                 seconds.append(metrics.seconds)
-            measured[provider] = (seconds[0], statistics.median(seconds[1:]), len(sender.buckets))
+                copies.append(copy)
+            measured[provider] = (seconds[0], statistics.median(seconds[1:]), len(sender.buckets),
+                                  statistics.median(copies[1:]))
         inbox.put(None)
         child.join(timeout=600)
-        for provider, (cold, warm, buckets) in measured.items():
+        for provider, (cold, warm, buckets, *copy) in measured.items():
+            extra = dict(receiver_copy_ms=1e3 * copy[0]) if copy else {}
             rows.append(result_row(env, BENCHMARK, shape, provider, "weight update", 1e3 * warm, SYNC_FLOOR,
                                    warm / floor_s, None, warm_seconds=warm, cold_seconds=cold,
-                                   gb_per_s=total / warm / 1e9, share_of_floor=floor_s / warm, buckets=buckets))
+                                   gb_per_s=total / warm / 1e9, share_of_floor=floor_s / warm, buckets=buckets,
+                                   **extra))
         del model, sender
         torch.cuda.empty_cache()
     return rows
@@ -442,7 +463,8 @@ def onpolicy_main(args, parser: argparse.ArgumentParser) -> None:
     append_rows(args.results, rows)
     print()
     print_table(rows, {"shape": lambda row: row["shape"]["name"], "provider": "provider", "ms": "ms",
-                       "× floor": "ratio", "GB/s": "gb_per_s", "share of floor": "share_of_floor", "cold s": "cold_seconds",
+                       "× floor": "ratio", "GB/s": "gb_per_s", "share of floor": "share_of_floor", "receiver copy ms": "receiver_copy_ms",
+                       "cold s": "cold_seconds",
                        "tokens/s": "tokens_per_s", "generate s": "generate_seconds", "sync s": "sync_seconds",
                        "teacher s": "teacher_seconds", "student s": "student_seconds"})
 

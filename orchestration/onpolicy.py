@@ -170,6 +170,8 @@ class OnPolicySession(_Session):
             self.transport = "gloo"
         elif all(shared):
             self.transport = "cuda_ipc"
+            if config.student_strategy == "replica":  # FSDP2 shards are not one buffer; they go per tensor
+                self.get([self.actors.call(first, "flatten_weights")], "during setup")
             return
         elif not any(shared):
             self.transport = "nccl"

@@ -29,6 +29,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import torch
 
+from .flat_parameters import flatten_parameters
 from .weight_sync import UpdateMetrics, WeightReceiver
 
 
@@ -102,7 +103,8 @@ class RolloutWorker:
     one) on ``device``, in ``dtype`` (None keeps the model's), and generates completions with it.
     ``pad_token_id`` pads prompts (left) and responses (right). ``vocab_size``: the tokenizer's
     real vocab when the lm_head has padding rows beyond it (ids >= it are never sampled); None:
-    every row is a token."""
+    every row is a token. Parameters of one dtype are moved into one flat buffer
+    (`flat_parameters`), so that an update from a flattened trainer is one copy."""
 
     def __init__(self, model: Union[torch.nn.Module, Callable[[], torch.nn.Module]], *, pad_token_id: int,
                  device: Union[str, torch.device] = "cpu", dtype: Optional[torch.dtype] = None,
@@ -116,6 +118,8 @@ class RolloutWorker:
         built = model if isinstance(model, torch.nn.Module) else model()
         self.model = built.to(device=self.device, dtype=dtype).eval()
         self.model.requires_grad_(False)
+        if len({parameter.dtype for parameter in self.model.parameters()}) == 1:
+            flatten_parameters(self.model)  # an update from a flattened trainer is then one copy
         self.pad_token_id = pad_token_id
         self._receiver = WeightReceiver(self.model)
 

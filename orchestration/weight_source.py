@@ -7,6 +7,7 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Optional
 
+from .flat_parameters import flatten_parameters
 from .weight_sync import WeightSender
 
 
@@ -37,6 +38,12 @@ class WeightSource:
     def send_weights(self, weight_version: int) -> dict:
         """Broadcasts every bucket (`WeightSender.send`); the update's metrics."""
         return self._sender().send(weight_version).as_dict()
+
+    def flatten_weights(self) -> None:
+        """Moves the model's parameters into one flat buffer (`flat_parameters`) before the first
+        `share_weights`: a rollout worker (flattened too) then copies an update in one launch."""
+        self._sender()
+        flatten_parameters(self.model)
 
     def share_weights(self, weight_version: int) -> tuple:
         """The parameters' CUDA IPC handles (`WeightSender.share_tensors`)."""

@@ -50,6 +50,8 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, Union
 
 import torch
 
+from .flat_parameters import flat_region
+
 ALIGNMENT = 64  # bytes: every tensor of a bucket starts at a multiple of this
 DEFAULT_BUCKET_BYTES = 512 * 2**20
 
@@ -443,6 +445,8 @@ class WeightReceiver:
 
     def __init__(self, model: torch.nn.Module):
         self._parameters = dict(model.named_parameters())
+        self._flat = flat_region(list(self._parameters.values()))  # set when the model is flattened
+        self._mapped_flat: Optional[torch.Tensor] = None  # the region of ``_mapped``, if one
         self._condition = threading.Condition(threading.Lock())
         self._paused = False
         self._pending: Optional[_PendingUpdate] = None
@@ -536,6 +540,7 @@ class WeightReceiver:
                 if len(payload) != len(bucket.names):
                     raise ValueError(f"payload: expected {len(bucket.names)} tensor handles, got {len(payload)}")
                 self._mapped = [rebuild(*arguments) for rebuild, arguments in payload]
+                self._mapped_flat = flat_region(self._mapped)
                 return self._mapped
             rebuild, arguments = payload
             return rebuild(*arguments)
@@ -567,7 +572,9 @@ class WeightReceiver:
                         raise ValueError(f"payload: {name!r} is {view.dtype} {tuple(view.shape)}, the update says "
                                          f"{dtype} {shape}")
                 targets = [self._parameters[name].data for name in bucket.names]
-                if all(target.dtype == view.dtype for target, view in zip(targets, views)):
+                if self._whole_flat_update(bucket, fetched):
+                    self._flat.copy_(self._mapped_flat)  # both sides flattened: one copy (cast) of everything
+                elif all(target.dtype == view.dtype for target, view in zip(targets, views)):
                     torch._foreach_copy_(targets, list(views))  # one multi-tensor launch, not one per tensor
                 else:
                     for target, view in zip(targets, views):
@@ -582,6 +589,12 @@ class WeightReceiver:
             pending.buckets += 1
             pending.seconds += seconds
             return dict(bytes=moved, seconds=seconds, weight_version=weight_version)
+
+    def _whole_flat_update(self, bucket: Bucket, fetched) -> bool:
+        """Whether ``fetched`` is the mapped list payload of every parameter, in this model's order,
+        laid out as `flat_parameters` lays out this model (so one copy updates all of them)."""
+        return (self._flat is not None and fetched is self._mapped and self._mapped_flat is not None
+                and self._mapped_flat.numel() == self._flat.numel() and bucket.names == tuple(self._parameters))
 
     def _start(self, weight_version: int) -> _PendingUpdate:
         if self._pending is None:

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from helpers import HAS_CUDA, free_port, spawn_ranks, tiny_llama
+from orchestration.flat_parameters import ELEMENT_ALIGNMENT, flat_offsets, flat_region, flatten_parameters
 from orchestration.rollout import RolloutWorker
 from orchestration.weight_sync import (ALIGNMENT, MappedTensors, WeightSender, as_dtype, bucket_layout, bucket_views,
                                        pack_bucket, plan_buckets)
@@ -337,3 +338,70 @@ def _ipc_storages(rank, world, init_file, queue, acks):
 def test_cuda_ipc_of_the_parameters_storages_gives_bit_equal_logits_update_after_update():
     context = multiprocessing.get_context("spawn")
     spawn_ranks(_ipc_storages, 2, context.SimpleQueue(), context.SimpleQueue())
+
+
+# ---- flattened parameters: a whole-model update in one copy -----------------------------------
+
+class _CopyCount(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the copy kernels (``copy_`` and ``_foreach_copy_``) run under it."""
+
+    def __init__(self):
+        super().__init__()
+        self.copies = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in (torch.ops.aten.copy_, torch.ops.aten._foreach_copy_):
+            self.copies += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_flattening_keeps_values_and_parameter_objects_and_trains():
+    model, reference = tiny_llama(1), tiny_llama(1)
+    before = {name: parameter for name, parameter in model.named_parameters()}
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    buffer = flatten_parameters(model)
+    offsets, total = flat_offsets([p.numel() for p in before.values()])
+    assert buffer.numel() == total and all(offset % ELEMENT_ALIGNMENT == 0 for offset in offsets)
+    for (name, parameter), offset in zip(model.named_parameters(), offsets):
+        assert parameter is before[name]  # the optimizer's references still hold
+        assert parameter.data_ptr() == buffer[offset:].data_ptr()
+    assert torch.equal(model(TOKENS).logits, reference(TOKENS).logits)
+    for net, opt in ((model, optimizer), (reference, torch.optim.AdamW(reference.parameters(), lr=1e-2))):
+        net(TOKENS).logits.square().mean().backward()
+        opt.step()
+    assert torch.equal(model(TOKENS).logits, reference(TOKENS).logits)
+    assert flat_region([p.detach() for p in model.parameters()]).data_ptr() == buffer.data_ptr()
+
+
+def test_flat_region_refuses_tensors_out_of_the_layout():
+    buffer = torch.zeros(3 * ELEMENT_ALIGNMENT)
+    a, b = buffer[:10], buffer[ELEMENT_ALIGNMENT:ELEMENT_ALIGNMENT + 5]
+    assert flat_region([a, b]).numel() == ELEMENT_ALIGNMENT + 5
+    assert flat_region([b, a]) is None  # order
+    assert flat_region([a, buffer[ELEMENT_ALIGNMENT + 1:ELEMENT_ALIGNMENT + 6]]) is None  # offset
+    assert flat_region([a, torch.zeros(5)]) is None  # another storage
+    with pytest.raises(ValueError, match="module: expected parameters of one dtype"):
+        flatten_parameters(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2).double()))
+
+
+def test_a_flattened_trainer_updates_a_flattened_rollout_copy_in_one_cast_copy():
+    """float32 trainer → bfloat16 rollout copy, both flattened: the update is one copy (with the
+    cast) and gives the parameters a per-tensor cast would."""
+    trainer = tiny_llama(1)
+    flatten_parameters(trainer)
+    worker = RolloutWorker(tiny_llama(2), pad_token_id=0, dtype=torch.bfloat16)
+    named = list(trainer.named_parameters())
+    names, shapes = [n for n, _ in named], [tuple(p.shape) for _, p in named]
+    dtypes = [p.dtype for _, p in named]
+    for version, payload in ((1, [(_mapped, (p.detach(),)) for _, p in named]), (2, MappedTensors(len(named)))):
+        with torch.no_grad():
+            for _, parameter in named:
+                parameter.mul_(1.0 + 0.1 * version)
+        worker.pause_generation()
+        with _CopyCount() as counted:
+            worker.update_weights_from_tensor(names, dtypes, shapes, payload, version)
+        worker.continue_generation()
+        assert counted.copies == 1
+        for name, parameter in worker.model.named_parameters():
+            assert parameter.dtype == torch.bfloat16
+            assert torch.equal(parameter, dict(named)[name].detach().to(torch.bfloat16)), name

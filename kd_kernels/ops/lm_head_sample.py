@@ -59,14 +59,16 @@ _STORE_KEPT_PTX = tl.constexpr("""
 .reg .b64 address;
 mov.u32 $0, 0;
 and.b32 slot, $3, $2;
-setp.ne.b32 taken, slot, 0;
+setp.eq.b32 taken, slot, 0;
+@taken bra SKIP;
 and.b32 slot, $3, $4;
 popc.b32 slot, slot;
 add.u32 slot, slot, $5;
-setp.lt.and.u32 kept, slot, $6, taken;
+setp.lt.u32 kept, slot, $6;
 mad.wide.u32 address, slot, 8, $7;
 @kept st.global.b32 [address], $8;
 @kept st.global.b32 [address+4], $1;
+SKIP:
 }
 """)
 
@@ -160,16 +162,17 @@ def _lm_head_sample_kernel(hidden_desc, weight_desc, bias_ptr, tile_max2_ptr, ti
         tile_pair = ((noise_offset + column_tile * BLOCK_N) >> 1).to(tl.uint32)
         hash_base = ((row_key(seed_key, first_row + row_offsets) + tile_pair) * _M1)[:, None, None]
         # each branch whole, from the exponentials to the kept bits: no tensor of the tile crosses it
-        t_even = tl.exp2(tl.fma(even, log2e_over_t, -safe_max2))
-        t_odd = tl.exp2(tl.fma(odd, log2e_over_t, -safe_max2))
         if tl.max(tl.where(rows_ok, excess2, float("-inf")), axis=0) <= _MAX_EXCESS2:
+            t_even = tl.exp2(tl.fma(even, log2e_over_t, -safe_max2))
+            t_odd = tl.exp2(tl.fma(odd, log2e_over_t, -safe_max2))
             scale = tl.where(rows_ok, tl.exp2(excess2 + _COARSE_SCALE2), 0.0)[:, None, None]
             tile_sum2 = tl.sum(tl.sum(t_even + t_odd, axis=2), axis=1)
             bits = _kept_bits(tl.fma(t_even, scale, base), tl.fma(t_odd, scale, base), hash_base, pair_share, even_bit)
         else:
             shift2 = (floor2 - _MARGIN2 - _COARSE_SCALE2)[:, None, None]
             scale = tl.where(rows_ok, 1.0, 0.0)[:, None, None]
-            tile_sum2 = tl.sum(tl.sum(t_even + t_odd, axis=2), axis=1)
+            tile_sum2 = tl.sum(tl.sum(tl.exp2(tl.fma(even, log2e_over_t, -safe_max2))
+                                      + tl.exp2(tl.fma(odd, log2e_over_t, -safe_max2)), axis=2), axis=1)
             bits = _kept_bits(tl.fma(tl.exp2(tl.minimum(tl.fma(even, log2e_over_t, -shift2), 126.0)), scale, base),
                               tl.fma(tl.exp2(tl.minimum(tl.fma(odd, log2e_over_t, -shift2), 126.0)), scale, base),
                               hash_base, pair_share, even_bit)
