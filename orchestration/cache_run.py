@@ -1,7 +1,8 @@
 """The offline teacher cache in the driver.
 
 ``mode=cache`` scores every training row with the teacher (built and pretrained as a training
-run would, or loaded from ``teacher_path``) and writes them to ``teacher_cache`` with
+run would, or loaded from ``teacher_path``; text rows, or packed pre-tokenized documents with
+their position ids and block-diagonal mask, whose document ids join the data hash) and writes them to ``teacher_cache`` with
 `teacher_cache.TeacherCacheWriter`, rows in order: a killed run, started again with the same
 options, continues after the last complete shard and ends with the shards an uninterrupted run
 writes. A training run with ``teacher_cache`` set starts `CacheTeacherWorker`s in the teacher
@@ -18,7 +19,7 @@ import torch
 
 from .cache_identity import data_hash, teacher_identity
 from .errors import UsageError
-from .sampler import EpochSampler, StepSampler
+from .sampler import sampler_class
 from .teacher_cache import (CacheCorrupt, CacheHeader, CacheMismatch, Expectation, TeacherCacheReader,
                             TeacherCacheWriter)
 from .transfer import transfer_for
@@ -33,7 +34,9 @@ def cache_kind(config) -> tuple[str, int]:
 
 def _expectation(config, data) -> Expectation:
     kind, entries = cache_kind(config)
-    return Expectation(tokenizer_hash=data.tokenizer_hash, data_hash=data_hash(data.train_tokens),
+    rows = data.train_tokens if data.train_documents is None else torch.stack([data.train_tokens,
+                                                                                 data.train_documents])
+    return Expectation(tokenizer_hash=data.tokenizer_hash, data_hash=data_hash(rows),
                        temperature=config.temperature, k=entries, vocab_size=data.vocab, kind=kind)
 
 
@@ -63,7 +66,7 @@ def write_cache(config, data, report) -> dict:
     if config.support == "sampled" and not config.cache_samples:
         raise UsageError("cache_samples: 0 (a top-k cache) with support='sampled'; set cache_samples > 0")
     teacher = TeacherWorker(config, data.vocab)
-    teacher.set_rows(data.train_tokens, data.train_labels)
+    teacher.set_rows(data.train_tokens, data.train_labels, data.train_positions, data.train_documents)
     if not config.teacher_path and config.teacher_pretrain_steps:
         with report.phase(f"teacher pretraining ({config.teacher_pretrain_steps} steps)"):
             teacher.pretrain(config.teacher_pretrain_steps)
@@ -95,8 +98,10 @@ def write_cache(config, data, report) -> dict:
                     if config.stop_after is not None and number > config.stop_after:
                         raise _Stopped  # tests of resume: leaves the cache as a killed writer would
                     stop = min(start + batch, rows)
-                    scored = teacher.entries(data.train_tokens[start:stop], start, config.cache_samples)
-                    writer.add(torch.arange(start, stop), scored.to("cpu"))
+                    rows_now = torch.arange(start, stop)
+                    scored = teacher.entries(data.train_tokens[start:stop], start, config.cache_samples,
+                                             *teacher.row_layout(rows_now, teacher.device, config.attention))
+                    writer.add(rows_now, scored.to("cpu"))
                     bar.update(stop - start)
     except _Stopped:
         complete = False
@@ -122,8 +127,7 @@ class CacheTeacherWorker(Worker):
         self._ahead = None
 
     def _planned(self, step: int):
-        order = EpochSampler if self.config.epochs else StepSampler  # the driver's order (cache data is text)
-        sampler = order(self.config.seed, self.rows.shape[0], self.config.micro_batches,
+        sampler = sampler_class(self.config)(self.config.seed, self.rows.shape[0], self.config.micro_batches,
                         self.config.rows_per_micro_batch)
         return (pick for later in range(step, self.config.steps) for pick in sampler.picks(later))
 

@@ -28,7 +28,7 @@ from .metrics_log import MetricsLog
 from .placement import Layout, check_placement, device_type, gpu_count, resolve_layout
 from .process_group import worlds
 from .progress import Progress
-from .sampler import EpochSampler, StepSampler
+from .sampler import StepSampler, sampler_class
 from .token_data import is_pre_tokenized, prepare_token_data
 
 PRETRAIN_UPDATES = 50  # the teacher pretrains in this many calls, so its bar moves
@@ -53,11 +53,8 @@ def run(config, progress: bool = True, return_parameters: bool = False) -> dict:
     if config.mode == "cache":
         from .cache_run import write_cache
 
-        if pre_tokenized:
-            raise UsageError(["mode: 'cache' scores text data (a tokenizer's rows); pre-tokenized data_path "
-                              f"{config.data_path!r} is not supported by the cache writer"])
         os.makedirs(config.output_dir, exist_ok=True)
-        return write_cache(config, prepare_data(config, report, tokenizer), report)
+        return write_cache(config, _dataset(config, report, tokenizer, pre_tokenized), report)
     resume_from = _resume_point(config, report)
     os.makedirs(config.output_dir, exist_ok=True)
     import ray
@@ -67,15 +64,9 @@ def run(config, progress: bool = True, return_parameters: bool = False) -> dict:
     layout = resolve_layout(config.placement, "object_store" if config.teacher_cache else config.transfer, device,
                             gpu_count() if device == "cuda" else 0, config.teacher_workers, config.student_workers)
     plan = CommPlan(config.teacher_workers, config.student_workers, config.micro_batches)
-    if pre_tokenized:
-        try:
-            data = prepare_token_data(config, tokenizer, report)
-        except ValueError as error:
-            raise UsageError([f"data_path: {error}"]) from None
-    else:
-        data = prepare_data(config, report, tokenizer)
-    order = EpochSampler if pre_tokenized or config.epochs else StepSampler
-    sampler = order(config.seed, len(data.train_tokens), config.micro_batches, config.rows_per_micro_batch)
+    data = _dataset(config, report, tokenizer, pre_tokenized)
+    sampler = sampler_class(config)(config.seed, len(data.train_tokens), config.micro_batches,
+                                    config.rows_per_micro_batch)
     if config.epochs:  # the workers' LR schedule and the loop read the steps from the config
         config = dataclasses.replace(config, steps=sampler.steps_for(config.epochs))
     if config.k > data.vocab:
@@ -83,9 +74,6 @@ def run(config, progress: bool = True, return_parameters: bool = False) -> dict:
     if config.teacher_cache:
         from .cache_run import check_cache
 
-        if pre_tokenized:
-            raise UsageError([f"teacher_cache: reads caches of text data; pre-tokenized data_path {config.data_path!r} "
-                              "is not supported"])
         check_cache(config, data)
     elif config.support == "sampled":
         raise UsageError("support: 'sampled' trains from a teacher cache of samples (mode=cache with cache_samples "
@@ -120,6 +108,16 @@ def run(config, progress: bool = True, return_parameters: bool = False) -> dict:
             release_slots(session.slots)
         if started_ray:
             ray.shutdown()
+
+
+def _dataset(config, report: Progress, tokenizer, pre_tokenized: bool):
+    """The run's `Dataset`: packed pre-tokenized documents, or text through the tokenizer."""
+    if not pre_tokenized:
+        return prepare_data(config, report, tokenizer)
+    try:
+        return prepare_token_data(config, tokenizer, report)
+    except ValueError as error:
+        raise UsageError([f"data_path: {error}"]) from None
 
 
 def _worker_environment(address: Optional[str]) -> Optional[dict]:

@@ -69,3 +69,11 @@ class EpochSampler(StepSampler):
 
     def state_dict(self) -> dict:
         return dict(super().state_dict(), kind="epochs")
+
+
+def sampler_class(config) -> type:
+    """The order a run reads its rows in: epochs for pre-tokenized data or when ``epochs`` is
+    set, else steps drawn with replacement."""
+    from .token_data import is_pre_tokenized
+
+    return EpochSampler if config.epochs or is_pre_tokenized(config.data_path) else StepSampler

@@ -112,3 +112,40 @@ def test_training_from_the_cache_equals_training_with_the_live_teacher(written):
         assert got["loss"] == pytest.approx(expected["loss"], rel=1e-6, abs=0)
         assert got["kd"] == pytest.approx(expected["kd"], rel=1e-6, abs=0)
     assert torch.allclose(cached["student_parameters"][0], live["student_parameters"][0], rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.slow  # Ray and two driver runs: the acceptance test above on packed pre-tokenized documents
+def test_a_cache_of_pre_tokenized_documents_trains_as_the_live_teacher(tmp_path):
+    """Pre-tokenized ``.npy`` documents (no tokenizer; packed with position ids restarting per
+    document and the block-diagonal mask): the cache is scored under that layout and read in
+    the epoch order, so training from it equals training with the live teacher."""
+    import numpy as np
+
+    from orchestration.driver import run
+    from orchestration.metrics_log import read_rows
+    from orchestration.packing import from_lists, save_token_documents
+
+    generator = np.random.default_rng(0)
+    documents = [generator.integers(3, 300, int(generator.integers(5, 50))) for _ in range(60)]
+    data = save_token_documents(str(tmp_path / "documents.npy"), from_lists(documents))
+    cache = str(tmp_path / "cache")
+    common = dict(data_path=data, attention="eager")
+    written = run(_tiny(tmp_path, "write", mode="cache", teacher_cache=cache, **common), progress=False)
+    assert written["complete"]
+    changed = str(tmp_path / "changed.npy")
+    save_token_documents(changed, from_lists([documents[1], documents[0], *documents[2:]]))
+    with pytest.raises(Exception, match="teacher_cache: .*data_hash"):
+        run(_tiny(tmp_path, "refused", teacher_cache=cache, data_path=changed, attention="eager"), progress=False)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False,
+             ignore_reinit_error=True)
+    try:
+        live = run(_tiny(tmp_path, "live", **common), progress=False, return_parameters=True)
+        cached = run(_tiny(tmp_path, "cached", teacher_cache=cache, **common), progress=False,
+                     return_parameters=True)
+    finally:
+        ray.shutdown()
+    live_rows, cached_rows = read_rows(live["metrics"]), read_rows(cached["metrics"])
+    assert [row["step"] for row in cached_rows] == list(range(4))
+    for got, expected in zip(cached_rows, live_rows):
+        assert got["loss"] == pytest.approx(expected["loss"], rel=1e-6, abs=0)
+    assert torch.allclose(cached["student_parameters"][0], live["student_parameters"][0], rtol=1e-5, atol=1e-7)
