@@ -37,7 +37,7 @@ import kd_kernels as kd
 
 from .cache_codec import ENCODINGS, Codec
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 KINDS = {"topk": ("lse",), "samples": ("log_threshold", "lse")}  # kind -> the per-position fields it may store
 _HEADER = "header.json"
 _MANIFEST = "manifest.json"
@@ -106,7 +106,8 @@ class CacheHeader:
 
     @property
     def codec(self) -> Codec:
-        return Codec(self.encoding, self.vocab_size, self.k, self.fields)
+        return Codec(self.encoding, self.vocab_size, self.k, self.fields,
+                     descending=self.encoding == "compact" and self.kind == "topk")
 
     def to_json(self) -> dict:
         return dict(asdict(self), fields=list(self.fields), codec=self.codec.describe())
