@@ -17,11 +17,11 @@ block: encoding and decoding run on whatever device the tensors are on.
   ``min(k, MASS_CARRIERS)`` entries carry X of 2-4 with ``MASS_LEVELS = 2**14``, the others
   X = 1; with ``descending``, the first entry, always gap 0 or missing, has L = 2 and X = D // 2).
   E is the fewest bytes that hold the mass with every other entry keeping L >= 16 (E = 3 at
-  V = 151,936 for k >= 8: D = 110, L = 55 or 110 at k = 64, L = 36 or 55 at k = 8 and 12).
+  V = 151,936 for k >= 8: D = 110; at k = 64 L = 55 or 110, at k = 8 and 12 L = 27 to 55).
 
   c quantizes the entry's gap below the position's largest log-prob, ``g = max − logprob``,
-  uniformly in ``u = 1 − exp(−g / COMPACT_SCALE)`` over ``[0, 1 − exp(−COMPACT_RANGE /
-  COMPACT_SCALE)]`` (nearest of L − 1 codes; gaps beyond the range clamp to it); code L − 1
+  uniformly in ``u = 1 − exp(−g / s)`` over ``[0, 1 − exp(−COMPACT_RANGE / s)]`` (s =
+  ``Codec.scale``; nearest of L − 1 codes; gaps beyond the range clamp to it); code L − 1
   marks a missing (−inf) entry. The digits x, read as one mixed-radix number (first entry
   lowest), are the code of the covered mass ``m = Σ exp(logprobs)`` as its logit
   ``log(m / (1 − m))``, clamped to ``[−MASS_RANGE, MASS_RANGE]`` and rounded to the nearest of
@@ -42,13 +42,15 @@ from typing import Optional
 import torch
 
 ENCODINGS = ("lossless", "compact")
-COMPACT_SCALE = 3.0  # nats: the compander's scale s (levels are denser near the head)
+COMPACT_SCALE = 3.0  # nats: the compander's scale s for top-k (levels denser near the head)
+SAMPLES_COMPACT_SCALE = 8.0  # nats: s for samples (the estimator weighs a sample's error about alike)
 COMPACT_RANGE = 16.0  # nats: gaps below the position's largest log-prob beyond this clamp to it
 MASS_LEVELS = 1 << 14  # codes of the covered mass's logit
 MASS_RANGE = 20.0  # the covered mass's logit is clamped to [-MASS_RANGE, MASS_RANGE]
 MASS_CARRIERS = 16  # at most this many entries (a position's last) carry the covered mass's digits
 _MIN_COMPACT_LEVELS = 16
 DECODE_CHUNK = 4096  # positions a decode step works on
+_TABLE_ENTRIES = 1 << 20  # compact decode tables indexed by (column, value above the id) up to this size
 
 
 def mass_radices(k: int, digits: int, descending: bool = False) -> tuple[int, ...]:
@@ -78,13 +80,16 @@ class Codec:
     """One encoding of ``[P, k]`` entries over a vocab of ``vocab_size`` with float32 ``fields``.
     ``descending``: each position's entries come in descending log-prob order, missing ones
     last (`kd_kernels.TopK`'s contract); `encode` refuses others. The compact encoding then
-    stores the covered mass partly in the first entry's word."""
+    stores the covered mass partly in the first entry's word. ``scale``: the compact
+    compander's s > 0 in nats (`COMPACT_SCALE` for top-k, whose entries weigh by their mass in
+    the loss; `SAMPLES_COMPACT_SCALE` for samples, more even)."""
 
     encoding: str
     vocab_size: int
     k: int
     fields: tuple[str, ...] = ()
     descending: bool = False
+    scale: float = COMPACT_SCALE
 
     def __post_init__(self):
         if self.encoding not in ENCODINGS:
@@ -97,6 +102,8 @@ class Codec:
             raise ValueError(f"fields: expected distinct names, got {self.fields!r}")
         if not isinstance(self.descending, bool):
             raise ValueError(f"descending: expected a bool, got {self.descending!r}")
+        if not isinstance(self.scale, (int, float)) or not 0 < self.scale < math.inf:
+            raise ValueError(f"scale: expected a number > 0 (nats), got {self.scale!r}")
 
     # ---- layout -------------------------------------------------------------------------
 
@@ -167,7 +174,7 @@ class Codec:
         else:
             description.update(descending=self.descending, entry_bytes=self.entry_bytes,
                                entry_levels=list(self.entry_levels),
-                               scale=COMPACT_SCALE, range=COMPACT_RANGE, mass_levels=MASS_LEVELS,
+                               scale=self.scale, range=COMPACT_RANGE, mass_levels=MASS_LEVELS,
                                mass_range=MASS_RANGE)
         return description
 
@@ -176,13 +183,13 @@ class Codec:
     def gap_table(self, device=None) -> torch.Tensor:
         """``[k, max levels]`` float32: the gap of each entry's codes (its missing code and the
         columns past its levels +inf). An entry with L codes has ``L − 1`` gap levels
-        ``−s · log(1 − j / (L − 2) · u(R))``, j = 0 .. L − 2 (s = `COMPACT_SCALE`, R =
+        ``−s · log(1 − j / (L − 2) · u(R))``, j = 0 .. L − 2 (s = `scale`, R =
         `COMPACT_RANGE`, ``u(g) = 1 − exp(−g / s)``)."""
         levels = self._levels_tensor(device).double()
         codes = torch.arange(max(self.entry_levels), dtype=torch.float64, device=device)
-        top = -math.expm1(-COMPACT_RANGE / COMPACT_SCALE)
+        top = -math.expm1(-COMPACT_RANGE / self.scale)
         steps = (levels - 2).unsqueeze(1)
-        gaps = -COMPACT_SCALE * torch.log1p(-(codes / steps.clamp_min(1)).clamp(max=1) * top)
+        gaps = -self.scale * torch.log1p(-(codes / steps.clamp_min(1)).clamp(max=1) * top)
         return torch.where(codes <= steps, gaps, math.inf).float()
 
     def gap_error_bound(self, gaps: torch.Tensor) -> torch.Tensor:
@@ -193,12 +200,12 @@ class Codec:
         ``g − COMPACT_RANGE``."""
         levels = self._levels_tensor(gaps.device).double()
         steps = (levels - 2).clamp_min(1)  # an entry of 2 codes (a descending first) decodes to gap 0
-        top = -math.expm1(-COMPACT_RANGE / COMPACT_SCALE)
+        top = -math.expm1(-COMPACT_RANGE / self.scale)
         gaps = gaps.double()
         below = torch.minimum(self._u_position(gaps, steps).floor().clamp_min(0), steps - 1)
 
         def level(position):
-            return -COMPACT_SCALE * torch.log1p(-position / steps * top)
+            return -self.scale * torch.log1p(-position / steps * top)
 
         middle = level(below + 0.5)
         within = torch.maximum(middle - level(below), level(below + 1) - middle)
@@ -208,11 +215,10 @@ class Codec:
     def _levels_tensor(self, device) -> torch.Tensor:
         return torch.tensor(self.entry_levels, dtype=torch.int64, device=device)
 
-    @staticmethod
-    def _u_position(gaps: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    def _u_position(self, gaps: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
         """float64 ``u(g) / u(COMPACT_RANGE) · steps``: a gap's place on its entry's code scale."""
-        top = -math.expm1(-COMPACT_RANGE / COMPACT_SCALE)
-        return -torch.expm1(-gaps.double() / COMPACT_SCALE) / top * steps
+        top = -math.expm1(-COMPACT_RANGE / self.scale)
+        return -torch.expm1(-gaps.double() / self.scale) / top * steps
 
     # ---- encode / decode ----------------------------------------------------------------
 
@@ -280,16 +286,18 @@ class Codec:
         radices = torch.tensor(self.mass_radices, dtype=torch.int64, device=device)
         return torch.cumprod(torch.cat([radices.new_ones(1), radices[:-1]]), dim=0)
 
-    def _decode_tables(self, device) -> tuple[torch.Tensor, ...]:
-        """What `_decode_compact` looks up by ``column · D + digit`` (the word's value above the
-        id): ``[k]`` int32 column offsets, then ``[k · D]`` float32 −gap, exp(−gap) and the
-        covered mass's code part ``carried · place value`` (exact: < 2**24)."""
+    def _decode_tables(self, device) -> tuple:
+        """What `_decode_compact` looks up: ``[k]`` int32 column offsets, then float32 −gap,
+        exp(−gap) and the covered mass's code part (``digit · place value``, exact: < 2**24)
+        indexed by ``offset + v`` (v the word's value above the id) where ``k · D <=
+        _TABLE_ENTRIES``; else (wide words, k < 8) −gap and exp(−gap) indexed by ``offset + c``
+        and no mass table, the ``[k]`` levels and place values splitting v arithmetically."""
         return _compact_tables(self, str(device))
 
     def _decode_compact(self, records: torch.Tensor, tables: tuple[torch.Tensor, ...], logprobs: torch.Tensor,
                         indices: torch.Tensor) -> None:
         """One chunk of compact records (fields dropped) into ``logprobs`` / ``indices`` (contiguous)."""
-        offsets, neg_gaps, weights, mass_parts = tables
+        offsets, neg_gaps, weights, mass_parts, levels, places = tables
         entries = records.reshape(records.shape[0], self.k, self.entry_bytes)
         word_dtype = torch.int32 if self.entry_bytes <= 3 else torch.int64
         words = torch.nn.functional.pad(entries, (0, word_dtype.itemsize - self.entry_bytes)).view(word_dtype)[..., 0]
@@ -298,10 +306,15 @@ class Codec:
             torch.sub(words, digits, alpha=self.vocab_size, out=indices)
         else:
             indices.copy_(words - digits * self.vocab_size)
+        if mass_parts is None:  # wide words: v = c + L · x split arithmetically
+            carried = torch.div(digits, levels, rounding_mode="trunc")
+            digits -= carried * levels
+            mass = (carried * places).sum(dim=1).float()
         flat = digits.add_(offsets).view(-1)
         relative = neg_gaps.index_select(0, flat).view(digits.shape)  # -inf where missing
         covered = weights.index_select(0, flat).view(digits.shape).sum(dim=1)
-        mass = mass_parts.index_select(0, flat).view(digits.shape).sum(dim=1)
+        if mass_parts is not None:
+            mass = mass_parts.index_select(0, flat).view(digits.shape).sum(dim=1)
         # top: the decoded entries' logsumexp is the stored covered mass's log
         log_mass = torch.nn.functional.logsigmoid(mass.mul_(self.mass_step).sub_(MASS_RANGE))
         top = log_mass.sub_(covered.clamp_min_(torch.finfo(torch.float32).tiny).log_()).unsqueeze(1)
@@ -346,15 +359,18 @@ class Codec:
 
 
 @functools.lru_cache(maxsize=32)
-def _compact_tables(codec: Codec, device: str) -> tuple[torch.Tensor, ...]:
+def _compact_tables(codec: Codec, device: str) -> tuple:
     """`Codec._decode_tables` of ``codec`` on ``device`` (made once a codec and device)."""
-    digits = torch.arange(codec.digits, dtype=torch.int64, device=device)
-    levels = codec._levels_tensor(device).unsqueeze(1)
-    codes, carried = digits % levels, torch.div(digits, levels, rounding_mode="floor")  # [k, D] each
+    levels, places = codec._levels_tensor(device), codec._mass_weights(device)
+    by_value = codec.k * codec.digits <= _TABLE_ENTRIES
+    width = codec.digits if by_value else max(codec.entry_levels)
+    values = torch.arange(width, dtype=torch.int64, device=device).expand(codec.k, -1)
+    codes = values % levels.unsqueeze(1) if by_value else values  # [k, width]
     gaps = codec.gap_table(device).double().gather(1, codes)
-    parts = (carried * codec._mass_weights(device).unsqueeze(1)).float()
-    offsets = torch.arange(codec.k, dtype=torch.int32, device=device) * codec.digits
-    return offsets, gaps.neg().float().view(-1), torch.exp(-gaps).float().view(-1), parts.view(-1)
+    parts = (torch.div(values, levels.unsqueeze(1), rounding_mode="floor") * places.unsqueeze(1)).float().view(-1)
+    offsets = torch.arange(codec.k, dtype=torch.int32, device=device) * width
+    return (offsets, gaps.neg().float().view(-1), torch.exp(-gaps).float().view(-1), parts if by_value else None,
+            levels, places)
 
 
 def _typed(records: torch.Tensor, start: int, width: int, dtype: torch.dtype) -> torch.Tensor:

@@ -222,6 +222,31 @@ def test_encodings_keep_the_forward_kl_close_to_the_float32_top_k(support):
             assert (loss - exact).abs().max() / exact.mean() < row_bound, (encoding, k)
 
 
+def test_compact_samples_keep_the_sampled_forward_kl_close_to_float32():
+    """12 samples a row of the same LLM-like rows, the unbiased sampled forward KL: the compact
+    encoding a samples cache uses (any order, the flatter compander) against the float32
+    samples, relative to the batch's mean loss, for the batch mean and for the worst row."""
+    generator = torch.Generator().manual_seed(3)
+    teacher_logits = torch.randn(16, V, generator=generator, dtype=torch.float64) * 5.1
+    student_logits = 0.9 * teacher_logits + torch.randn(16, V, generator=generator, dtype=torch.float64)
+    samples = kd.teacher_sample_from_logits(teacher_logits, 12, seed=1, temperature=1.0, backend="torch")
+    codec = header(kind="samples", encoding="compact", k=12, fields=("log_threshold",)).codec
+    assert not codec.descending and codec.bytes_per_position == 4 + 3 * 12
+
+    def loss(logprobs):
+        teacher = kd.TeacherSamples(logprobs, samples.indices, samples.log_threshold.float(), None, 1.0)
+        return kd.topk_divergence_from_logits(student_logits, teacher, support="sampled", reduction="none",
+                                              backend="torch", check_values=False)
+
+    exact = loss(samples.logprobs.float())
+    decoded, ids, _ = codec.decode(codec.encode(samples.logprobs.float(), samples.indices,
+                                                {"log_threshold": samples.log_threshold.float()}))
+    assert torch.equal(ids, samples.indices)
+    got = loss(decoded)
+    assert abs(got.mean() - exact.mean()) / exact.mean() < 4e-3
+    assert (got - exact).abs().max() / exact.mean() < 8e-2
+
+
 # ---- shards -------------------------------------------------------------------------------
 
 def test_write_then_read_gives_the_entries_back(tmp_path):
