@@ -261,7 +261,8 @@ OPTIONS: tuple[Option, ...] = tuple([
             "teacher model; refused unless made for this tokenizer, data, temperature, k / cache_samples)",
             dict(nullable=True)),
            ("cache_encoding", str, "lossless", "the cache's entries: lossless (bf16 log-probs, 4.25 B an entry at "
-            "V = 152k) or compact (about 3 B an entry, log-probs quantized from the row's maximum)",
+            "V = 152k) or compact (3 B an entry all told from k = 8 on at V = 152k, log-probs quantized from the "
+            "row's maximum)",
             dict(choices=("lossless", "compact"))),
            ("cache_samples", int, 0, "0: the cache holds the top-k (k a position); n > 0: n teacher samples a "
             "position (train them with support=sampled)", dict(minimum=0)),

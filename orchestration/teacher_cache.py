@@ -35,9 +35,9 @@ import torch
 
 import kd_kernels as kd
 
-from .cache_codec import ENCODINGS, Codec
+from .cache_codec import COMPACT_SCALE, ENCODINGS, SAMPLES_COMPACT_SCALE, Codec
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 KINDS = {"topk": ("lse",), "samples": ("log_threshold", "lse")}  # kind -> the per-position fields it may store
 _HEADER = "header.json"
 _MANIFEST = "manifest.json"
@@ -106,7 +106,11 @@ class CacheHeader:
 
     @property
     def codec(self) -> Codec:
-        return Codec(self.encoding, self.vocab_size, self.k, self.fields)
+        if self.encoding == "lossless":
+            return Codec(self.encoding, self.vocab_size, self.k, self.fields)
+        topk = self.kind == "topk"
+        return Codec(self.encoding, self.vocab_size, self.k, self.fields, descending=topk,
+                     scale=COMPACT_SCALE if topk else SAMPLES_COMPACT_SCALE)
 
     def to_json(self) -> dict:
         return dict(asdict(self), fields=list(self.fields), codec=self.codec.describe())
