@@ -154,7 +154,8 @@ def test_k_is_checked_against_a_saved_tokenizers_vocab(tmp_path):
 # ---- the student's loss ----------------------------------------------------------------------
 
 def test_divergence_and_beta_from_set_reach_the_students_loss(tmp_path):
-    from orchestration.models import final_hidden_states, lm_head_inputs
+    from orchestration.hf_models import final_hidden_states
+    from orchestration.models import lm_head_inputs
     from orchestration.student import StudentWorker
 
     vocab = 50
@@ -171,7 +172,7 @@ def test_divergence_and_beta_from_set_reach_the_students_loss(tmp_path):
         return worker, worker.loss(tokens, labels, teacher, num_tokens=13)[0]
 
     worker, jsd_03 = loss_of(["divergence=jsd", "beta=0.3"])
-    hidden = final_hidden_states(worker.model, tokens)
+    hidden = final_hidden_states(worker.model, tokens).reshape(16, -1)
     expected = kd.topk_divergence(*lm_head_inputs(worker.model, hidden), teacher, labels, divergence="jsd",
                                   beta=0.3, temperature=2.0, ce_weight=0.25, num_tokens=13, vocab_size=vocab)
     assert torch.equal(jsd_03, expected)
