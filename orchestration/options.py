@@ -225,7 +225,8 @@ OPTIONS: tuple[Option, ...] = tuple([
             dict(choices=("auto", "object_store", "cuda_ipc", "nccl"))),
            ("teacher_offload", bool, False, "keep the teacher's weights on the CPU between its scoring calls "
             "(colocated runs short of GPU memory)"),
-           ("overlap", bool, True, "score step i + 1 on the teacher while the student trains step i")),
+           ("overlap", bool, True, "score step i + 1 on the teacher while the student trains step i (off-policy; "
+            "on-policy generation overlaps training only as max_staleness allows)")),
     # on-policy distillation (GKD): rollout workers, weight sync, the lmbda schedule (orchestration/onpolicy.py)
     *_rows("on-policy",
            ("mode", str, "off_policy", "off_policy: dataset rows only; on_policy: the student's own samples scored by "
