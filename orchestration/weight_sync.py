@@ -249,13 +249,18 @@ class UpdateMetrics:
 class WeightSender:
     """Trainer rank 0's side. ``source``: a module (its ``named_parameters()``) or a callable
     returning ``(name, tensor)`` pairs (full tensors: gather sharded ones inside it), the same
-    names, shapes and order on every call. ``dtype``: floating tensors are sent in it (e.g.
+    names, shapes and order on every call; a module's Parameter objects are taken once, at
+    construction (their data, moved or not, at each update). ``dtype``: floating tensors are sent in it (e.g.
     ``torch.bfloat16`` for a bf16 rollout of an fp32-master trainer); None sends each tensor's
     own dtype. The bucket plan (`buckets`) is fixed at construction."""
 
     def __init__(self, source: Union[torch.nn.Module, NamedTensors], *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                  dtype: Optional[torch.dtype] = None):
-        self._named_tensors: NamedTensors = source.named_parameters if isinstance(source, torch.nn.Module) else source
+        if isinstance(source, torch.nn.Module):  # its Parameter objects, once: their data is read at each update
+            parameters = list(source.named_parameters())
+            self._named_tensors: NamedTensors = lambda: parameters
+        else:
+            self._named_tensors = source
         self._dtype = dtype
         self.buckets = plan_buckets(((name, self._sent_dtype(tensor), tensor.shape)
                                      for name, tensor in self._named_tensors()), bucket_bytes)
@@ -447,6 +452,7 @@ class WeightReceiver:
         self._parameters = dict(model.named_parameters())
         self._flat = flat_region(list(self._parameters.values()))  # set when the model is flattened
         self._mapped_flat: Optional[torch.Tensor] = None  # the region of ``_mapped``, if one
+        self._flat_bucket: Optional[Bucket] = None  # the last whole flat update, its checks passed
         self._condition = threading.Condition(threading.Lock())
         self._paused = False
         self._pending: Optional[_PendingUpdate] = None
@@ -541,13 +547,15 @@ class WeightReceiver:
                     raise ValueError(f"payload: expected {len(bucket.names)} tensor handles, got {len(payload)}")
                 self._mapped = [rebuild(*arguments) for rebuild, arguments in payload]
                 self._mapped_flat = flat_region(self._mapped)
+                self._flat_bucket = None  # new tensors: checked again
                 return self._mapped
             rebuild, arguments = payload
             return rebuild(*arguments)
 
-        return self._receive(names, dtypes, shapes, weight_version, fetch)
+        return self._receive(names, dtypes, shapes, weight_version, fetch, isinstance(payload, MappedTensors))
 
-    def _receive(self, names, dtypes, shapes, weight_version: int, fetch: Callable[[Bucket], torch.Tensor]) -> dict:
+    def _receive(self, names, dtypes, shapes, weight_version: int, fetch: Callable[[Bucket], torch.Tensor],
+                 mapped_again: bool = False) -> dict:
         bucket = Bucket(tuple(names), tuple(as_dtype(d) for d in dtypes), tuple(tuple(int(s) for s in shape)
                                                                                 for shape in shapes))
         with self._condition:
@@ -555,6 +563,11 @@ class WeightReceiver:
                 raise RuntimeError("update: call pause_generation before updating weights (a generation could "
                                    "otherwise see a half-updated model)")
             pending = self._start(weight_version)
+            if mapped_again and not pending.received and bucket == self._flat_bucket:
+                # the tensors mapped and checked at the last list payload, the whole model, flat
+                start = time.perf_counter()
+                fetch(bucket)
+                return self._copy_flat(pending, bucket, start)
             for name, shape in zip(bucket.names, bucket.shapes):
                 parameter = self._parameters.get(name)
                 if parameter is None:
@@ -571,10 +584,11 @@ class WeightReceiver:
                     if view.dtype != dtype or tuple(view.shape) != shape:
                         raise ValueError(f"payload: {name!r} is {view.dtype} {tuple(view.shape)}, the update says "
                                          f"{dtype} {shape}")
-                targets = [self._parameters[name].data for name in bucket.names]
                 if self._whole_flat_update(bucket, fetched):
-                    self._flat.copy_(self._mapped_flat)  # both sides flattened: one copy (cast) of everything
-                elif all(target.dtype == view.dtype for target, view in zip(targets, views)):
+                    self._flat_bucket = bucket  # its next updates skip the checks above (the same mapping)
+                    return self._copy_flat(pending, bucket, start)
+                targets = [self._parameters[name].data for name in bucket.names]
+                if all(target.dtype == view.dtype for target, view in zip(targets, views)):
                     torch._foreach_copy_(targets, list(views))  # one multi-tensor launch, not one per tensor
                 else:
                     for target, view in zip(targets, views):
@@ -589,6 +603,21 @@ class WeightReceiver:
             pending.buckets += 1
             pending.seconds += seconds
             return dict(bytes=moved, seconds=seconds, weight_version=weight_version)
+
+    def _copy_flat(self, pending: _PendingUpdate, bucket: Bucket, start: float) -> dict:
+        """The whole update as one copy (cast included) of the mapped flat region into this
+        model's flat buffer; ``pending`` then holds every parameter."""
+        with torch.no_grad():
+            self._flat.copy_(self._mapped_flat)
+        if self._flat.is_cuda:
+            torch.cuda.current_stream(self._flat.device).synchronize()  # the sender may free or reuse it now
+        seconds = time.perf_counter() - start
+        moved = sum(view.numel() * view.element_size() for view in self._mapped)
+        pending.received.update(bucket.names)
+        pending.bytes += moved
+        pending.buckets += 1
+        pending.seconds += seconds
+        return dict(bytes=moved, seconds=seconds, weight_version=pending.weight_version)
 
     def _whole_flat_update(self, bucket: Bucket, fetched) -> bool:
         """Whether ``fetched`` is the mapped list payload of every parameter, in this model's order,
