@@ -86,6 +86,7 @@ CE_ONLY = "CE only"
 TEACHER = "teacher (for scale)"
 # the students train 50 steps, a fifth of the teacher's 250 pretraining steps (docs/DESIGN.md, quality)
 QUALITY_DEFAULTS = ["steps=50"]
+HELD_OUT_EVERY = 20  # every 20th packed row is held out (the driver's split holds out the corpus's last 5 %)
 FULL_KD = "full KD"
 EVAL_ROWS = 8  # held-out rows a forward
 
@@ -191,7 +192,7 @@ def compare(config, samples: int = 12, seeds: int = 1, progress: bool = False) -
     mean (CE only − full KD) of the held-out CE and kl_reduction_share the same of the KL (nan
     where full KD's mean gain is not positive), ce_gain_share_per_byte and ms a step."""
     report = Progress(progress)
-    data = prepare_data(config, report)
+    data = interleaved_split(prepare_data(config, report))
     teacher = TeacherWorker(config, data.vocab)
     teacher.set_rows(data.train_tokens, data.train_labels)
     if not config.teacher_path and config.teacher_pretrain_steps:
@@ -228,6 +229,21 @@ def compare(config, samples: int = 12, seeds: int = 1, progress: bool = False) -
                         kl_to_teacher_sd=None, ms=None, bytes_per_token=None, ce_gain_share=None,
                         kl_reduction_share=None, ce_gain_share_per_byte=None))
     return results
+
+
+def interleaved_split(data, every: int = HELD_OUT_EVERY):
+    """``data`` with every ``every``-th of all its rows (training then held-out, in corpus order)
+    held out and the rest training rows: held-out rows from every document of the corpus rather
+    than from its last ones only."""
+    held = torch.zeros(data.train_tokens.shape[0] + data.held_tokens.shape[0], dtype=torch.bool)
+    held[every - 1::every] = True
+    parts = {}
+    for field in ("tokens", "labels", "positions", "documents"):
+        train, held_out = getattr(data, f"train_{field}"), getattr(data, f"held_{field}")
+        if train is not None:
+            rows = torch.cat([train, held_out])
+            parts.update({f"train_{field}": rows[~held], f"held_{field}": rows[held]})
+    return dataclasses.replace(data, **parts)
 
 
 def _sd(values) -> float | None:
