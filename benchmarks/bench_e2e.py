@@ -17,13 +17,14 @@ loss options apply to every run: on-policy distillation usually runs reverse_kl 
 (``--set divergence=reverse_kl``).
 
 usage: python benchmarks/bench_e2e.py [--set key=value ...]   (the driver's options)
-       python benchmarks/bench_e2e.py --quality [--samples 12] [--set ...]   (teacher signals compared)
+       python benchmarks/bench_e2e.py --quality [--samples 12] [--seeds 3] [--set ...]   (teacher signals compared)
        python benchmarks/bench_e2e.py --cache-read   (teacher cache read tokens/s against the student loss's)
        python benchmarks/bench_e2e.py --onpolicy [--set key=value ...]
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -67,17 +68,25 @@ def measure(name, overrides, output_dir) -> dict:
 
 # ---- --quality and --cache-read ---------------------------------------------------------
 # Which teacher signal recovers the most of full-vocab KD's gain per byte: one teacher (built and
-# pretrained as the driver's), one student trained from the same initialization on the same steps
-# and rows for each signal, in one process (no Ray), scored on the held-out rows.
-# 
+# pretrained as the driver's, on the training rows only), then for each student seed one student a
+# signal, all from that seed's initialization on that seed's rows at the same steps, in one process
+# (no Ray), scored on the held-out rows. The driver's loss weights and temperature apply to every
+# KD signal (its defaults: kd_weight 1, ce_weight 0.5, temperature 1, forward KL).
+#
 # Signals: CE only (the floor: kd_weight 0, ce_weight 1), full-vocab KD (the reference: the top-k
 # with k = V under support "tail", whose bins are the whole vocab), top-k (k = 8, 64)
 # renormalized and with the tail bin, and sampled (n Gumbel-top-n samples a token, fresh each
-# step, support "sampled"). Each row reports held-out CE, the held-out full-vocab KL(teacher ‖
-# student) at temperature 1, the bytes a token of its signal in the cache's lossless encoding, the
-# fraction of full KD's CE gain over CE only it recovers and that fraction per byte.
+# step, support "sampled"); no hybrid (top-k head + sampled tail) exists to compare. Each row
+# reports the mean and spread over seeds of the held-out CE and of the held-out full-vocab
+# KL(teacher ‖ student) at temperature 1, the bytes a token of its signal in the cache's lossless
+# encoding, the shares of full KD's CE gain and KL reduction over CE only it recovers, and the
+# CE share per byte; a last row gives the teacher's own held-out CE.
 
 CE_ONLY = "CE only"
+TEACHER = "teacher (for scale)"
+# the students train 50 steps, a fifth of the teacher's 250 pretraining steps (docs/DESIGN.md, quality)
+QUALITY_DEFAULTS = ["steps=50"]
+HELD_OUT_EVERY = 20  # every 20th packed row is held out (the driver's split holds out the corpus's last 5 %)
 FULL_KD = "full KD"
 EVAL_ROWS = 8  # held-out rows a forward
 
@@ -99,20 +108,34 @@ def bytes_per_token(name: str, entries: str, k: int, vocab: int) -> float:
 
 
 @torch.no_grad()
-def _teacher_entries(teacher, tokens, entries: str, k: int, vocab: int, temperature: float, seed: int):
-    with autocast(teacher.device):
-        hidden = final_hidden_states(teacher.model, tokens)
-    inputs = lm_head_inputs(teacher.model, hidden)
+def teacher_hidden_states(config, data, teacher) -> list[torch.Tensor]:
+    """The teacher's lm_head inputs ``[rows · T, H]`` of each of ``config.steps`` steps' rows
+    (`StepSampler` of ``config.seed``), computed once and read by every signal's student."""
+    sampler = StepSampler(config.seed, data.train_tokens.shape[0], config.micro_batches, config.rows_per_micro_batch)
+    teacher.model.eval()
+    states = []
+    for step in range(config.steps):
+        tokens = data.train_tokens[torch.cat(sampler.picks(step))].to(teacher.device)
+        with autocast(teacher.device):
+            hidden = final_hidden_states(teacher.model, tokens)
+        states.append(lm_head_inputs(teacher.model, hidden)[0])
+    return states
+
+
+@torch.no_grad()
+def _teacher_entries(hidden, weight, entries: str, k: int, vocab: int, temperature: float, seed: int):
     if entries == "samples":
-        return kd.teacher_sample(*inputs, k, seed=seed, temperature=temperature, vocab_size=vocab)
-    return kd.teacher_topk(*inputs, k=k, temperature=temperature, vocab_size=vocab)
+        return kd.teacher_sample(hidden, weight, k, seed=seed, temperature=temperature, vocab_size=vocab)
+    return kd.teacher_topk(hidden, weight, k=k, temperature=temperature, vocab_size=vocab)
 
 
-def train_student(config, data, teacher, entries: str, k: int, support: str, kd_weight: float, ce_weight: float):
+def train_student(config, data, teacher, teacher_hidden: list[torch.Tensor], entries: str, k: int, support: str,
+                  kd_weight: float, ce_weight: float):
     """The student after ``config.steps`` AdamW steps (the driver's schedule, clip and rows) on
-    ``kd_weight · KD + ce_weight · CE`` with the teacher signal (entries, k, support); its
-    median ms a step."""
+    ``kd_weight · KD + ce_weight · CE`` with the teacher signal (entries, k, support) drawn from
+    ``teacher_hidden`` (`teacher_hidden_states` of this config); its median ms a step."""
     device, vocab = teacher.device, data.vocab
+    teacher_weight = lm_head_inputs(teacher.model, teacher_hidden[0])[1].detach()
     student = build_model(None, config.student_hidden, config.student_layers, config, vocab, config.seed + 1).to(device)
     optimizer = torch.optim.AdamW(student.parameters(), lr=config.lr, fused=device.type == "cuda")
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(config.warmup_steps, config.steps))
@@ -122,7 +145,7 @@ def train_student(config, data, teacher, entries: str, k: int, support: str, kd_
         started = time.perf_counter()
         pick = torch.cat(sampler.picks(step))
         tokens, labels = data.train_tokens[pick].to(device), data.train_labels[pick].to(device).reshape(-1)
-        teacher_signal = _teacher_entries(teacher, tokens, entries, k, vocab, config.temperature,
+        teacher_signal = _teacher_entries(teacher_hidden[step], teacher_weight, entries, k, vocab, config.temperature,
                                           seed=config.seed * 1_000_003 + step)
         student.train()
         with autocast(device):
@@ -161,31 +184,70 @@ def held_out_scores(student, teacher_model, data, device) -> tuple[float, float]
     return ce / max(count, 1), kl / max(count, 1)
 
 
-def compare(config, samples: int = 12, progress: bool = False) -> list[dict]:
-    """One dict a signal: name, held_out_ce, kl_to_teacher, bytes_per_token, gain_recovered
-    (the fraction of full KD's held-out CE gain over CE only), recovered_per_byte, ms a step."""
+def compare(config, samples: int = 12, seeds: int = 1, progress: bool = False) -> list[dict]:
+    """One dict a signal, then one for the teacher: name, the mean over ``seeds`` students (the
+    student seeds ``config.seed + s``: its initialization, data order and teacher-sample noise;
+    one teacher for all) of held_out_ce and kl_to_teacher with their sample standard deviations
+    (``*_sd``, None for one seed), bytes_per_token, ce_gain_share = mean (CE only − signal) /
+    mean (CE only − full KD) of the held-out CE and kl_reduction_share the same of the KL (nan
+    where full KD's mean gain is not positive), ce_gain_share_per_byte and ms a step."""
     report = Progress(progress)
-    data = prepare_data(config, report)
+    data = interleaved_split(prepare_data(config, report))
     teacher = TeacherWorker(config, data.vocab)
     teacher.set_rows(data.train_tokens, data.train_labels)
     if not config.teacher_path and config.teacher_pretrain_steps:
-        teacher.pretrain(config.teacher_pretrain_steps)
+        with report.phase(f"teacher pretraining ({config.teacher_pretrain_steps} CE steps)"):
+            teacher.pretrain(config.teacher_pretrain_steps)
     teacher.finish_pretraining()
     teacher.model.to(pick_device(config))
+    teacher_ce, _ = held_out_scores(teacher.model, teacher.model, data, teacher.device)
+    scores = {}  # name -> [(held-out CE, KL, ms) a seed]
+    for offset in range(seeds):
+        student_config = dataclasses.replace(config, seed=config.seed + offset)
+        teacher_hidden = teacher_hidden_states(student_config, data, teacher)
+        for name, entries, k, support in signals(samples):
+            with report.phase(f"student seed {student_config.seed}: {name}"):
+                k = k or data.vocab
+                kd_weight, ce_weight = (0.0, 1.0) if name == CE_ONLY else (config.kd_weight, config.ce_weight)
+                student, ms = train_student(student_config, data, teacher, teacher_hidden, entries, k, support,
+                                             kd_weight, ce_weight)
+                scores.setdefault(name, []).append((*held_out_scores(student, teacher.model, data, teacher.device),
+                                                     ms))
     results = []
-    for name, entries, k, support in signals(samples):
-        k = k or data.vocab
-        kd_weight, ce_weight = (0.0, 1.0) if name == CE_ONLY else (config.kd_weight, config.ce_weight)
-        student, ms = train_student(config, data, teacher, entries, k, support, kd_weight, ce_weight)
-        ce, kl = held_out_scores(student, teacher.model, data, teacher.device)
-        results.append(dict(name=name, held_out_ce=ce, kl_to_teacher=kl, ms=ms,
-                            bytes_per_token=bytes_per_token(name, entries, k, data.vocab)))
-    floor = results[0]["held_out_ce"]
-    gain = floor - next(r["held_out_ce"] for r in results if r["name"] == FULL_KD)
+    for name, entries, k, _ in signals(samples):
+        ce, kl, ms = zip(*scores[name])
+        results.append(dict(name=name, held_out_ce=statistics.fmean(ce), held_out_ce_sd=_sd(ce),
+                            kl_to_teacher=statistics.fmean(kl), kl_to_teacher_sd=_sd(kl), ms=statistics.median(ms),
+                            bytes_per_token=bytes_per_token(name, entries, k or data.vocab, data.vocab)))
+    floor, full = results[0], next(r for r in results if r["name"] == FULL_KD)
     for row in results:
-        row["gain_recovered"] = (floor - row["held_out_ce"]) / gain if gain > 0 else float("nan")
-        row["recovered_per_byte"] = row["gain_recovered"] / row["bytes_per_token"] if row["bytes_per_token"] else None
+        for share, field in (("ce_gain_share", "held_out_ce"), ("kl_reduction_share", "kl_to_teacher")):
+            gain = floor[field] - full[field]
+            row[share] = (floor[field] - row[field]) / gain if gain > 0 else float("nan")
+        row["ce_gain_share_per_byte"] = row["ce_gain_share"] / row["bytes_per_token"] if row["bytes_per_token"] else None
+    results.append(dict(name=TEACHER, held_out_ce=teacher_ce, held_out_ce_sd=None, kl_to_teacher=0.0,
+                        kl_to_teacher_sd=None, ms=None, bytes_per_token=None, ce_gain_share=None,
+                        kl_reduction_share=None, ce_gain_share_per_byte=None))
     return results
+
+
+def interleaved_split(data, every: int = HELD_OUT_EVERY):
+    """``data`` with every ``every``-th of all its rows (training then held-out, in corpus order)
+    held out and the rest training rows: held-out rows from every document of the corpus rather
+    than from its last ones only."""
+    held = torch.zeros(data.train_tokens.shape[0] + data.held_tokens.shape[0], dtype=torch.bool)
+    held[every - 1::every] = True
+    parts = {}
+    for field in ("tokens", "labels", "positions", "documents"):
+        train, held_out = getattr(data, f"train_{field}"), getattr(data, f"held_{field}")
+        if train is not None:
+            rows = torch.cat([train, held_out])
+            parts.update({f"train_{field}": rows[~held], f"held_{field}": rows[held]})
+    return dataclasses.replace(data, **parts)
+
+
+def _sd(values) -> float | None:
+    return statistics.stdev(values) if len(values) > 1 else None
 
 
 def cache_read_rate(directory: str, encoding: str, kind: str, entries: int, vocab: int = 151_936, rows: int = 256,
@@ -248,18 +310,22 @@ def publish(args, env: dict, rows: list[dict], columns: dict) -> None:
 
 
 def quality(args) -> None:
-    """The --quality part: the teacher signals at equal steps and data (`compare`)."""
-    base = load_config(None, args.set)
+    """The --quality part: the teacher signals at equal steps and data (`compare`), under
+    `QUALITY_DEFAULTS` unless ``--set`` says otherwise."""
+    base = load_config(None, QUALITY_DEFAULTS + args.set)
     env = environment(args.commit)
-    shape = dict(name="signal quality", device=base.device, steps=base.steps, seed=base.seed,
+    shape = dict(name="signal quality", device=base.device, steps=base.steps, seed=base.seed, seeds=args.seeds,
                  tokens_per_step=base.row_tokens * base.rows_per_micro_batch * base.micro_batches,
-                 vocab=base.tokenizer_vocab, samples=args.samples)
-    measured = compare(base, args.samples, progress=True)
+                 vocab=base.tokenizer_vocab, samples=args.samples, temperature=base.temperature,
+                 kd_weight=base.kd_weight, ce_weight=base.ce_weight, lr=base.lr,
+                 teacher_pretrain_steps=base.teacher_pretrain_steps)
+    measured = compare(base, args.samples, args.seeds, progress=True)
     rows = [result_row(env, "bench_e2e_quality", shape, m.pop("name"), "equal steps", m.pop("ms"), CE_ONLY,
-                       m["gain_recovered"], None, **m) for m in measured]
-    publish(args, env, rows, {"signal": "provider", "held-out CE": "held_out_ce", "KL to teacher": "kl_to_teacher",
-                       "B/token": "bytes_per_token", "gain recovered": "gain_recovered",
-                       "per byte": "recovered_per_byte", "ms/step": "ms"})
+                       m["ce_gain_share"], None, **m) for m in measured]
+    publish(args, env, rows, {"signal": "provider", "B/token": "bytes_per_token", "held-out CE": "held_out_ce",
+                              "± sd": "held_out_ce_sd", "KL to teacher": "kl_to_teacher", "± sd ": "kl_to_teacher_sd",
+                              "share of CE gain": "ce_gain_share", "share of KL reduction": "kl_reduction_share",
+                              "CE share per byte": "ce_gain_share_per_byte", "ms/step": "ms"})
 
 
 def cache_read(args) -> None:
@@ -318,6 +384,7 @@ def main():
                                 help="compare the teacher signals at equal steps and data instead")
     signal_quality.add_argument("--samples", type=int, default=12, help="teacher samples a token of the sampled "
                                 "signal")
+    signal_quality.add_argument("--seeds", type=int, default=3, help="student seeds a signal (mean and spread)")
     cache = parser.add_argument_group("teacher cache read rate (--cache-read)")
     cache.add_argument("--cache-read", action="store_true", help="time reading a synthetic teacher cache instead")
     args = parser.parse_args()
