@@ -43,7 +43,8 @@ from orchestration.cache_codec import Codec  # noqa: E402
 from orchestration.config import load_config  # noqa: E402
 from orchestration.data import IGNORE_INDEX, prepare_data  # noqa: E402
 from orchestration.driver import run  # noqa: E402
-from orchestration.models import autocast, build_model, final_hidden_states, lm_head_inputs, pick_device  # noqa: E402
+from orchestration.hf_models import final_hidden_states  # noqa: E402
+from orchestration.models import autocast, build_model, lm_head_inputs, pick_device  # noqa: E402
 from orchestration.progress import Progress  # noqa: E402
 from orchestration.sampler import StepSampler  # noqa: E402
 from orchestration.student import lr_factor  # noqa: E402
@@ -117,7 +118,7 @@ def teacher_hidden_states(config, data, teacher) -> list[torch.Tensor]:
     for step in range(config.steps):
         tokens = data.train_tokens[torch.cat(sampler.picks(step))].to(teacher.device)
         with autocast(teacher.device):
-            hidden = final_hidden_states(teacher.model, tokens)
+            hidden = final_hidden_states(teacher.model, tokens).flatten(0, 1)
         states.append(lm_head_inputs(teacher.model, hidden)[0])
     return states
 
@@ -149,7 +150,7 @@ def train_student(config, data, teacher, teacher_hidden: list[torch.Tensor], ent
                                           seed=config.seed * 1_000_003 + step)
         student.train()
         with autocast(device):
-            hidden = final_hidden_states(student, tokens)
+            hidden = final_hidden_states(student, tokens).flatten(0, 1)
         loss = kd.topk_divergence(*lm_head_inputs(student, hidden), teacher_signal, labels, support=support,
                                   divergence="forward_kl", temperature=config.temperature, kd_weight=kd_weight,
                                   ce_weight=ce_weight, vocab_size=vocab)

@@ -34,12 +34,6 @@ def build_model(path: Optional[str], hidden: int, layers: int, config, vocab: in
     return LlamaForCausalLM(model_config)
 
 
-def final_hidden_states(model, tokens: torch.Tensor) -> torch.Tensor:
-    """``[B·T, H]`` last hidden states (rows in (batch, position) order), no logits."""
-    hidden = model.model(input_ids=tokens).last_hidden_state
-    return hidden.reshape(-1, hidden.shape[-1])
-
-
 def lm_head_inputs(model, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(hidden, lm_head weight) in the dtype the lm_head matmul runs in: bfloat16 on GPUs, as
     autocast would run the model's own Linear (the final norm hands over float32, and a float32
@@ -64,7 +58,7 @@ def held_out_sums(model, chunk: tuple, vocab: int, device: torch.device, impleme
     packed rows with their position ids and block-diagonal mask for ``implementation``
     (`workers.layout_of`), so a token never attends across a document; plain causal rows
     without document ids."""
-    from .hf_models import final_hidden_states as hidden_states_of, output_embedding
+    from .hf_models import final_hidden_states, output_embedding
     from .workers import layout_of
 
     rows, labels, positions, documents = chunk
@@ -77,7 +71,7 @@ def held_out_sums(model, chunk: tuple, vocab: int, device: torch.device, impleme
                                        None if documents is None else documents[part], device, implementation)
         tokens, targets = rows[part].to(device), labels[part].to(device).reshape(-1)
         with autocast(device):
-            hidden = hidden_states_of(model, tokens, position_ids=position_ids, attention_mask=mask)
+            hidden = final_hidden_states(model, tokens, position_ids=position_ids, attention_mask=mask)
         hidden = hidden.reshape(-1, hidden.shape[-1])
         # float32 logits of HELD_OUT_LOGIT_ROWS positions at a time: never [8·T, V] at once
         for first in range(0, hidden.shape[0], HELD_OUT_LOGIT_ROWS):
