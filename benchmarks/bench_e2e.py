@@ -12,7 +12,9 @@ With ``--onpolicy``, instead: on-policy distillation at equal steps (protocol "e
 on-policy"): off-policy (mode=gkd with lmbda 0, which trains exactly as mode=off_policy, with
 sft_alpha = ce_weight), GKD (lmbda 0.5), on-policy (lmbda 1) and CE alone (kd_weight 0,
 sft_alpha 1, lmbda 0), every run with a pretrained teacher; rows add ``teacher_reverse_kl``, the
-teacher's reverse KL of the student's samples of held-out prompts (nats a token). The driver's
+teacher's reverse KL of the student's samples of held-out prompts (nats a token; over the whole
+vocab, and ``teacher_reverse_kl_top_k`` over the k + 1 bins of the teacher's top-k and tail, what
+``support=tail`` trains: the gap is the divergence within the tail that the loss cannot see). The driver's
 loss options apply to every run: on-policy distillation usually runs reverse_kl or jsd
 (``--set divergence=reverse_kl``).
 
@@ -301,7 +303,9 @@ def onpolicy_rows(args, env: dict) -> list[dict]:
         summary = run(config, progress=False)
         measured[name] = dict(held_out_ce=summary["student_held_out_ce"],
                               teacher_held_out_ce=summary["teacher_held_out_ce"],
-                              teacher_reverse_kl=summary["teacher_reverse_kl"], mode=config.mode, lmbda=config.lmbda)
+                              teacher_reverse_kl=summary["teacher_reverse_kl"],
+                              teacher_reverse_kl_top_k=summary["teacher_reverse_kl_top_k"], mode=config.mode,
+                              lmbda=config.lmbda)
     floor = measured[FLOOR]["held_out_ce"]
     return [result_row(env, BENCHMARK, shape, name, "equal steps, on-policy", None, FLOOR, m["held_out_ce"] / floor,
                        None, **m) for name, m in measured.items()]
@@ -331,7 +335,8 @@ def main():
         env = environment(args.commit)
         publish(args, env, onpolicy_rows(args, env),
                 {"student": "provider", "held-out CE": "held_out_ce", "× CE alone": "ratio",
-                 "teacher reverse KL of samples": "teacher_reverse_kl", "teacher held-out CE": "teacher_held_out_ce"})
+                 "teacher reverse KL of samples": "teacher_reverse_kl", "its top-k bins": "teacher_reverse_kl_top_k",
+                 "teacher held-out CE": "teacher_held_out_ce"})
         return
     base = load_config(None, args.set)
     env = environment(args.commit)
