@@ -10,13 +10,13 @@ one H200); on CPU the small default (~3 minutes on 2 cores).
 
 With ``--onpolicy``, instead: on-policy distillation at equal steps (protocol "equal steps,
 on-policy"): off-policy (mode=gkd with lmbda 0, which trains exactly as mode=off_policy, with
-sft_alpha = ce_weight), GKD (lmbda 0.5), on-policy (lmbda 1) and CE alone (kd_weight 0,
-sft_alpha 1, lmbda 0), every run with a pretrained teacher; rows add ``teacher_reverse_kl``, the
-teacher's reverse KL of the student's samples of held-out prompts (nats a token; over the whole
-vocab, and ``teacher_reverse_kl_top_k`` over the k + 1 bins of the teacher's top-k and tail, what
-``support=tail`` trains: the gap is the divergence within the tail that the loss cannot see). The driver's
-loss options apply to every run: on-policy distillation usually runs reverse_kl or jsd
-(``--set divergence=reverse_kl``).
+sft_alpha = ce_weight), GKD (lmbda 0.5, its dataset steps likewise), on-policy (lmbda 1) and CE
+alone (kd_weight 0, sft_alpha 1, lmbda 0), every run with a pretrained teacher; rows add
+``teacher_reverse_kl``, the teacher's reverse KL of the student's samples of held-out prompts
+(nats a token; over the whole vocab, and ``teacher_reverse_kl_top_k`` over the k + 1 bins of the
+teacher's top-k and tail, what ``support=tail`` trains: the gap is the divergence within the tail
+that the loss cannot see). The driver's loss options apply to every run: on-policy distillation
+usually runs reverse_kl or jsd (``--set divergence=reverse_kl``).
 
 usage: python benchmarks/bench_e2e.py [--set key=value ...]   (the driver's options)
        python benchmarks/bench_e2e.py --quality [--samples 12] [--set ...]   (teacher signals compared)
@@ -290,7 +290,8 @@ def onpolicy_rows(args, env: dict) -> list[dict]:
     """The on-policy comparison (module docstring): four runs at equal steps."""
     base = load_config(None, args.set)
     off_policy = ["mode=gkd", "lmbda=0", f"sft_alpha={base.ce_weight}"]
-    runs = (("off-policy (lmbda 0)", off_policy), ("GKD (lmbda 0.5)", ["mode=gkd", "lmbda=0.5"]),
+    runs = (("off-policy (lmbda 0)", off_policy), ("GKD (lmbda 0.5)", ["mode=gkd", "lmbda=0.5",
+                                                                    f"sft_alpha={base.ce_weight}"]),
             ("on-policy (lmbda 1)", ["mode=on_policy"]),
             (FLOOR, ["mode=gkd", "lmbda=0", "kd_weight=0", "ce_weight=1", "sft_alpha=1"]))
     shape = dict(name="driver default, on-policy", device=base.device, steps=base.steps, seed=base.seed, k=base.k,
