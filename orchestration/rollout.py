@@ -116,6 +116,12 @@ class RolloutWorker:
         built = model if isinstance(model, torch.nn.Module) else model()
         self.model = built.to(device=self.device, dtype=dtype).eval()
         self.model.requires_grad_(False)
+        # generate() fills what its GenerationConfig leaves unset from the model's own: a checkpoint's
+        # (repetition_penalty, top_k, EOS ids, ...) would reshape the student's distribution, and the
+        # samples would no longer be on-policy. Only `SamplingParams` shape them.
+        from transformers import GenerationConfig
+
+        self.model.generation_config = GenerationConfig()
         self.pad_token_id = pad_token_id
         self._receiver = WeightReceiver(self.model)
 
