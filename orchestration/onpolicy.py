@@ -385,6 +385,5 @@ class OnPolicySession(_Session):
         summary = super().summary(last_step, return_parameters)
         reverse_kl, binned, tokens = self.teacher_reverse_kl(last_step + 1)
         summary.update(mode=self.config.mode, teacher_reverse_kl=reverse_kl, teacher_reverse_kl_top_k=binned,
-                       reverse_kl_tokens=tokens,
-                       weight_version=self.rollout_version, weight_sync=self.transport)
+                       reverse_kl_tokens=tokens, weight_version=self.rollout_version, weight_sync=self.transport)
         return summary
