@@ -107,7 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     if "teacher_reverse_kl" in summary:
         print(f"teacher's reverse KL of student samples (held-out prompts, nats/token): "
               f"{summary['teacher_reverse_kl']:.4f} over {summary['reverse_kl_tokens']} tokens "
-              f"({summary['mode']}, weight_version {summary['weight_version']})")
+              f"({summary['mode']}, weight_version {summary['weight_version']}); over the teacher's top-{config.k} "
+              f"and tail bins: {summary['teacher_reverse_kl_top_k']:.4f}")
     print(f"results in {config.output_dir}: metrics.jsonl, summary.json, checkpoints/, tokenizer/")
     return 0
 

@@ -10,11 +10,13 @@ one H200); on CPU the small default (~3 minutes on 2 cores).
 
 With ``--onpolicy``, instead: on-policy distillation at equal steps (protocol "equal steps,
 on-policy"): off-policy (mode=gkd with lmbda 0, which trains exactly as mode=off_policy, with
-sft_alpha = ce_weight), GKD (lmbda 0.5), on-policy (lmbda 1) and CE alone (kd_weight 0,
-sft_alpha 1, lmbda 0), every run with a pretrained teacher; rows add ``teacher_reverse_kl``, the
-teacher's reverse KL of the student's samples of held-out prompts (nats a token). The driver's
-loss options apply to every run: on-policy distillation usually runs reverse_kl or jsd
-(``--set divergence=reverse_kl``).
+sft_alpha = ce_weight), GKD (lmbda 0.5, its dataset steps likewise), on-policy (lmbda 1) and CE
+alone (kd_weight 0, sft_alpha 1, lmbda 0), every run with a pretrained teacher; rows add
+``teacher_reverse_kl``, the teacher's reverse KL of the student's samples of held-out prompts
+(nats a token; over the whole vocab, and ``teacher_reverse_kl_top_k`` over the k + 1 bins of the
+teacher's top-k and tail, what ``support=tail`` trains: the gap is the divergence within the tail
+that the loss cannot see). The driver's loss options apply to every run: on-policy distillation
+usually runs reverse_kl or jsd (``--set divergence=reverse_kl``).
 
 usage: python benchmarks/bench_e2e.py [--set key=value ...]   (the driver's options)
        python benchmarks/bench_e2e.py --quality [--samples 12] [--seeds 3] [--set ...]   (teacher signals compared)
@@ -355,7 +357,8 @@ def onpolicy_rows(args, env: dict) -> list[dict]:
     """The on-policy comparison (module docstring): four runs at equal steps."""
     base = load_config(None, args.set)
     off_policy = ["mode=gkd", "lmbda=0", f"sft_alpha={base.ce_weight}"]
-    runs = (("off-policy (lmbda 0)", off_policy), ("GKD (lmbda 0.5)", ["mode=gkd", "lmbda=0.5"]),
+    runs = (("off-policy (lmbda 0)", off_policy), ("GKD (lmbda 0.5)", ["mode=gkd", "lmbda=0.5",
+                                                                    f"sft_alpha={base.ce_weight}"]),
             ("on-policy (lmbda 1)", ["mode=on_policy"]),
             (FLOOR, ["mode=gkd", "lmbda=0", "kd_weight=0", "ce_weight=1", "sft_alpha=1"]))
     shape = dict(name="driver default, on-policy", device=base.device, steps=base.steps, seed=base.seed, k=base.k,
@@ -368,7 +371,9 @@ def onpolicy_rows(args, env: dict) -> list[dict]:
         summary = run(config, progress=False)
         measured[name] = dict(held_out_ce=summary["student_held_out_ce"],
                               teacher_held_out_ce=summary["teacher_held_out_ce"],
-                              teacher_reverse_kl=summary["teacher_reverse_kl"], mode=config.mode, lmbda=config.lmbda)
+                              teacher_reverse_kl=summary["teacher_reverse_kl"],
+                              teacher_reverse_kl_top_k=summary["teacher_reverse_kl_top_k"], mode=config.mode,
+                              lmbda=config.lmbda)
     floor = measured[FLOOR]["held_out_ce"]
     return [result_row(env, BENCHMARK, shape, name, "equal steps, on-policy", None, FLOOR, m["held_out_ce"] / floor,
                        None, **m) for name, m in measured.items()]
@@ -399,7 +404,8 @@ def main():
         env = environment(args.commit)
         publish(args, env, onpolicy_rows(args, env),
                 {"student": "provider", "held-out CE": "held_out_ce", "× CE alone": "ratio",
-                 "teacher reverse KL of samples": "teacher_reverse_kl", "teacher held-out CE": "teacher_held_out_ce"})
+                 "teacher reverse KL of samples": "teacher_reverse_kl", "its top-k bins": "teacher_reverse_kl_top_k",
+                 "teacher held-out CE": "teacher_held_out_ce"})
         return
     base = load_config(None, args.set)
     env = environment(args.commit)

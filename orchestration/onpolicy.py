@@ -29,6 +29,8 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
+import kd_kernels as kd
+
 from . import checkpoint
 from .chat_data import (ChatEncoder, PromptSource, align_response, parse_record, read_chat_records,
                         stdlib_function_records)
@@ -74,6 +76,17 @@ def load_records(prompts_path: Optional[str]) -> list:
     if prompts_path:
         return read_chat_records(prompts_path)
     return [parse_record(record, f"stdlib function {index}") for index, record in enumerate(stdlib_function_records())]
+
+
+def reverse_kl_sums(student: torch.Tensor, teacher: torch.Tensor, k: int) -> tuple[float, float]:
+    """Summed over the rows of ``[R, V]`` log-probabilities (temperature 1): KL(student ‖ teacher)
+    over the whole vocab, Σ q (log q − log p); and over the k + 1 bins of the teacher's top-k and
+    its tail (`kd.topk_divergence` with ``support="tail"``), in float64."""
+    student, teacher = student.double(), teacher.double()
+    whole = (student.exp() * (student - teacher)).sum()
+    binned = kd.topk_divergence_from_logits(student, kd.teacher_topk_from_logits(teacher, k=k), None,
+                                            divergence="reverse_kl", support="tail", reduction="sum")
+    return float(whole), float(binned)
 
 
 @dataclass
@@ -351,26 +364,28 @@ class OnPolicySession(_Session):
 
     # ---- the end ----
 
-    def teacher_reverse_kl(self, weight_version: int) -> tuple[float, int]:
-        """(mean over response tokens of KL(student || teacher) at temperature 1, over the whole
-        vocab, tokens): the student's samples of held-out prompts (one step's worth, sampled as in
+    def teacher_reverse_kl(self, weight_version: int) -> tuple[float, float, int]:
+        """(mean over response tokens of KL(student || teacher) at temperature 1 over the whole
+        vocab; the same over the k + 1 bins of the teacher's top-k and its tail (what
+        ``support=tail`` at temperature 1 trains: the student's distribution within the tail is not
+        seen); tokens): the student's samples of held-out prompts (one step's worth, sampled as in
         training) scored by student-0 and teacher-0."""
         self.sync(weight_version, "during the final evaluation")
         size = self.config.micro_batches * self.config.rows_per_micro_batch
         samples = self.collect(self.generate(EVAL_ROUND, self.held_prompts, size), "during the final evaluation")
-        total, count = 0.0, 0
+        total, binned, count = 0.0, 0.0, 0
         for batch in self.response_batches(samples, self.held_prompts):
             student, teacher = self.get(
                 [self.actors.call(self.students[0], "row_log_probs", batch.student_tokens, batch.student_rows),
                  self.actors.call(self.teachers[0], "row_log_probs", batch.teacher_tokens, batch.teacher_rows)],
                 "during the final evaluation")
-            total += float((student.exp() * (student - teacher)).sum(dtype=torch.float64))
-            count += len(batch.labels)
-        return total / max(count, 1), count
+            whole, top_k = reverse_kl_sums(student, teacher, self.config.k)
+            total, binned, count = total + whole, binned + top_k, count + len(batch.labels)
+        return total / max(count, 1), binned / max(count, 1), count
 
     def summary(self, last_step: int, return_parameters: bool) -> dict:
         summary = super().summary(last_step, return_parameters)
-        reverse_kl, tokens = self.teacher_reverse_kl(last_step + 1)
-        summary.update(mode=self.config.mode, teacher_reverse_kl=reverse_kl, reverse_kl_tokens=tokens,
-                       weight_version=self.rollout_version, weight_sync=self.transport)
+        reverse_kl, binned, tokens = self.teacher_reverse_kl(last_step + 1)
+        summary.update(mode=self.config.mode, teacher_reverse_kl=reverse_kl, teacher_reverse_kl_top_k=binned,
+                       reverse_kl_tokens=tokens, weight_version=self.rollout_version, weight_sync=self.transport)
         return summary

@@ -120,6 +120,12 @@ class RolloutWorker:
         self.model.requires_grad_(False)
         if len({parameter.dtype for parameter in self.model.parameters()}) == 1:
             flatten_parameters(self.model)  # an update from a flattened trainer is then one copy
+        # generate() fills what its GenerationConfig leaves unset from the model's own: a checkpoint's
+        # (repetition_penalty, top_k, EOS ids, ...) would reshape the student's distribution, and the
+        # samples would no longer be on-policy. Only `SamplingParams` shape them.
+        from transformers import GenerationConfig
+
+        self.model.generation_config = GenerationConfig()
         self.pad_token_id = pad_token_id
         self._receiver = WeightReceiver(self.model)
 

@@ -152,6 +152,9 @@ def test_the_cli_runs_on_policy_with_opsd_prompts_and_prints_the_teachers_revers
     assert orchestrate.main([argument for setting in settings for argument in ("--set", setting)]) == 0
     out = capsys.readouterr().out
     assert re.search(r"teacher's reverse KL of student samples \(held-out prompts, nats/token\): \d+\.\d{4} over "
-                     r"\d+ tokens \(on_policy, weight_version 3\)", out), out
+                     r"\d+ tokens \(on_policy, weight_version 3\); over the teacher's top-8 and tail bins: "
+                     r"\d+\.\d{4}\n", out), out
     with open(tmp_path / "cli" / "summary.json") as handle:
-        assert json.load(handle)["weight_version"] == 3
+        summary = json.load(handle)
+    assert summary["weight_version"] == 3
+    assert 0 <= summary["teacher_reverse_kl_top_k"] <= summary["teacher_reverse_kl"]  # fewer bins see less

@@ -147,3 +147,20 @@ def test_ids_past_the_tokenizers_vocab_are_never_sampled():
     assert int(unmasked.response_ids.max()) >= 10  # the same sampling without the mask reaches them
     with pytest.raises(ValueError, match="vocab_size: expected None or an int >= 1, got 0"):
         RolloutWorker(tiny_llama(3), pad_token_id=0, vocab_size=0)
+
+
+def test_the_models_own_generation_config_does_not_change_the_samples():
+    """A checkpoint's generation_config.json (Qwen's carries repetition_penalty, top_k, an EOS id)
+    must not reshape the student's distribution: generation follows `SamplingParams` alone."""
+    model = tiny_llama(3)
+    plain = _greedy_by_recompute(model, PROMPTS[1], 6)
+    model.generation_config.repetition_penalty = 5.0
+    model.generation_config.no_repeat_ngram_size = 1
+    model.generation_config.eos_token_id = plain[1]  # not a stop token of these SamplingParams
+    worker = RolloutWorker(model, pad_token_id=0)
+    greedy = worker.generate(PROMPTS, GREEDY)
+    assert greedy.responses() == [_greedy_by_recompute(model, prompt, 6) for prompt in PROMPTS]
+    sampled = SamplingParams(max_new_tokens=6, temperature=1.0, seed=5)
+    model.generation_config.top_k, model.generation_config.temperature = 1, 0.1
+    reference = RolloutWorker(tiny_llama(3), pad_token_id=0).generate(PROMPTS, sampled)
+    assert torch.equal(worker.generate(PROMPTS, sampled).response_ids, reference.response_ids)
