@@ -13,6 +13,8 @@ peak memory, GPU allocated on CUDA, resident set on CPU):
       + CE on the student's logits, backward, AdamW: the loop users write
   single process, kd_kernels              the same loop with kd.teacher_topk and
       kd.topk_divergence on the final hidden states (no logits, no Ray)
+  ..., packed                             each loop again on the driver's rows: the documents
+      packed with an EOS between them, position ids per document, the block-diagonal mask
   driver colocated (STRATEGY)             orchestrate.py's driver, teacher and student workers
       on one GPU; one row per --strategies entry (replica, fsdp2); a run that runs out of
       memory is a row saying so.
@@ -59,7 +61,7 @@ from orchestration.driver import run  # noqa: E402
 from orchestration.models import build_model  # noqa: E402
 from orchestration.hf_models import final_hidden_states, output_embedding  # noqa: E402
 from orchestration.metrics import memory_mib  # noqa: E402
-from orchestration.packing import from_lists, save_token_documents  # noqa: E402
+from orchestration.packing import PackedRows, from_lists, load_token_documents, save_token_documents  # noqa: E402
 
 BENCHMARK = "bench_e2e_throughput"
 FLOOR = "single process, full logits (PyTorch)"
@@ -110,9 +112,13 @@ def _peak_mib(device: torch.device) -> float:
     return stats.get("cuda_max_allocated_mib", stats["peak_rss_mib"])
 
 
-def single_process(kind: str, paths: tuple, args, device: torch.device) -> dict:
-    """One process: the teacher scores, the student trains; ``kind`` "full" (logits) or "kd_kernels"."""
+def single_process(kind: str, paths: tuple, args, device: torch.device, packed=None) -> dict:
+    """One process: the teacher scores, the student trains; ``kind`` "full" (logits) or "kd_kernels".
+    ``packed`` (`packing.PackedRows`): its rows in order, with the driver's position ids and
+    block-diagonal mask, instead of random causal rows."""
     from transformers import AutoModelForCausalLM
+
+    from orchestration.workers import layout_of
 
     cuda = device.type == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
@@ -123,25 +129,32 @@ def single_process(kind: str, paths: tuple, args, device: torch.device) -> dict:
         torch.cuda.reset_peak_memory_stats()
     times, vocab = [], args.vocab
     for step in range(args.steps):
-        tokens = torch.randint(3, vocab, (args.rows, args.row_tokens), device=device)
-        labels = torch.cat([tokens[:, 1:], torch.full_like(tokens[:, :1], -100)], 1)
+        if packed is None:
+            tokens = torch.randint(3, vocab, (args.rows, args.row_tokens), device=device)
+            labels = torch.cat([tokens[:, 1:], torch.full_like(tokens[:, :1], -100)], 1)
+            layout = dict(position_ids=None, attention_mask=None)
+        else:
+            batch = packed.batch([(0, (step * args.rows + row) % packed.rows_in_epoch()) for row in range(args.rows)])
+            tokens, labels = batch.input_ids.to(device), batch.labels.to(device)
+            position_ids, mask = layout_of(batch.position_ids, batch.document_ids, device, "sdpa")
+            layout = dict(position_ids=position_ids, attention_mask=mask)
         if cuda:
             torch.cuda.synchronize()
         start = time.perf_counter()
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
             if kind == "full":
                 with torch.no_grad():
-                    teacher_logits = teacher(input_ids=tokens).logits.float()
-                student_logits = student(input_ids=tokens).logits.float()
+                    teacher_logits = teacher(input_ids=tokens, **layout).logits.float()
+                student_logits = student(input_ids=tokens, **layout).logits.float()
                 teacher_logprobs = torch.log_softmax(teacher_logits, -1)
                 student_logprobs = torch.log_softmax(student_logits, -1)
                 kl = (teacher_logprobs.exp() * (teacher_logprobs - student_logprobs)).sum(-1).mean()
                 loss = 0.5 * kl + 0.5 * F.cross_entropy(student_logits.reshape(-1, vocab), labels.reshape(-1))
             else:
                 with torch.no_grad():
-                    hidden = final_hidden_states(teacher, tokens).reshape(-1, teacher.config.hidden_size)
+                    hidden = final_hidden_states(teacher, tokens, **layout).reshape(-1, teacher.config.hidden_size)
                     top = kd.teacher_topk(hidden.to(dtype), output_embedding(teacher)[0].to(dtype), args.k)
-                hidden = final_hidden_states(student, tokens).reshape(-1, student.config.hidden_size)
+                hidden = final_hidden_states(student, tokens, **layout).reshape(-1, student.config.hidden_size)
                 loss = kd.topk_divergence(hidden.to(dtype), output_embedding(student)[0].to(dtype), top,
                                           labels.reshape(-1), ce_weight=0.5, kd_weight=0.5)
         optimizer.zero_grad(set_to_none=True)
@@ -153,7 +166,7 @@ def single_process(kind: str, paths: tuple, args, device: torch.device) -> dict:
         if step >= args.warmup:
             times.append(time.perf_counter() - start)
     seconds = statistics.median(times)
-    name = FLOOR if kind == "full" else "single process, kd_kernels"
+    name = (FLOOR if kind == "full" else "single process, kd_kernels") + ("" if packed is None else ", packed")
     return dict(provider=name, ms=1e3 * seconds, tokens_per_s=args.rows * args.row_tokens / seconds,
                 peak_mib=_peak_mib(device))
 
@@ -233,8 +246,10 @@ def main(argv=None):
     shape = dict(name="tiny CPU" if args.tiny else "Qwen2.5-1.5B -> 0.5B-like", teacher=args.teacher,
                  student=args.student, vocab=args.vocab, tokens_per_step=args.rows * args.row_tokens, k=args.k)
     measurements = []
-    for kind in () if args.skip_single else ("full", "kd_kernels"):
-        measurements.append(single_process(kind, paths, args, device))
+    packed = PackedRows(load_token_documents(data), args.row_tokens, eos_id=1, pad_id=0, seed=0)
+    for kind, rows in () if args.skip_single else (("full", None), ("kd_kernels", None), ("full", packed),
+                                                     ("kd_kernels", packed)):
+        measurements.append(single_process(kind, paths, args, device, rows))
         release_memory(device)
     measurements += [driver(strategy, paths, data, args) for strategy in args.strategies.split(",")]
     floor = next((m["ms"] for m in measurements if m["provider"] == FLOOR), None)

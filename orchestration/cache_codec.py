@@ -3,7 +3,9 @@ and a few float32 fields (e.g. ``lse``, a sampling threshold), as one fixed-size
 
 A block of P positions encodes to a ``[P, S]`` uint8 matrix (S = `Codec.bytes_per_position`),
 so any subset of positions is a row gather and every operation is a torch op over the whole
-block: encoding and decoding run on whatever device the tensors are on.
+block: encoding and decoding run on whatever device the tensors are on (lossless decodes bit
+for bit alike on every device, compact to float32 rounding: its sums over k run in the
+device's order).
 
 - ``lossless``: the float32 fields, the log-probs as bfloat16 (``2k`` bytes) and the ids
   bit-packed in ``b = ceil(log2 V)`` bits each, in groups of ``8 / gcd(b, 8)`` ids (a

@@ -588,4 +588,9 @@ def test_reader_decodes_on_cuda_as_on_cpu(tmp_path):
             with reader.micro_batches([rows], device="cuda") as batches:
                 on_gpu = next(batches)
         assert on_gpu.logprobs.is_cuda and on_gpu.indices.is_cuda
-        assert_same_entries(on_gpu.to("cpu"), on_cpu)
+        if encoding == "lossless":
+            assert_same_entries(on_gpu.to("cpu"), on_cpu)
+        else:  # the compact level's sum over k runs in each device's order: equal to float32 rounding
+            on_gpu = on_gpu.to("cpu")
+            assert torch.equal(on_gpu.indices, on_cpu.indices)
+            torch.testing.assert_close(on_gpu.logprobs, on_cpu.logprobs, rtol=4e-7, atol=4e-7)

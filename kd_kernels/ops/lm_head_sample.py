@@ -59,16 +59,14 @@ _STORE_KEPT_PTX = tl.constexpr("""
 .reg .b64 address;
 mov.u32 $0, 0;
 and.b32 slot, $3, $2;
-setp.eq.b32 taken, slot, 0;
-@taken bra SKIP;
+setp.ne.b32 taken, slot, 0;
 and.b32 slot, $3, $4;
 popc.b32 slot, slot;
 add.u32 slot, slot, $5;
-setp.lt.u32 kept, slot, $6;
+setp.lt.and.u32 kept, slot, $6, taken;
 mad.wide.u32 address, slot, 8, $7;
 @kept st.global.b32 [address], $8;
 @kept st.global.b32 [address+4], $1;
-SKIP:
 }
 """)
 
