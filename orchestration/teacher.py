@@ -38,8 +38,8 @@ class TeacherWorker(Worker):
         if self._pretraining is None:
             lr = self.config.lr if self.config.teacher_lr is None else self.config.teacher_lr
             optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, fused=self.device.type == "cuda")
-            # warm-up, then constant: the 768 x 8 GPU teacher at 3e-3 from step 0 ended worse than the
-            # students it was to teach; it warms up and uses teacher_lr
+            # warm-up, then constant at teacher_lr (docs/DECISIONS.md: a teacher at the students' lr from
+            # step 0 can end worse than the students it is to teach)
             warmup = max(1, self.config.warmup_steps)
             scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup))
             self._pretraining = optimizer, scheduler, torch.Generator().manual_seed(self.config.seed + 17)
