@@ -23,6 +23,7 @@ The keys are raw, as the top-k's appending matmul stores them: the logit's float
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 
 import torch
@@ -207,7 +208,7 @@ class SampleMatmul:
                              f"{config.group_columns} and {config.block_n}")
         _check_appends(appends, hidden.shape[0])
         self.hidden, self.bias, self.width, self.config, self.appends = hidden, bias, width, config, appends
-        self.log2e_over_t = 1.4426950408889634 / temperature
+        self.log2e_over_t = math.log2(math.e) / temperature
         self.seed_key, self.first_row, self.noise_offset = signed_key(seed_key), first_row, noise_offset
         column_tiles = -(-width // config.block_n)
         self.tile_max2, self.tile_sum2 = empty_parts(hidden.device, ((hidden.shape[0], column_tiles), torch.float32),

@@ -14,6 +14,7 @@ redo.
 """
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -124,7 +125,7 @@ def logits_candidates(logits: torch.Tensor, bias, width: int, num_samples: int, 
     if rows:
         _logits_candidates_kernel[(rows,)](
             logits, bias if bias is not None else logits, logits.stride(0), width, keys, counts, floors, lse,
-            keys.shape[1], num_samples + 1, 1.0 / temperature, 1.4426950408889634 / temperature, COLLECT_MARGIN,
+            keys.shape[1], num_samples + 1, 1.0 / temperature, math.log2(math.e) / temperature, COLLECT_MARGIN,
             signed_key(seed_key), global_rows, HAS_BIAS=bias is not None, BLOCK_V=ROW_BLOCK_V,
             BISECTIONS=THRESHOLD_BISECTIONS, num_warps=num_warps_for(ROW_BLOCK_V))
 
