@@ -246,11 +246,11 @@ def main(argv=None):
     shape = dict(name="tiny CPU" if args.tiny else "Qwen2.5-1.5B -> 0.5B-like", teacher=args.teacher,
                  student=args.student, vocab=args.vocab, tokens_per_step=args.rows * args.row_tokens, k=args.k)
     measurements = []
-    packed = PackedRows(load_token_documents(data), args.row_tokens, eos_id=1, pad_id=0, seed=0)
-    for kind, rows in () if args.skip_single else (("full", None), ("kd_kernels", None), ("full", packed),
-                                                     ("kd_kernels", packed)):
-        measurements.append(single_process(kind, paths, args, device, rows))
-        release_memory(device)
+    if not args.skip_single:
+        packed = PackedRows(load_token_documents(data), args.row_tokens, eos_id=1, pad_id=0, seed=0)
+        for kind, rows in (("full", None), ("kd_kernels", None), ("full", packed), ("kd_kernels", packed)):
+            measurements.append(single_process(kind, paths, args, device, rows))
+            release_memory(device)
     measurements += [driver(strategy, paths, data, args) for strategy in args.strategies.split(",")]
     floor = next((m["ms"] for m in measurements if m["provider"] == FLOOR), None)
     rows = []

@@ -2,14 +2,14 @@
 
 ``mode=cache`` scores every training row with the teacher (built and pretrained as a training
 run would, or loaded from ``teacher_path``; text rows, or packed pre-tokenized documents with
-their position ids and block-diagonal mask, whose document ids join the data hash) and writes them to ``teacher_cache`` with
-`teacher_cache.TeacherCacheWriter`, rows in order: a killed run, started again with the same
-options, continues after the last complete shard and ends with the shards an uninterrupted run
-writes. A training run with ``teacher_cache`` set starts `CacheTeacherWorker`s in the teacher
-workers' place: they build no model and answer each micro-batch from the cache
-(`teacher_cache.TeacherCacheReader`, shards verified and decoded ahead of the steps that need
-them), after `check_cache` has refused a cache made for another tokenizer, temperature, data,
-k or kind of entries.
+their position ids and block-diagonal mask, whose document ids join the data hash) and writes
+them to ``teacher_cache`` with `teacher_cache.TeacherCacheWriter`, rows in order: a killed run,
+started again with the same options, continues after the last complete shard and ends with the
+shards an uninterrupted run writes. A training run with ``teacher_cache`` set starts
+`CacheTeacherWorker`s in the teacher workers' place: they build no model and answer each
+micro-batch from the cache (`teacher_cache.TeacherCacheReader`, shards verified and decoded
+ahead of the steps that need them), after `check_cache` has refused a cache made for another
+tokenizer, temperature, data, k or kind of entries.
 """
 from __future__ import annotations
 
@@ -128,7 +128,7 @@ class CacheTeacherWorker(Worker):
 
     def _planned(self, step: int):
         sampler = sampler_class(self.config)(self.config.seed, self.rows.shape[0], self.config.micro_batches,
-                        self.config.rows_per_micro_batch)
+                                             self.config.rows_per_micro_batch)
         return (pick for later in range(step, self.config.steps) for pick in sampler.picks(later))
 
     def _entries(self, pick: torch.Tensor, step: int):

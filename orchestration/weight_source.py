@@ -42,7 +42,6 @@ class WeightSource:
     def flatten_weights(self) -> None:
         """Moves the model's parameters into one flat buffer (`flat_parameters`) before the first
         `share_weights`: a rollout worker (flattened too) then copies an update in one launch."""
-        self._sender()
         flatten_parameters(self.model)
 
     def share_weights(self, weight_version: int) -> tuple:

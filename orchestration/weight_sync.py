@@ -250,9 +250,9 @@ class WeightSender:
     """Trainer rank 0's side. ``source``: a module (its ``named_parameters()``) or a callable
     returning ``(name, tensor)`` pairs (full tensors: gather sharded ones inside it), the same
     names, shapes and order on every call; a module's Parameter objects are taken once, at
-    construction (their data, moved or not, at each update). ``dtype``: floating tensors are sent in it (e.g.
-    ``torch.bfloat16`` for a bf16 rollout of an fp32-master trainer); None sends each tensor's
-    own dtype. The bucket plan (`buckets`) is fixed at construction."""
+    construction (their data, moved or not, at each update). ``dtype``: floating tensors are
+    sent in it (e.g. ``torch.bfloat16`` for a bf16 rollout of an fp32-master trainer); None
+    sends each tensor's own dtype. The bucket plan (`buckets`) is fixed at construction."""
 
     def __init__(self, source: Union[torch.nn.Module, NamedTensors], *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                  dtype: Optional[torch.dtype] = None):
@@ -452,6 +452,7 @@ class WeightReceiver:
         self._parameters = dict(model.named_parameters())
         self._flat = flat_region(list(self._parameters.values()))  # set when the model is flattened
         self._mapped_flat: Optional[torch.Tensor] = None  # the region of ``_mapped``, if one
+        self._mapped_bytes = 0  # the bytes of ``_mapped``'s tensors (padding between them not counted)
         self._flat_bucket: Optional[Bucket] = None  # the last whole flat update, its checks passed
         self._condition = threading.Condition(threading.Lock())
         self._paused = False
@@ -547,6 +548,7 @@ class WeightReceiver:
                     raise ValueError(f"payload: expected {len(bucket.names)} tensor handles, got {len(payload)}")
                 self._mapped = [rebuild(*arguments) for rebuild, arguments in payload]
                 self._mapped_flat = flat_region(self._mapped)
+                self._mapped_bytes = sum(tensor.numel() * tensor.element_size() for tensor in self._mapped)
                 self._flat_bucket = None  # new tensors: checked again
                 return self._mapped
             rebuild, arguments = payload
@@ -593,26 +595,25 @@ class WeightReceiver:
                 else:
                     for target, view in zip(targets, views):
                         target.copy_(view)
-            if views and views[0].is_cuda:
-                torch.cuda.current_stream(views[0].device).synchronize()  # the sender may free or reuse it now
-            seconds = time.perf_counter() - start
-            pending.received.update(bucket.names)
             moved = fetched.numel() if isinstance(fetched, torch.Tensor) else sum(v.numel() * v.element_size()
                                                                                    for v in views)
-            pending.bytes += moved
-            pending.buckets += 1
-            pending.seconds += seconds
-            return dict(bytes=moved, seconds=seconds, weight_version=weight_version)
+            return self._received(pending, bucket, views[0] if views else None, moved, start)
 
     def _copy_flat(self, pending: _PendingUpdate, bucket: Bucket, start: float) -> dict:
         """The whole update as one copy (cast included) of the mapped flat region into this
         model's flat buffer; ``pending`` then holds every parameter."""
         with torch.no_grad():
             self._flat.copy_(self._mapped_flat)
-        if self._flat.is_cuda:
-            torch.cuda.current_stream(self._flat.device).synchronize()  # the sender may free or reuse it now
+        return self._received(pending, bucket, self._mapped_flat, self._mapped_bytes, start)
+
+    @staticmethod
+    def _received(pending: _PendingUpdate, bucket: Bucket, source: Optional[torch.Tensor], moved: int,
+                  start: float) -> dict:
+        """Ends a bucket copied out of ``source``: waits for the copy on CUDA (the sender may free
+        or reuse the memory once this returns) and adds the bucket to ``pending``."""
+        if source is not None and source.is_cuda:
+            torch.cuda.current_stream(source.device).synchronize()
         seconds = time.perf_counter() - start
-        moved = sum(view.numel() * view.element_size() for view in self._mapped)
         pending.received.update(bucket.names)
         pending.bytes += moved
         pending.buckets += 1
