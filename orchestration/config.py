@@ -246,6 +246,9 @@ def check_machine(values: dict, bad: set, sources: Optional[dict] = None) -> lis
                                values["student_workers"])
             except ValueError as error:
                 problems.append(str(error))
+        if "attention" not in bad and values["attention"] == "flex_attention" and device == "cpu":
+            problems.append(f"attention: flex_attention trains on CUDA only (torch has no flex_attention backward on "
+                            f"the CPU) and device {values['device']!r} runs on the CPU; use sdpa or eager")
     return problems
 
 
