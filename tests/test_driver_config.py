@@ -87,7 +87,8 @@ def test_gpu_defaults_apply_on_cuda_only_where_not_set(monkeypatch, tmp_path):
 
 
 def test_config_objects_check_themselves():
-    with pytest.raises(UsageError, match=r"^attention: expected one of 'sdpa', 'eager', 'flex_attention', got 'flash'$"):
+    with pytest.raises(UsageError,
+                       match=r"^attention: expected one of 'sdpa', 'eager', 'flex_attention', got 'flash'$"):
         Config(attention="flash")
     with pytest.raises(UsageError) as caught:
         Config(k=1.5, steps=0, teacher_workers=2, student_workers=3)

@@ -182,8 +182,8 @@ def test_flex_attention_on_packed_rows_equals_the_dense_mask(family, eager_flex_
         batch = rows.batch([(0, index) for index in range(rows.rows_in_epoch())])
         with torch.no_grad():
             return [final_hidden_states(model, batch.input_ids, position_ids=batch.position_ids,
-                                        attention_mask=attention_mask(batch.document_ids, model.config._attn_implementation))
-                    for model in (dense, flex)], batch
+                                        attention_mask=attention_mask(batch.document_ids, attention))
+                    for model, attention in ((dense, "sdpa"), (flex, "flex_attention"))], batch
 
     (want, got), batch = hidden_of(DOCUMENTS)  # 3 rows: several documents a row, one split, padding
     assert (batch.document_ids.amax(1) >= 1).all() and (batch.input_ids[-1, -2:] == PAD).all()
@@ -198,7 +198,7 @@ def test_flex_attention_on_packed_rows_equals_the_dense_mask(family, eager_flex_
     assert not torch.allclose(moved[0, 4:6], got[0, 4:6])
 
 
-@pytest.mark.slow  # torch compiles flex_attention for the CPU once: about 30 s on two cores
+@pytest.mark.slow  # torch compiles flex_attention for the CPU once: 10-30 s on two cores
 def test_compiled_flex_attention_compiles_once_for_every_block_mask():
     """The path models take on CUDA (Hugging Face's compiled flex_attention) with the masks of
     two different batches of one shape, in training and eval mode: one compiled graph, equal to
@@ -256,7 +256,64 @@ def test_a_token_never_attends_across_a_document(family, attention):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("attention", ["sdpa", "eager", "flash_attention_2"])
+def test_flex_attention_equals_the_dense_mask_on_the_gpu_at_a_real_shape():
+    """A Qwen2.5-0.5B-like model (4 of its 24 layers), 4 packed rows of 2048 tokens, bf16 autocast
+    over float32 weights as the student trains: hidden states and every parameter's gradient
+    with flex_attention are as close to the float32 dense-mask reference as sdpa's in bf16 are;
+    a second batch of other documents (eval forward, then training forward and backward) runs
+    the compiled kernels without recompiling."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from orchestration.hf_models import final_hidden_states
+
+    config = dict(vocab_size=32_000, hidden_size=896, intermediate_size=4864, num_hidden_layers=4,
+                  num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=2048)
+    torch.manual_seed(0)
+    models = {"sdpa": Qwen2ForCausalLM(Qwen2Config(**config, attn_implementation="sdpa")).cuda()}
+    models["flex_attention"] = Qwen2ForCausalLM(Qwen2Config(**config, attn_implementation="flex_attention")).cuda()
+    models["flex_attention"].load_state_dict(models["sdpa"].state_dict())
+    generator = np.random.default_rng(0)
+
+    def batch_of(seed):
+        lengths = np.random.default_rng(seed).integers(30, 3000, size=12)  # some longer than a row: split
+        documents = [generator.integers(3, 32_000, size=n).tolist() for n in lengths]
+        return PackedRows(from_lists(documents), 2048, eos_id=EOS, pad_id=PAD, shuffle=False).batch(
+            [(0, index) for index in range(4)])
+
+    def run(attention, batch, autocast=True, train=True):
+        model = models[attention].train(train)
+        model.zero_grad(set_to_none=True)
+        mask = attention_mask(batch.document_ids.cuda(), attention, torch.bfloat16)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast), torch.set_grad_enabled(train):
+            hidden = final_hidden_states(model, batch.input_ids.cuda(), position_ids=batch.position_ids.cuda(),
+                                         attention_mask=mask).float()
+        if not train:
+            return hidden, None
+        probe = torch.randn(hidden.shape, generator=torch.Generator("cuda").manual_seed(1), device="cuda")
+        (hidden * probe).sum().backward()
+        return hidden.detach(), torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+
+    def assert_as_close_as_sdpa(flex, batch):
+        reference, dense = run("sdpa", batch, autocast=False), run("sdpa", batch)
+        for name, got, want, base in zip(("hidden states", "gradients"), flex, reference, dense):
+            if got is None:
+                continue
+            error, bf16_error = ((value - want).norm().item() / want.norm().item() for value in (got, base))
+            assert error <= 2 * bf16_error + 1e-3, f"{name}: flex {error:.2e}, sdpa in bf16 {bf16_error:.2e}"
+
+    batch = batch_of(1)
+    assert (batch.document_ids.amax(1) >= 1).all()
+    assert_as_close_as_sdpa(run("flex_attention", batch), batch)
+    run("flex_attention", batch, train=False)  # the eval forward compiled too
+    other = batch_of(2)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        evaluated, trained = run("flex_attention", other, train=False), run("flex_attention", other)
+    assert_as_close_as_sdpa(evaluated, other)
+    assert_as_close_as_sdpa(trained, other)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("attention", ["sdpa", "eager", "flash_attention_2", "flex_attention"])
 def test_documents_stay_apart_on_the_gpu_in_bf16(attention):
     """Real row lengths and bf16: the mask (or, for flash-attention's varlen kernels, the
     restarting position ids) keeps document B's hidden states those of B alone."""
