@@ -28,10 +28,9 @@ def load_causal_lm(path: str, *, dtype: torch.dtype = torch.float32, attention: 
                    argument: str = "path"):
     """``AutoModelForCausalLM.from_pretrained(path, local_files_only=True)`` in ``dtype`` with
     attention implementation ``attention`` ("sdpa" | "eager" | "flex_attention" |
-    "flash_attention_2" | ...), on
-    the CPU. Students load in float32 (the master weights; bf16 compute comes from FSDP2's
-    mixed precision or autocast), teachers in the dtype they score in. ``argument`` names the
-    option in error messages (e.g. "student_path")."""
+    "flash_attention_2" | ...), on the CPU. Students load in float32 (the master weights; bf16
+    compute comes from FSDP2's mixed precision or autocast), teachers in the dtype they score
+    in. ``argument`` names the option in error messages (e.g. "student_path")."""
     from transformers import AutoModelForCausalLM
 
     _check_directory(path, argument)

@@ -261,7 +261,8 @@ def test_flex_attention_equals_the_dense_mask_on_the_gpu_at_a_real_shape():
     over float32 weights as the student trains: hidden states and every parameter's gradient
     with flex_attention are as close to the float32 dense-mask reference as sdpa's in bf16 are;
     a second batch of other documents (eval forward, then training forward and backward) runs
-    the compiled kernels without recompiling."""
+    the compiled kernels without recompiling; a batch of fewer rows (one recompile, the batch
+    size then dynamic) too."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from orchestration.hf_models import final_hidden_states
@@ -274,11 +275,11 @@ def test_flex_attention_equals_the_dense_mask_on_the_gpu_at_a_real_shape():
     models["flex_attention"].load_state_dict(models["sdpa"].state_dict())
     generator = np.random.default_rng(0)
 
-    def batch_of(seed):
+    def batch_of(seed, rows=4):
         lengths = np.random.default_rng(seed).integers(30, 3000, size=12)  # some longer than a row: split
         documents = [generator.integers(3, 32_000, size=n).tolist() for n in lengths]
         return PackedRows(from_lists(documents), 2048, eos_id=EOS, pad_id=PAD, shuffle=False).batch(
-            [(0, index) for index in range(4)])
+            [(0, index) for index in range(rows)])
 
     def run(attention, batch, autocast=True, train=True):
         model = models[attention].train(train)
@@ -310,6 +311,8 @@ def test_flex_attention_equals_the_dense_mask_on_the_gpu_at_a_real_shape():
         evaluated, trained = run("flex_attention", other, train=False), run("flex_attention", other)
     assert_as_close_as_sdpa(evaluated, other)
     assert_as_close_as_sdpa(trained, other)
+    fewer = batch_of(3, rows=3)  # held-out chunks may have other row counts: one recompile, batch size dynamic
+    assert_as_close_as_sdpa(run("flex_attention", fewer, train=False), fewer)
 
 
 @pytest.mark.gpu
