@@ -109,6 +109,12 @@ def test_a_run_from_a_teacher_cache_refuses_what_needs_a_teacher_model(tmp_path)
     assert Config(teacher_cache=cache, mode="cache", student_strategy="fsdp2").student_strategy == "fsdp2"
 
 
+def test_flex_attention_is_refused_where_the_student_generates():
+    with pytest.raises(UsageError, match=r"^attention: flex_attention is for training on packed rows; mode gkd"):
+        Config(attention="flex_attention", mode="gkd")
+    assert Config(attention="flex_attention", mode="off_policy").attention == "flex_attention"
+
+
 def test_the_attention_option_builds_that_attention():
     from orchestration.models import build_model
 
