@@ -13,11 +13,13 @@ peak memory, GPU allocated on CUDA, resident set on CPU):
       + CE on the student's logits, backward, AdamW: the loop users write
   single process, kd_kernels              the same loop with kd.teacher_topk and
       kd.topk_divergence on the final hidden states (no logits, no Ray)
-  ..., packed                             each loop again on the driver's rows: the documents
-      packed with an EOS between them, position ids per document, the block-diagonal mask
+  ..., packed[, ATTENTION]                each loop again on the driver's rows: the documents
+      packed with an EOS between them, position ids per document, the block-diagonal mask;
+      once per --attention entry: sdpa (a dense mask, the unnamed row) or flex_attention (a
+      block mask that skips the tiles across documents; CUDA only)
   driver colocated (STRATEGY)             orchestrate.py's driver, teacher and student workers
       on one GPU; one row per --strategies entry (replica, fsdp2); a run that runs out of
-      memory is a row saying so.
+      memory is a row saying so; with several --attention entries, once per entry.
 ``--tiny``: small shapes on the CPU (a smoke test). Compare the strategies on a 1.5B-like
 student: ``--student 1536,28,12,2,8960 --strategies replica,fsdp2 --set activation_checkpointing=true``.
 
@@ -34,6 +36,7 @@ On-policy parts (instead of the above; no Ray for --weight-sync):
       the rollout worker against plain Hugging Face generate of the same model and batch.
 
 usage: python benchmarks/bench_e2e_throughput.py [--steps 20] [--tiny] [--strategies replica,fsdp2]
+           [--attention sdpa,flex_attention]
        python benchmarks/bench_e2e_throughput.py --weight-sync [--sync-models 0.5b,1.5b,7b]
        python benchmarks/bench_e2e_throughput.py --onpolicy [--steps 40]
 """
@@ -112,18 +115,24 @@ def _peak_mib(device: torch.device) -> float:
     return stats.get("cuda_max_allocated_mib", stats["peak_rss_mib"])
 
 
-def single_process(kind: str, paths: tuple, args, device: torch.device, packed=None) -> dict:
+def _attention_suffix(attention: str) -> str:
+    return "" if attention == "sdpa" else f", {attention}"
+
+
+def single_process(kind: str, paths: tuple, args, device: torch.device, packed=None, attention: str = "sdpa") -> dict:
     """One process: the teacher scores, the student trains; ``kind`` "full" (logits) or "kd_kernels".
     ``packed`` (`packing.PackedRows`): its rows in order, with the driver's position ids and
-    block-diagonal mask, instead of random causal rows."""
+    block-diagonal mask for the models' ``attention`` implementation, instead of random causal
+    rows."""
     from transformers import AutoModelForCausalLM
 
     from orchestration.workers import layout_of
 
     cuda = device.type == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
-    teacher = AutoModelForCausalLM.from_pretrained(paths[0], dtype=dtype).to(device).eval()
-    student = AutoModelForCausalLM.from_pretrained(paths[1], dtype=torch.float32).to(device)
+    loaded = dict(attn_implementation=attention)
+    teacher = AutoModelForCausalLM.from_pretrained(paths[0], dtype=dtype, **loaded).to(device).eval()
+    student = AutoModelForCausalLM.from_pretrained(paths[1], dtype=torch.float32, **loaded).to(device)
     optimizer = torch.optim.AdamW(student.parameters(), lr=1e-4, fused=cuda)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
@@ -136,7 +145,7 @@ def single_process(kind: str, paths: tuple, args, device: torch.device, packed=N
         else:
             batch = packed.batch([(0, (step * args.rows + row) % packed.rows_in_epoch()) for row in range(args.rows)])
             tokens, labels = batch.input_ids.to(device), batch.labels.to(device)
-            position_ids, mask = layout_of(batch.position_ids, batch.document_ids, device, "sdpa")
+            position_ids, mask = layout_of(batch.position_ids, batch.document_ids, device, attention)
             layout = dict(position_ids=position_ids, attention_mask=mask)
         if cuda:
             torch.cuda.synchronize()
@@ -166,7 +175,8 @@ def single_process(kind: str, paths: tuple, args, device: torch.device, packed=N
         if step >= args.warmup:
             times.append(time.perf_counter() - start)
     seconds = statistics.median(times)
-    name = (FLOOR if kind == "full" else "single process, kd_kernels") + ("" if packed is None else ", packed")
+    name = ((FLOOR if kind == "full" else "single process, kd_kernels")
+            + ("" if packed is None else ", packed" + _attention_suffix(attention)))
     return dict(provider=name, ms=1e3 * seconds, tokens_per_s=args.rows * args.row_tokens / seconds,
                 peak_mib=_peak_mib(device))
 
@@ -179,13 +189,14 @@ def release_memory(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def driver(strategy: str, paths: tuple, data: str, args) -> dict:
-    name = f"driver colocated ({strategy})"
+def driver(strategy: str, paths: tuple, data: str, args, attention: str = "sdpa") -> dict:
+    name = f"driver colocated ({strategy}{_attention_suffix(attention)})"
     config = load_config(None, [f"output_dir={args.output_dir}/{strategy}", f"steps={args.steps}",
                                 f"teacher_path={paths[0]}", f"student_path={paths[1]}", f"data_path={data}",
                                 f"row_tokens={args.row_tokens}", f"rows_per_micro_batch={args.rows}",
                                 "micro_batches=1", f"k={args.k}", f"student_strategy={strategy}",
                                 "checkpoint_every=0", "overwrite=true", "ce_weight=0.5", "kd_weight=0.5",
+                                f"attention={attention}",
                                 f"device={args.device}", *(["placement=colocated"] if args.device == "cuda" else []),
                                 *args.set])
     try:
@@ -216,6 +227,8 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=20, help="steps a row (the first --warmup are not timed)")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--strategies", default="replica", help="driver rows: replica, fsdp2 or both (comma)")
+    parser.add_argument("--attention", default="sdpa", help="packed and driver rows: sdpa, flex_attention or both "
+                        "(comma); flex_attention on CUDA only")
     parser.add_argument("--skip-single", action="store_true", help="only the driver rows")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU (smoke test)")
     parser.add_argument("--output-dir", default="runs/bench_e2e_throughput", help="checkpoints, data and runs")
@@ -234,6 +247,12 @@ def main(argv=None):
         parser.error(f"--steps: expected more than --warmup ({args.warmup}), got {args.steps}")
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("bench_e2e_throughput: needs a CUDA device (or --tiny)")
+    attentions = args.attention.split(",")
+    if unknown := [name for name in attentions if name not in ("sdpa", "flex_attention")]:
+        parser.error(f"--attention: expected sdpa and/or flex_attention, got {unknown}")
+    if "flex_attention" in attentions and args.device == "cpu":
+        parser.error("--attention: flex_attention trains on CUDA only (torch has no flex_attention backward on the "
+                     "CPU); use sdpa with --tiny")
     device = torch.device(args.device)
     os.makedirs(args.output_dir, exist_ok=True)
     paths = tuple(write_checkpoint(os.path.join(args.output_dir, name), shape_of(text), args.vocab, args.row_tokens,
@@ -248,10 +267,13 @@ def main(argv=None):
     measurements = []
     if not args.skip_single:
         packed = PackedRows(load_token_documents(data), args.row_tokens, eos_id=1, pad_id=0, seed=0)
-        for kind, rows in (("full", None), ("kd_kernels", None), ("full", packed), ("kd_kernels", packed)):
-            measurements.append(single_process(kind, paths, args, device, rows))
+        runs = [("full", None, "sdpa"), ("kd_kernels", None, "sdpa")]
+        runs += [(kind, packed, attention) for attention in attentions for kind in ("full", "kd_kernels")]
+        for kind, rows, attention in runs:
+            measurements.append(single_process(kind, paths, args, device, rows, attention))
             release_memory(device)
-    measurements += [driver(strategy, paths, data, args) for strategy in args.strategies.split(",")]
+    measurements += [driver(strategy, paths, data, args, attention)
+                     for attention in attentions for strategy in args.strategies.split(",")]
     floor = next((m["ms"] for m in measurements if m["provider"] == FLOOR), None)
     rows = []
     for m in measurements:

@@ -140,6 +140,13 @@ def _on_policy(values: dict) -> Optional[str]:
     return None
 
 
+def _flex_attention(values: dict) -> Optional[str]:
+    if values["attention"] == "flex_attention" and values["mode"] in ("on_policy", "gkd"):
+        return (f"attention: flex_attention is for training on packed rows; mode {values['mode']} generates with "
+                "the student's attention (Hugging Face generate, a KV cache): use sdpa or eager")
+    return None
+
+
 RULES = (
     (("adam_beta1", "adam_beta2"), _adam_betas),
     (("teacher_workers", "student_workers", "micro_batches"), _comm_plan),
@@ -151,6 +158,7 @@ RULES = (
     (("mode", "lmbda", "sft_alpha", "steps_per_generation", "max_staleness", "seed", "top_p", "max_prompt_tokens",
       "max_new_tokens", "row_tokens", "student_path", "student_strategy", "teacher_cache", "eval_every"),
      _on_policy),
+    (("attention", "mode"), _flex_attention),
 )
 
 
@@ -246,6 +254,9 @@ def check_machine(values: dict, bad: set, sources: Optional[dict] = None) -> lis
                                values["student_workers"])
             except ValueError as error:
                 problems.append(str(error))
+        if "attention" not in bad and values["attention"] == "flex_attention" and device == "cpu":
+            problems.append(f"attention: flex_attention trains on CUDA only (torch has no flex_attention backward on "
+                            f"the CPU) and device {values['device']!r} runs on the CPU; use sdpa or eager")
     return problems
 
 

@@ -27,10 +27,10 @@ def _check_directory(path: str, argument: str) -> None:
 def load_causal_lm(path: str, *, dtype: torch.dtype = torch.float32, attention: str = "sdpa",
                    argument: str = "path"):
     """``AutoModelForCausalLM.from_pretrained(path, local_files_only=True)`` in ``dtype`` with
-    attention implementation ``attention`` ("sdpa" | "eager" | "flash_attention_2" | ...), on
-    the CPU. Students load in float32 (the master weights; bf16 compute comes from FSDP2's
-    mixed precision or autocast), teachers in the dtype they score in. ``argument`` names the
-    option in error messages (e.g. "student_path")."""
+    attention implementation ``attention`` ("sdpa" | "eager" | "flex_attention" |
+    "flash_attention_2" | ...), on the CPU. Students load in float32 (the master weights; bf16
+    compute comes from FSDP2's mixed precision or autocast), teachers in the dtype they score
+    in. ``argument`` names the option in error messages (e.g. "student_path")."""
     from transformers import AutoModelForCausalLM
 
     _check_directory(path, argument)
@@ -100,8 +100,9 @@ def final_hidden_states(model, input_ids: torch.Tensor, *, position_ids: Optiona
     Args:
         input_ids: ``[B, T]`` int64.
         position_ids: ``[B, T]`` int64 (packed rows restart them per document), or None.
-        attention_mask: ``[B, 1, T, T]`` (a block-causal mask from `packing.attention_mask`),
-            ``[B, T]`` padding mask, or None (causal).
+        attention_mask: ``[B, 1, T, T]`` (a block-causal mask from `packing.attention_mask`, a
+            flex_attention BlockMask for models loaded with "flex_attention"), ``[B, T]``
+            padding mask, or None (causal).
     """
     output = decoder_of(model)(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
                                use_cache=False)

@@ -198,8 +198,9 @@ OPTIONS: tuple[Option, ...] = tuple([
            ("student_layers", int, 2, "student layers when built", dict(minimum=1, gpu_default=4)),
            ("heads", int, 4, "attention heads of built models", dict(minimum=1, gpu_default=8)),
            ("attention", str, "sdpa", "the models' attention (eager has a deterministic backward on GPUs, for runs "
-            "compared bit for bit; sdpa's fused kernels may accumulate with atomics)",
-            dict(choices=("sdpa", "eager")))),
+            "compared bit for bit; sdpa's fused kernels may accumulate with atomics; flex_attention skips the "
+            "tiles across packed documents, CUDA only: torch has no flex_attention backward on CPU)",
+            dict(choices=("sdpa", "eager", "flex_attention")))),
     *_rows("training",
            ("steps", int, 100, "student optimizer steps (epochs > 0 sets them from the data)",
             dict(minimum=1, gpu_default=300)),

@@ -15,7 +15,8 @@ piece of a document gets its own document id, position ids restarting at 0, and 
 ``tokens[t + 1]`` of the same document (the EOS and the padding predict nothing). A document
 longer than the rest of a row continues in the next row as a new piece: its last token in the
 row keeps its label, the next token of the document. Documents never attend to each other:
-`attention_mask` makes the block-diagonal causal mask from the document ids.
+`attention_mask` makes the block-diagonal causal mask from the document ids (a dense mask
+for sdpa / eager, a block-sparse BlockMask for flex_attention).
 
 The data position ``(epoch, row)`` is the resumable state: `PackedRows.row(epoch, index)` is a
 pure function of the data and the seed, so a resumed reader yields exactly the rows an
@@ -255,8 +256,10 @@ class EpochReader:
         self.position = DataPosition.from_state_dict(state)
 
 
-def attention_mask(document_ids: torch.Tensor, implementation: str,
-                   dtype: torch.dtype = torch.float32) -> Optional[torch.Tensor]:
+FLEX_BLOCK_SIZE = 128  # flex_attention's tile: a [BLOCK, BLOCK] tile with no allowed pair is skipped
+
+
+def attention_mask(document_ids: torch.Tensor, implementation: str, dtype: torch.dtype = torch.float32):
     """The block-diagonal causal mask of packed rows for Hugging Face attention.
 
     Token i may attend to token j iff ``document_ids[b, i] == document_ids[b, j]`` and ``j <= i``.
@@ -265,17 +268,22 @@ def attention_mask(document_ids: torch.Tensor, implementation: str,
         document_ids: ``[B, T]`` int.
         implementation: the model's ``attn_implementation``: "sdpa" → ``[B, 1, T, T]`` bool
             (True attends); "eager" → ``[B, 1, T, T]`` additive ``dtype`` mask (0 or the dtype's
-            minimum); "flash_attention_2" / "flash_attention_3" → None: pass the packed
-            position_ids alone, the varlen kernels cut sequences where they restart.
+            minimum); "flex_attention" → a `torch.nn.attention.flex_attention.BlockMask` of
+            shape ``(B, 1, T, T)`` in tiles of `FLEX_BLOCK_SIZE` (rows shorter than a tile are
+            one partial tile), whose ``mask_mod`` reads ``document_ids``; "flash_attention_2" /
+            "flash_attention_3" → None: pass the packed position_ids alone, the varlen kernels
+            cut sequences where they restart.
         dtype: the eager mask's dtype, the model's compute dtype.
     """
     if implementation in ("flash_attention_2", "flash_attention_3"):
         return None
-    if implementation not in ("sdpa", "eager"):
-        raise ValueError(f"implementation: expected sdpa, eager, flash_attention_2 or flash_attention_3, got "
-                         f"{implementation!r}")
+    if implementation not in ("sdpa", "eager", "flex_attention"):
+        raise ValueError(f"implementation: expected sdpa, eager, flex_attention, flash_attention_2 or "
+                         f"flash_attention_3, got {implementation!r}")
     if document_ids.ndim != 2:
         raise ValueError(f"document_ids: expected [B, T], got shape {tuple(document_ids.shape)}")
+    if implementation == "flex_attention":
+        return _flex_block_mask(document_ids)
     length = document_ids.shape[1]
     causal = torch.ones(length, length, dtype=torch.bool, device=document_ids.device).tril()
     allowed = (document_ids.unsqueeze(2) == document_ids.unsqueeze(1)) & causal
@@ -284,3 +292,18 @@ def attention_mask(document_ids: torch.Tensor, implementation: str,
         return allowed
     return torch.zeros(allowed.shape, dtype=dtype, device=document_ids.device).masked_fill_(
         ~allowed, torch.finfo(dtype).min)
+
+
+def _flex_block_mask(document_ids: torch.Tensor):
+    """The `attention_mask` contract as a flex_attention BlockMask. The block structure is
+    built eagerly (``_compile=False``: no compiled graph to keep per batch); the mask_mod is the
+    one function of the document ids that every batch uses, so the compiled flex_attention
+    kernel sees a new tensor of the same shape, not a new graph."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def same_document_causal(batch, head, query, key):
+        return (document_ids[batch, query] == document_ids[batch, key]) & (key <= query)
+
+    rows, length = document_ids.shape
+    return create_block_mask(same_document_causal, rows, None, length, length, device=document_ids.device,
+                             BLOCK_SIZE=FLEX_BLOCK_SIZE, _compile=False)

@@ -87,7 +87,8 @@ def test_gpu_defaults_apply_on_cuda_only_where_not_set(monkeypatch, tmp_path):
 
 
 def test_config_objects_check_themselves():
-    with pytest.raises(UsageError, match=r"^attention: expected one of 'sdpa', 'eager', got 'flash'$"):
+    with pytest.raises(UsageError,
+                       match=r"^attention: expected one of 'sdpa', 'eager', 'flex_attention', got 'flash'$"):
         Config(attention="flash")
     with pytest.raises(UsageError) as caught:
         Config(k=1.5, steps=0, teacher_workers=2, student_workers=3)
@@ -108,10 +109,16 @@ def test_a_run_from_a_teacher_cache_refuses_what_needs_a_teacher_model(tmp_path)
     assert Config(teacher_cache=cache, mode="cache", student_strategy="fsdp2").student_strategy == "fsdp2"
 
 
+def test_flex_attention_is_refused_where_the_student_generates():
+    with pytest.raises(UsageError, match=r"^attention: flex_attention is for training on packed rows; mode gkd"):
+        Config(attention="flex_attention", mode="gkd")
+    assert Config(attention="flex_attention", mode="off_policy").attention == "flex_attention"
+
+
 def test_the_attention_option_builds_that_attention():
     from orchestration.models import build_model
 
-    for attention in ("eager", "sdpa"):
+    for attention in ("eager", "sdpa", "flex_attention"):
         model = build_model(None, 32, 1, Config(heads=4, attention=attention), 100, seed=0)
         assert model.config._attn_implementation == attention
 
@@ -218,7 +225,8 @@ BAD = [  # (arguments, the start of each expected line)
     (["--set", "transfer=nccl"], ["transfer: 'nccl' needs CUDA devices"]),
     (["--set", "placement=disaggregated"], ["placement: 'disaggregated' needs CUDA devices"]),
     (["--set", "device=tpu"], ["device: expected one of 'auto', 'cpu', 'cuda', got 'tpu'"]),
-    (["--set", "attention=flash"], ["attention: expected one of 'sdpa', 'eager', got 'flash'"]),
+    (["--set", "attention=flash"], ["attention: expected one of 'sdpa', 'eager', 'flex_attention', got 'flash'"]),
+    (["--set", "attention=flex_attention", "--set", "device=cpu"], ["attention: flex_attention trains on CUDA only"]),
     (["--set", "micro_batches=3", "--set", "student_workers=2"], ["micro_batches: expected a multiple of 2"]),
     (["--set", "student_hidden=30"], ["student_hidden: expected a multiple of heads (4), got 30"]),
     (["--set", "data_path=/nonexistent.jsonl"], ["data_path: expected an existing file, got '/nonexistent.jsonl'"]),

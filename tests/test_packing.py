@@ -130,8 +130,96 @@ def test_attention_mask_is_block_diagonal_and_causal():
     assert torch.equal(additive[0, 0] == 0, expected)
     assert (additive[0, 0][~expected] == torch.finfo(torch.bfloat16).min).all()
     assert attention_mask(documents, "flash_attention_2") is None
-    with pytest.raises(ValueError, match="implementation: expected sdpa, eager"):
-        attention_mask(documents, "flex_attention")
+    with pytest.raises(ValueError, match="implementation: expected sdpa, eager, flex_attention"):
+        attention_mask(documents, "flash")
+
+
+def test_the_flex_block_mask_is_the_same_mask_and_skips_tiles_across_documents():
+    from torch.nn.attention.flex_attention import create_mask
+
+    from orchestration.packing import FLEX_BLOCK_SIZE
+
+    tile = FLEX_BLOCK_SIZE
+    documents = torch.tensor([[0] * tile + [1] * tile + [2] * tile,  # boundaries on tile edges
+                              [0] * 100 + [1] * 100 + [2] * (3 * tile - 200)])  # boundaries inside tiles
+    block = attention_mask(documents, "flex_attention")
+    assert block.shape == (2, 1, 3 * tile, 3 * tile) and block.BLOCK_SIZE == (tile, tile)
+    dense = create_mask(block.mask_mod, 2, 1, 3 * tile, 3 * tile, device="cpu")
+    assert torch.equal(dense, attention_mask(documents, "sdpa"))
+    tiles = block.to_dense()[:, 0].bool()  # [B, query tiles, key tiles]: the tiles the kernel visits
+    assert torch.equal(tiles[0], torch.eye(3, dtype=torch.bool))  # one document a tile: only the diagonal
+    assert torch.equal(tiles[1], torch.tensor([[1, 0, 0], [1, 1, 0], [0, 1, 1]], dtype=torch.bool))
+    short = torch.tensor([[0, 0, 1, 1, 1, 2]])  # a row shorter than a tile: one partial tile
+    assert torch.equal(create_mask(attention_mask(short, "flex_attention").mask_mod, 1, 1, 6, 6, device="cpu"),
+                       attention_mask(short, "sdpa"))
+
+
+@pytest.fixture
+def eager_flex_attention(monkeypatch):
+    """Hugging Face's flex_attention path with torch's eager flex_attention instead of the
+    compiled one (compiling it takes about a minute on two CPU cores); the eager one computes
+    the same masked softmax, forward only on the CPU."""
+    import transformers.integrations.flex_attention as hf_flex
+    from torch.nn.attention.flex_attention import flex_attention
+
+    def eager(query, key, value, training=False, **options):
+        return flex_attention(query, key, value, **options)
+
+    monkeypatch.setattr(hf_flex, "compile_friendly_flex_attention", eager)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_flex_attention_on_packed_rows_equals_the_dense_mask(family, eager_flex_attention):
+    from helpers_hf import tiny_causal_lm
+    from orchestration.hf_models import final_hidden_states
+
+    dense, flex = tiny_causal_lm(family, attention="sdpa").eval(), tiny_causal_lm(family, attention="flex_attention")
+    flex.load_state_dict(dense.state_dict())
+    flex.eval()
+
+    def hidden_of(documents):
+        rows = PackedRows(from_lists(documents), 12, eos_id=EOS, pad_id=PAD, shuffle=False)
+        batch = rows.batch([(0, index) for index in range(rows.rows_in_epoch())])
+        with torch.no_grad():
+            return [final_hidden_states(model, batch.input_ids, position_ids=batch.position_ids,
+                                        attention_mask=attention_mask(batch.document_ids, attention))
+                    for model, attention in ((dense, "sdpa"), (flex, "flex_attention"))], batch
+
+    (want, got), batch = hidden_of(DOCUMENTS)  # 3 rows: several documents a row, one split, padding
+    assert (batch.document_ids.amax(1) >= 1).all() and (batch.input_ids[-1, -2:] == PAD).all()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    changed = [list(document) for document in DOCUMENTS]
+    changed[1] = [40, 41]  # the second document's tokens differ, same length
+    (_, moved), _ = hidden_of(changed)
+    other = batch.document_ids != batch.document_ids[0, 4]  # row 0: [5, 6, 7, EOS | 8, 9, EOS | ...]
+    other[1:] = True
+    assert batch.input_ids[0, 4:6].tolist() == [8, 9]
+    torch.testing.assert_close(moved[other], got[other], rtol=0, atol=1e-6)
+    assert not torch.allclose(moved[0, 4:6], got[0, 4:6])
+
+
+@pytest.mark.slow  # torch compiles flex_attention for the CPU once: 10-30 s on two cores
+def test_compiled_flex_attention_compiles_once_for_every_block_mask():
+    """The path models take on CUDA (Hugging Face's compiled flex_attention) with the masks of
+    two different batches of one shape, in training and eval mode: one compiled graph, equal to
+    sdpa with the dense mask. Forward only: torch has no flex_attention backward on the CPU."""
+    import torch.nn.functional as F
+    from transformers.integrations.flex_attention import flex_attention_forward
+
+    torch._dynamo.reset()
+    module = torch.nn.Module()
+    generator = torch.Generator().manual_seed(0)
+    query, key, value = (torch.randn(2, 4, 160, 16, generator=generator) for _ in range(3))
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for cuts, training in (([30, 150], False), ([90], True), ([10, 20, 129], False)):
+            documents = torch.zeros(2, 160, dtype=torch.long)
+            for cut in cuts:
+                documents[:, cut:] += 1
+            documents[1] = documents[1].flip(0).neg() + documents[1].max()
+            module.train(training)
+            got, _ = flex_attention_forward(module, query, key, value, attention_mask(documents, "flex_attention"))
+            want = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask(documents, "sdpa"))
+            torch.testing.assert_close(got, want.transpose(1, 2), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("family, attention", [("llama", "sdpa"), ("llama", "eager"), ("qwen2", "sdpa")])
@@ -168,7 +256,67 @@ def test_a_token_never_attends_across_a_document(family, attention):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("attention", ["sdpa", "eager", "flash_attention_2"])
+def test_flex_attention_equals_the_dense_mask_on_the_gpu_at_a_real_shape():
+    """A Qwen2.5-0.5B-like model (4 of its 24 layers), 4 packed rows of 2048 tokens, bf16 autocast
+    over float32 weights as the student trains: hidden states and every parameter's gradient
+    with flex_attention are as close to the float32 dense-mask reference as sdpa's in bf16 are;
+    a second batch of other documents (eval forward, then training forward and backward) runs
+    the compiled kernels without recompiling; a batch of fewer rows (one recompile, the batch
+    size then dynamic) too."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from orchestration.hf_models import final_hidden_states
+
+    config = dict(vocab_size=32_000, hidden_size=896, intermediate_size=4864, num_hidden_layers=4,
+                  num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=2048)
+    torch.manual_seed(0)
+    models = {"sdpa": Qwen2ForCausalLM(Qwen2Config(**config, attn_implementation="sdpa")).cuda()}
+    models["flex_attention"] = Qwen2ForCausalLM(Qwen2Config(**config, attn_implementation="flex_attention")).cuda()
+    models["flex_attention"].load_state_dict(models["sdpa"].state_dict())
+    generator = np.random.default_rng(0)
+
+    def batch_of(seed, rows=4):
+        lengths = np.random.default_rng(seed).integers(30, 3000, size=12)  # some longer than a row: split
+        documents = [generator.integers(3, 32_000, size=n).tolist() for n in lengths]
+        return PackedRows(from_lists(documents), 2048, eos_id=EOS, pad_id=PAD, shuffle=False).batch(
+            [(0, index) for index in range(rows)])
+
+    def run(attention, batch, autocast=True, train=True):
+        model = models[attention].train(train)
+        model.zero_grad(set_to_none=True)
+        mask = attention_mask(batch.document_ids.cuda(), attention, torch.bfloat16)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast), torch.set_grad_enabled(train):
+            hidden = final_hidden_states(model, batch.input_ids.cuda(), position_ids=batch.position_ids.cuda(),
+                                         attention_mask=mask).float()
+        if not train:
+            return hidden, None
+        probe = torch.randn(hidden.shape, generator=torch.Generator("cuda").manual_seed(1), device="cuda")
+        (hidden * probe).sum().backward()
+        return hidden.detach(), torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+
+    def assert_as_close_as_sdpa(flex, batch):
+        reference, dense = run("sdpa", batch, autocast=False), run("sdpa", batch)
+        for name, got, want, base in zip(("hidden states", "gradients"), flex, reference, dense):
+            if got is None:
+                continue
+            error, bf16_error = ((value - want).norm().item() / want.norm().item() for value in (got, base))
+            assert error <= 2 * bf16_error + 1e-3, f"{name}: flex {error:.2e}, sdpa in bf16 {bf16_error:.2e}"
+
+    batch = batch_of(1)
+    assert (batch.document_ids.amax(1) >= 1).all()
+    assert_as_close_as_sdpa(run("flex_attention", batch), batch)
+    run("flex_attention", batch, train=False)  # the eval forward compiled too
+    other = batch_of(2)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        evaluated, trained = run("flex_attention", other, train=False), run("flex_attention", other)
+    assert_as_close_as_sdpa(evaluated, other)
+    assert_as_close_as_sdpa(trained, other)
+    fewer = batch_of(3, rows=3)  # held-out chunks may have other row counts: one recompile, batch size dynamic
+    assert_as_close_as_sdpa(run("flex_attention", fewer, train=False), fewer)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("attention", ["sdpa", "eager", "flash_attention_2", "flex_attention"])
 def test_documents_stay_apart_on_the_gpu_in_bf16(attention):
     """Real row lengths and bf16: the mask (or, for flash-attention's varlen kernels, the
     restarting position ids) keeps document B's hidden states those of B alone."""
