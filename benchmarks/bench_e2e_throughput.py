@@ -202,9 +202,12 @@ def driver(placement: str, strategy: str, paths: tuple, data: str, args) -> dict
         records = [json.loads(line) for line in handle][args.warmup:]
     peaks = {worker: values.get("cuda_max_allocated_mib", values["peak_rss_mib"])
              for worker, values in summary["memory"].items()}
+    with open(os.path.join(config.output_dir, "workers.json")) as handle:
+        pids = {worker: about["pid"] for worker, about in json.load(handle).items()}
+    by_process = {pids[worker]: peak for worker, peak in peaks.items()}  # a fused pair's workers share one
     seconds = statistics.median(r["step_seconds"] for r in records)
     return dict(provider=name, ms=1e3 * seconds, tokens_per_s=statistics.median(r["tokens_per_s"] for r in records),
-                peak_mib=sum(peaks.values()), **{f"{worker}_peak_mib": peak for worker, peak in peaks.items()})
+                peak_mib=sum(by_process.values()), **{f"{worker}_peak_mib": peak for worker, peak in peaks.items()})
 
 
 def main(argv=None):

@@ -32,11 +32,11 @@ def test_in_process_transfer_hands_the_topk_over_in_bf16_and_release_drops_lefto
     assert second not in _IN_PROCESS
 
 
-@pytest.mark.parametrize("workers", [1, 2])
-def test_fused_trains_exactly_like_the_two_actor_placement(ray_cluster, tmp_path, workers):
+@pytest.mark.parametrize("workers, strategy", [(1, "replica"), (2, "replica"), (1, "fsdp2")])
+def test_fused_trains_exactly_like_the_two_actor_placement(ray_cluster, tmp_path, workers, strategy):
     from orchestration.driver import run
 
-    layout = dict(teacher_workers=workers, student_workers=workers, micro_batches=2, **FEW)
+    layout = dict(teacher_workers=workers, student_workers=workers, micro_batches=2, student_strategy=strategy, **FEW)
     apart = run(_tiny(tmp_path, f"apart{workers}", **layout), progress=False, return_parameters=True)
     fused = run(_tiny(tmp_path, f"fused{workers}", placement="fused", **layout), progress=False,
                 return_parameters=True)
