@@ -1,8 +1,8 @@
 """The driver loop: data, teacher and student workers as Ray actors placed on the GPUs
-(colocated, disaggregated, or fused: a pair in one actor), teacher top-k through a `Transfer`, teacher scoring of step
-i + 1 overlapped with student training of step i, metrics, atomic checkpoints, resume from
-the newest one that verifies, a stop naming the worker that died, and Ctrl-C that stops
-after the current step with a checkpoint."""
+(colocated, disaggregated, or fused: a pair in one actor), teacher top-k through a
+`Transfer`, teacher scoring of step i + 1 overlapped with student training of step i,
+metrics, atomic checkpoints, resume from the newest one that verifies, a stop naming the
+worker that died, and Ctrl-C that stops after the current step with a checkpoint."""
 from __future__ import annotations
 
 import dataclasses

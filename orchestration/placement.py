@@ -106,7 +106,7 @@ def check_placement(layout: Layout, teacher_gpus: list, student_gpus: list) -> N
     not; a fused pair is one process."""
     if layout.placement in ("colocated", "fused"):
         if teacher_gpus != student_gpus:
-            raise RuntimeError(f"placement colocated: Ray put teacher and student workers on different GPUs "
+            raise RuntimeError(f"placement {layout.placement}: Ray put teacher and student workers on different GPUs "
                                f"(teachers {teacher_gpus}, students {student_gpus})")
     elif len(set(teacher_gpus + student_gpus)) != len(teacher_gpus) + len(student_gpus):
         raise RuntimeError(f"placement disaggregated: workers share GPUs (teachers {teacher_gpus}, students "

@@ -32,11 +32,11 @@ def test_in_process_transfer_hands_the_topk_over_in_bf16_and_release_drops_lefto
     assert second not in _IN_PROCESS
 
 
-@pytest.mark.parametrize("workers, strategy", [(1, "replica"), (2, "replica"), (1, "fsdp2")])
-def test_fused_trains_exactly_like_the_two_actor_placement(ray_cluster, tmp_path, workers, strategy):
+@pytest.mark.parametrize("workers", [1, pytest.param(2, marks=pytest.mark.slow)])  # 2: six worker processes
+def test_fused_trains_exactly_like_the_two_actor_placement(ray_cluster, tmp_path, workers):
     from orchestration.driver import run
 
-    layout = dict(teacher_workers=workers, student_workers=workers, micro_batches=2, student_strategy=strategy, **FEW)
+    layout = dict(teacher_workers=workers, student_workers=workers, micro_batches=2, **FEW)
     apart = run(_tiny(tmp_path, f"apart{workers}", **layout), progress=False, return_parameters=True)
     fused = run(_tiny(tmp_path, f"fused{workers}", placement="fused", **layout), progress=False,
                 return_parameters=True)
@@ -52,18 +52,19 @@ def test_fused_trains_exactly_like_the_two_actor_placement(ray_cluster, tmp_path
         assert workers_json[f"teacher-{rank}"]["pid"] == workers_json[f"student-{rank}"]["pid"]
 
 
-def test_fused_resumes_exactly_and_a_death_names_both_workers_of_the_process(ray_cluster, tmp_path):
+@pytest.mark.slow  # four driver runs: whole, stopped, resumed, and one that dies
+def test_fused_fsdp2_resumes_exactly_and_a_death_names_both_workers_of_the_process(ray_cluster, tmp_path):
     from orchestration.driver import run
     from orchestration.errors import WorkerDied
 
-    whole = run(_tiny(tmp_path, "whole", placement="fused", **FEW), progress=False, return_parameters=True)
-    run(_tiny(tmp_path, "resumed", placement="fused", stop_after=1, **FEW), progress=False)
-    resumed = run(_tiny(tmp_path, "resumed", placement="fused", resume=True, **FEW), progress=False,
-                  return_parameters=True)
+    sharded = dict(placement="fused", student_strategy="fsdp2", **FEW)
+    whole = run(_tiny(tmp_path, "whole", **sharded), progress=False, return_parameters=True)
+    run(_tiny(tmp_path, "resumed", stop_after=1, **sharded), progress=False)
+    resumed = run(_tiny(tmp_path, "resumed", resume=True, **sharded), progress=False, return_parameters=True)
     assert resumed["last_step"] == 3 and torch.equal(resumed["student_parameters"][0], whole["student_parameters"][0])
-    with pytest.raises(WorkerDied, match=r"^workers teacher-0, student-0 died at step 3; last good checkpoint: "
+    with pytest.raises(WorkerDied, match=r"^workers teacher-0, student-0 died at step 2; last good checkpoint: "
                                          r".*step_0000001$"):
-        run(_tiny(tmp_path, "dies", placement="fused", fail_student_at_step=3, **FEW), progress=False)
+        run(_tiny(tmp_path, "dies", fail_student_at_step=2, **sharded), progress=False)
 
 
 @pytest.mark.parametrize("overrides, message", [
