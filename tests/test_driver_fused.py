@@ -32,6 +32,40 @@ def test_in_process_transfer_hands_the_topk_over_in_bf16_and_release_drops_lefto
     assert second not in _IN_PROCESS
 
 
+def test_fused_actors_route_calls_by_worker_name_and_name_the_worker_that_raised(ray_cluster):
+    import os
+
+    import ray
+
+    from orchestration.actors import Actors
+    from orchestration.errors import WorkerFailed
+
+    class Role:  # defined here: Ray sends the class itself to the workers
+        def __init__(self, name):
+            self.name = name
+
+        def pid(self):
+            return self.name, os.getpid()
+
+        def fail(self):
+            raise ValueError(f"{self.name} failed")
+
+    actors = Actors(ray, lambda: None)
+    try:
+        names = actors.start_fused([("teacher", Role), ("student", Role)], 2, dict(num_cpus=0),
+                                   lambda role, rank: (f"{role} {rank}",))
+        assert names == dict(teacher=["teacher-0", "teacher-1"], student=["student-0", "student-1"])
+        assert sorted(actors.handles) == ["teacher-0+student-0", "teacher-1+student-1"]
+        answers = actors.get([actors.call(worker, "pid") for worker in ("teacher-1", "student-1", "student-0")],
+                             "during setup")
+        assert [name for name, _ in answers] == ["teacher 1", "student 1", "student 0"]
+        assert answers[0][1] == answers[1][1] != answers[2][1]  # one process a pair
+        with pytest.raises(WorkerFailed, match=r"^worker student-1 failed at step 3: ValueError: student 1 failed$"):
+            actors.get([actors.call("teacher-0", "pid"), actors.call("student-1", "fail")], "at step 3")
+    finally:
+        actors.kill_all()
+
+
 @pytest.mark.parametrize("workers", [1, pytest.param(2, marks=pytest.mark.slow)])  # 2: six worker processes
 def test_fused_trains_exactly_like_the_two_actor_placement(ray_cluster, tmp_path, workers):
     from orchestration.driver import run
