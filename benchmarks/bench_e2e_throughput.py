@@ -1,5 +1,5 @@
 """End-to-end distillation throughput at real shapes: one process with full logits, one
-process with kd_kernels, and the Ray driver colocated on one GPU.
+process with kd_kernels, and the Ray driver on one GPU (colocated and fused placements).
 
 Models are random-initialized Qwen2 checkpoints written with ``save_pretrained`` (with a
 word-level tokenizer of the vocabulary, so the driver takes the tokenizer from them), data
@@ -17,9 +17,10 @@ peak memory, GPU allocated on CUDA, resident set on CPU):
       packed with an EOS between them, position ids per document, the block-diagonal mask;
       once per --attention entry: sdpa (a dense mask, the unnamed row) or flex_attention (a
       block mask that skips the tiles across documents; CUDA only)
-  driver colocated (STRATEGY)             orchestrate.py's driver, teacher and student workers
-      on one GPU; one row per --strategies entry (replica, fsdp2); a run that runs out of
-      memory is a row saying so; with several --attention entries, once per entry.
+  driver PLACEMENT (STRATEGY[, ATTENTION]) orchestrate.py's driver on one GPU: colocated (a
+      teacher and a student actor, top-k by CUDA IPC) and fused (both workers in one actor,
+      one process, top-k handed over in process); one row per --placements, --strategies
+      (replica, fsdp2) and --attention entry; a run that runs out of memory is a row saying so.
 ``--tiny``: small shapes on the CPU (a smoke test). Compare the strategies on a 1.5B-like
 student: ``--student 1536,28,12,2,8960 --strategies replica,fsdp2 --set activation_checkpointing=true``.
 
@@ -36,7 +37,7 @@ On-policy parts (instead of the above; no Ray for --weight-sync):
       the rollout worker against plain Hugging Face generate of the same model and batch.
 
 usage: python benchmarks/bench_e2e_throughput.py [--steps 20] [--tiny] [--strategies replica,fsdp2]
-           [--attention sdpa,flex_attention]
+           [--placements colocated,fused] [--attention sdpa,flex_attention]
        python benchmarks/bench_e2e_throughput.py --weight-sync [--sync-models 0.5b,1.5b,7b]
        python benchmarks/bench_e2e_throughput.py --onpolicy [--steps 40]
 """
@@ -189,15 +190,14 @@ def release_memory(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def driver(strategy: str, paths: tuple, data: str, args, attention: str = "sdpa") -> dict:
-    name = f"driver colocated ({strategy}{_attention_suffix(attention)})"
-    config = load_config(None, [f"output_dir={args.output_dir}/{strategy}", f"steps={args.steps}",
+def driver(placement: str, strategy: str, paths: tuple, data: str, args, attention: str = "sdpa") -> dict:
+    name = f"driver {placement} ({strategy}{_attention_suffix(attention)})"
+    config = load_config(None, [f"output_dir={args.output_dir}/{placement}_{strategy}", f"steps={args.steps}",
                                 f"teacher_path={paths[0]}", f"student_path={paths[1]}", f"data_path={data}",
                                 f"row_tokens={args.row_tokens}", f"rows_per_micro_batch={args.rows}",
                                 "micro_batches=1", f"k={args.k}", f"student_strategy={strategy}",
                                 "checkpoint_every=0", "overwrite=true", "ce_weight=0.5", "kd_weight=0.5",
-                                f"attention={attention}",
-                                f"device={args.device}", *(["placement=colocated"] if args.device == "cuda" else []),
+                                f"attention={attention}", f"device={args.device}", f"placement={placement}",
                                 *args.set])
     try:
         summary = run(config, progress=False)
@@ -211,9 +211,12 @@ def driver(strategy: str, paths: tuple, data: str, args, attention: str = "sdpa"
         records = [json.loads(line) for line in handle][args.warmup:]
     peaks = {worker: values.get("cuda_max_allocated_mib", values["peak_rss_mib"])
              for worker, values in summary["memory"].items()}
+    with open(os.path.join(config.output_dir, "workers.json")) as handle:
+        pids = {worker: about["pid"] for worker, about in json.load(handle).items()}
+    by_process = {pids[worker]: peak for worker, peak in peaks.items()}  # a fused pair's workers share one
     seconds = statistics.median(r["step_seconds"] for r in records)
     return dict(provider=name, ms=1e3 * seconds, tokens_per_s=statistics.median(r["tokens_per_s"] for r in records),
-                peak_mib=sum(peaks.values()), **{f"{worker}_peak_mib": peak for worker, peak in peaks.items()})
+                peak_mib=sum(by_process.values()), **{f"{worker}_peak_mib": peak for worker, peak in peaks.items()})
 
 
 def main(argv=None):
@@ -229,6 +232,8 @@ def main(argv=None):
     parser.add_argument("--strategies", default="replica", help="driver rows: replica, fsdp2 or both (comma)")
     parser.add_argument("--attention", default="sdpa", help="packed and driver rows: sdpa, flex_attention or both "
                         "(comma); flex_attention on CUDA only")
+    parser.add_argument("--placements", default="colocated,fused",
+                        help="driver rows: colocated, fused or both (comma), each with every strategy")
     parser.add_argument("--skip-single", action="store_true", help="only the driver rows")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU (smoke test)")
     parser.add_argument("--output-dir", default="runs/bench_e2e_throughput", help="checkpoints, data and runs")
@@ -272,8 +277,8 @@ def main(argv=None):
         for kind, rows, attention in runs:
             measurements.append(single_process(kind, paths, args, device, rows, attention))
             release_memory(device)
-    measurements += [driver(strategy, paths, data, args, attention)
-                     for attention in attentions for strategy in args.strategies.split(",")]
+    measurements += [driver(placement, strategy, paths, data, args, attention) for attention in attentions
+                     for placement in args.placements.split(",") for strategy in args.strategies.split(",")]
     floor = next((m["ms"] for m in measurements if m["provider"] == FLOOR), None)
     rows = []
     for m in measurements:

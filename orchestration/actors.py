@@ -29,7 +29,8 @@ class Actors:
 
     def __init__(self, ray, last_checkpoint: Callable[[], Optional[str]]):
         self.ray, self.last_checkpoint = ray, last_checkpoint
-        self.handles: dict[str, Any] = {}
+        self.handles: dict[str, Any] = {}  # actor name -> handle
+        self.roles: dict[str, tuple[str, str]] = {}  # worker name -> (its fused actor's name, its role there)
 
     def start(self, role: str, cls: type, count: int, options: dict, arguments: Callable[[int], tuple],
               placed: Optional[Callable[[int], dict]] = None) -> list[str]:
@@ -44,7 +45,29 @@ class Actors:
             self.handles[name] = remote.options(**options, **extra).remote(*arguments(rank))
         return names
 
+    def start_fused(self, roles: list[tuple[str, type]], count: int, options: dict,
+                    arguments: Callable[[str, int], tuple], placed: Optional[Callable[[int], dict]] = None
+                    ) -> dict[str, list[str]]:
+        """``count`` `fused.FusedWorker` actors, the one of rank ``r`` holding a worker of each
+        ``(role, cls)``, built with ``arguments(role, r)``; the workers keep their names
+        (``role-r``: `call`, `get` and the messages of a death use them). Returns each role's
+        worker names."""
+        from .fused import FusedWorker
+
+        remote = self.ray.remote(max_restarts=0)(FusedWorker)
+        names = {role: [f"{role}-{rank}" for rank in range(count)] for role, _ in roles}
+        for rank in range(count):
+            actor = "+".join(names[role][rank] for role, _ in roles)
+            extra = placed(rank) if placed is not None else {}
+            self.handles[actor] = remote.options(**options, **extra).remote(
+                [(role, cls, arguments(role, rank)) for role, cls in roles])
+            self.roles.update({names[role][rank]: (actor, role) for role, _ in roles})
+        return names
+
     def call(self, worker: str, method: str, *args) -> Call:
+        if worker in self.roles:
+            actor, role = self.roles[worker]
+            return Call(worker, self.handles[actor].call.remote(role, method, *args))
         return Call(worker, getattr(self.handles[worker], method).remote(*args))
 
     def get(self, calls: list[Call], when: str) -> list:
@@ -65,7 +88,8 @@ class Actors:
             yield index, self.get([calls[index]], when)[0]
 
     def dead(self) -> dict[str, Exception]:
-        """The workers whose process is gone (or that failed to start), with Ray's error."""
+        """The workers whose process is gone (or that failed to start), with Ray's error (a
+        fused actor by its name, ``teacher-0+student-0``: both workers of its process)."""
         pings = {name: handle.ping.remote() for name, handle in self.handles.items()}
         ready, _ = self.ray.wait(list(pings.values()), num_returns=len(pings), timeout=PING_SECONDS)
         found = {}
@@ -83,10 +107,9 @@ class Actors:
         started = {name: error for name, error in dead.items() if error.actor_init_failed}
         if started:
             name, error = next(iter(started.items()))
-            return WorkerFailed(f"worker {name} failed to start: {_last_line(str(error))}")
+            return WorkerFailed(f"{_workers([name])} failed to start: {_last_line(str(error))}")
         if dead:
-            names = ", ".join(dead)
-            return WorkerDied(f"worker{'s' if len(dead) > 1 else ''} {names} died {when}; last good checkpoint: "
+            return WorkerDied(f"{_workers(list(dead))} died {when}; last good checkpoint: "
                               f"{self.last_checkpoint() or 'none'}")
         for call in calls:
             try:
@@ -103,6 +126,13 @@ class Actors:
     def kill_all(self) -> None:
         for handle in self.handles.values():
             self.ray.kill(handle, no_restart=True)
+
+
+def _workers(actors: list[str]) -> str:
+    """"worker teacher-0" or "workers teacher-0, student-0" for actor names (a fused actor's
+    name joins its workers' with "+")."""
+    workers = [worker for actor in actors for worker in actor.split("+")]
+    return f"worker{'s' if len(workers) > 1 else ''} {', '.join(workers)}"
 
 
 def _last_line(text: str) -> str:

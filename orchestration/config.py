@@ -147,6 +147,23 @@ def _flex_attention(values: dict) -> Optional[str]:
     return None
 
 
+def _fused(values: dict) -> Optional[str]:
+    """placement fused: off-policy from a live teacher, each micro-batch scored in its student's process."""
+    if values["placement"] != "fused":
+        return None
+    if values["mode"] in ("on_policy", "gkd"):
+        return (f"placement: fused runs mode off_policy (the on-policy loop's rollout and weight-sync workers are "
+                f"separate actors); use colocated for mode {values['mode']}")
+    if values["teacher_cache"] and values["mode"] != "cache":
+        return "placement: fused pairs a live teacher with each student; a run from a teacher_cache uses colocated"
+    if values["teacher_workers"] == values["student_workers"]:  # else resolve_layout names the counts
+        plan = CommPlan(values["teacher_workers"], values["student_workers"], values["micro_batches"])
+        if any(route.teacher_rank != route.student_rank for route in plan.routes()):
+            return ("placement: fused needs every micro-batch scored by the teacher in its student's process, and "
+                    "the micro-batch plan routes some across ranks")
+    return None
+
+
 RULES = (
     (("adam_beta1", "adam_beta2"), _adam_betas),
     (("teacher_workers", "student_workers", "micro_batches"), _comm_plan),
@@ -159,6 +176,7 @@ RULES = (
       "max_new_tokens", "row_tokens", "student_path", "student_strategy", "teacher_cache", "eval_every"),
      _on_policy),
     (("attention", "mode"), _flex_attention),
+    (("placement", "mode", "teacher_cache", "teacher_workers", "student_workers", "micro_batches"), _fused),
 )
 
 

@@ -1,8 +1,8 @@
 """The driver loop: data, teacher and student workers as Ray actors placed on the GPUs
-(colocated or disaggregated), teacher top-k through a `Transfer`, teacher scoring of step
-i + 1 overlapped with student training of step i, metrics, atomic checkpoints, resume from
-the newest one that verifies, a stop naming the worker that died, and Ctrl-C that stops
-after the current step with a checkpoint."""
+(colocated, disaggregated, or fused: a pair in one actor), teacher top-k through a
+`Transfer`, teacher scoring of step i + 1 overlapped with student training of step i,
+metrics, atomic checkpoints, resume from the newest one that verifies, a stop naming the
+worker that died, and Ctrl-C that stops after the current step with a checkpoint."""
 from __future__ import annotations
 
 import dataclasses
@@ -217,17 +217,27 @@ class _Session:
         teacher_worlds, student_worlds = worlds(layout.transfer, config.teacher_workers, config.student_workers,
                                                 device, sharded=config.student_strategy == "fsdp2", host=host,
                                                 port=port)
+        arguments = dict(teacher=lambda rank: (config, vocab, layout.transfer, teacher_worlds[rank]),
+                         student=lambda rank: (config, vocab, rank, config.student_workers, student_worlds[rank],
+                                               layout.transfer))
+        teacher_class = CacheTeacherWorker if config.teacher_cache else TeacherWorker
         # actors take no CPU slot: the driver decides placement, and more actors than cores must start
-        self.teachers = self.actors.start("teacher", CacheTeacherWorker if config.teacher_cache else TeacherWorker,
-                                          config.teacher_workers,
-                                          dict(num_cpus=0, num_gpus=layout.gpus_per_teacher),
-                                          lambda rank: (config, vocab, layout.transfer, teacher_worlds[rank]),
-                                          (lambda rank: teacher_slots[rank].actor_options()) if teacher_slots else None)
-        self.students = self.actors.start("student", StudentWorker, config.student_workers,
-                                          dict(num_cpus=0, num_gpus=layout.gpus_per_student),
-                                          lambda rank: (config, vocab, rank, config.student_workers,
-                                                        student_worlds[rank], layout.transfer),
-                                          (lambda rank: student_slots[rank].actor_options()) if student_slots else None)
+        if layout.placement == "fused":  # a pair's teacher is built first: its student seeds the process last
+            names = self.actors.start_fused([("teacher", teacher_class), ("student", StudentWorker)],
+                                            config.student_workers, dict(num_cpus=0, num_gpus=layout.gpus_per_student),
+                                            lambda role, rank: arguments[role](rank),
+                                            (lambda rank: student_slots[rank].actor_options()) if student_slots
+                                            else None)
+            self.teachers, self.students = names["teacher"], names["student"]
+        else:
+            self.teachers = self.actors.start("teacher", teacher_class, config.teacher_workers,
+                                              dict(num_cpus=0, num_gpus=layout.gpus_per_teacher), arguments["teacher"],
+                                              (lambda rank: teacher_slots[rank].actor_options()) if teacher_slots
+                                              else None)
+            self.students = self.actors.start("student", StudentWorker, config.student_workers,
+                                              dict(num_cpus=0, num_gpus=layout.gpus_per_student), arguments["student"],
+                                              (lambda rank: student_slots[rank].actor_options()) if student_slots
+                                              else None)
         workers = self.teachers + self.students
         with self.report.phase(f"starting {len(workers)} workers"):
             pids = self.get(self.each(workers, "pid"), "during setup")
@@ -256,13 +266,16 @@ class _Session:
     def place(self, device: str) -> tuple[list, list]:
         """In a joined cluster (``ray_address``): placement group slots per node for the
         teacher and the student workers (`cluster.place_slots`; a colocated teacher and
-        student share a one-GPU slot; students take consecutive slots, so FSDP's ranks share
-        nodes); ([], []) for a local Ray."""
+        student share a one-GPU slot, a fused pair's one actor takes it; students take
+        consecutive slots, so FSDP's ranks share nodes); ([], []) for a local Ray."""
         config, layout = self.config, self.layout
         if config.ray_address is None:
             return [], []
         from .cluster import place_slots
 
+        if layout.placement == "fused":
+            self.slots = place_slots(config.student_workers, {"GPU": 1} if device == "cuda" else {"CPU": 1})
+            return self.slots, self.slots
         if device == "cuda" and layout.placement == "colocated":
             slots = place_slots(config.student_workers, {"GPU": 1})
             self.slots = slots

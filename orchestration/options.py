@@ -219,11 +219,12 @@ OPTIONS: tuple[Option, ...] = tuple([
            ("student_workers", int, 1, "student data-parallel workers (gradients summed with gloo / NCCL; the loss is "
             "normalized by the step's global token count)", dict(minimum=1)),
            ("placement", str, "auto", "on GPUs, teacher and student workers share each GPU (colocated) or get their "
-            "own (disaggregated; auto picks it when there are teacher_workers + student_workers GPUs)",
-            dict(choices=("auto", "colocated", "disaggregated"))),
+            "own (disaggregated; auto picks it when there are teacher_workers + student_workers GPUs); fused: each "
+            "teacher / student pair in one process per GPU (off_policy, teacher_workers == student_workers; never "
+            "auto)", dict(choices=("auto", "colocated", "disaggregated", "fused"))),
            ("transfer", str, "auto", "how teacher top-k reaches the student (auto: CUDA IPC when colocated, NCCL "
-            "when disaggregated, the object store on CPU)",
-            dict(choices=("auto", "object_store", "cuda_ipc", "nccl"))),
+            "when disaggregated, in process when fused, the object store on CPU)",
+            dict(choices=("auto", "object_store", "cuda_ipc", "nccl", "in_process"))),
            ("teacher_offload", bool, False, "keep the teacher's weights on the CPU between its scoring calls "
             "(colocated runs short of GPU memory)"),
            ("overlap", bool, True, "score step i + 1 on the teacher while the student trains step i (off-policy; "

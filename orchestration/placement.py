@@ -11,9 +11,9 @@ from typing import Optional
 @dataclass(frozen=True)
 class Layout:
     """Where the workers run and how top-k travels: resolved once by the driver."""
-    placement: str  # colocated | disaggregated ("colocated" on CPU, where there is no GPU to place)
-    transfer: str  # object_store | cuda_ipc | nccl
-    gpus_per_teacher: float  # Ray num_gpus of each actor (0 on CPU)
+    placement: str  # colocated | disaggregated | fused ("colocated" on CPU unless fused was asked for)
+    transfer: str  # object_store | cuda_ipc | nccl | in_process
+    gpus_per_teacher: float  # Ray num_gpus of each actor (0 on CPU; fused: of the one actor of a pair)
     gpus_per_student: float
 
 
@@ -58,8 +58,13 @@ def resolve_layout(placement: str, transfer: str, device: str, gpus: int, teache
 
     GPU: colocated (a teacher and a student worker on each GPU, CUDA IPC) when teacher_workers
     == student_workers fit the GPUs, else disaggregated (one GPU per worker, NCCL); colocated
-    needs half the GPUs. CPU: the object store. Raises ValueError for requests the machine
-    cannot honour, naming the option."""
+    needs half the GPUs. CPU: the object store. ``fused`` (asked for, never auto): each
+    teacher / student pair in one process (one actor, one GPU), top-k handed over in process;
+    on CPU too. Raises ValueError for requests the machine cannot honour, naming the option."""
+    if placement == "fused":
+        return _fused_layout(transfer, device, gpus, teachers, students)
+    if transfer == "in_process":
+        raise ValueError("transfer: 'in_process' hands top-k over inside one process; it needs placement=fused")
     if device != "cuda":
         if transfer not in ("auto", "object_store"):
             raise ValueError(f"transfer: {transfer!r} needs CUDA devices; on CPU use object_store (or auto)")
@@ -82,11 +87,26 @@ def resolve_layout(placement: str, transfer: str, device: str, gpus: int, teache
     return Layout(placement, chosen, share, share)
 
 
+def _fused_layout(transfer: str, device: str, gpus: int, teachers: int, students: int) -> Layout:
+    if teachers != students:
+        raise ValueError(f"placement: fused holds one teacher and one student worker in each process: needs "
+                         f"teacher_workers == student_workers, got {teachers} and {students}")
+    if device == "cuda" and students > gpus:
+        raise ValueError(f"placement: fused takes one GPU per teacher / student pair: needs student_workers <= GPUs, "
+                         f"got {students} and {gpus} GPUs")
+    if transfer not in ("auto", "in_process"):
+        raise ValueError(f"transfer: placement fused hands top-k over inside its process: use in_process (or auto), "
+                         f"got {transfer!r}")
+    share = 1.0 if device == "cuda" else 0.0  # the pair's one actor holds the GPU
+    return Layout("fused", "in_process", share, share)
+
+
 def check_placement(layout: Layout, teacher_gpus: list, student_gpus: list) -> None:
-    """Colocated pairs must share a GPU (CUDA IPC maps its memory); disaggregated workers must not."""
-    if layout.placement == "colocated":
+    """Colocated pairs must share a GPU (CUDA IPC maps its memory); disaggregated workers must
+    not; a fused pair is one process."""
+    if layout.placement in ("colocated", "fused"):
         if teacher_gpus != student_gpus:
-            raise RuntimeError(f"placement colocated: Ray put teacher and student workers on different GPUs "
+            raise RuntimeError(f"placement {layout.placement}: Ray put teacher and student workers on different GPUs "
                                f"(teachers {teacher_gpus}, students {student_gpus})")
     elif len(set(teacher_gpus + student_gpus)) != len(teacher_gpus) + len(student_gpus):
         raise RuntimeError(f"placement disaggregated: workers share GPUs (teachers {teacher_gpus}, students "

@@ -3,10 +3,12 @@ buffer per micro-batch) reaches the student that trains on it: one class per mod
 by name from `TRANSFERS`. Each worker holds one instance; the teacher calls `send` (and
 `release` when the driver says a step is done), the student `receive`; both call `setup`
 with their peers before any scoring. The message that travels through Ray is what `send`
-returns: the bytes themselves (object store) or a small handle (CUDA IPC, NCCL).
+returns: the bytes themselves (object store), a small handle (CUDA IPC, NCCL) or a key of
+this process's table (in process: teacher and student in one fused worker).
 """
 from __future__ import annotations
 
+import itertools
 import warnings
 from typing import Any
 
@@ -135,7 +137,46 @@ class Nccl(_KeepsBuffers):
         entry[1].wait()  # the send completed before its buffer is dropped
 
 
-TRANSFERS = {mode.name: mode for mode in (ObjectStore, CudaIpc, Nccl)}
+# the in-process transfer's table, shared by the teacher and the student of one process:
+# key -> the TopK sent and not yet received
+_IN_PROCESS: dict[int, kd.TopK] = {}
+_IN_PROCESS_KEYS = itertools.count()
+
+
+class InProcess(Transfer):
+    """Teacher and student in one process (``placement=fused``): `send` keeps the TopK itself
+    in this process's table and returns its key, `receive` pops it; no copy, no
+    serialization. The log-probs are rounded to bfloat16 as every other mode sends them
+    (a no-op when they are bf16 already), so the student trains on the same values. The
+    teacher's `release` of a step drops what no student received (a step that failed)."""
+
+    name = "in_process"
+
+    def __init__(self):
+        self._sent: dict[int, list[int]] = {}  # step -> keys this teacher sent
+
+    def send(self, topk: kd.TopK, step: int, student_rank: int) -> int:
+        if not isinstance(topk, kd.TopK):
+            raise TypeError(f"topk: the in_process transfer sends kd.TopK, got {type(topk).__name__}")
+        key = next(_IN_PROCESS_KEYS)
+        _IN_PROCESS[key] = kd.TopK(topk.logprobs.to(torch.bfloat16), topk.indices.to(torch.int32),
+                                   None if topk.lse is None else topk.lse.float(), topk.temperature)
+        self._sent.setdefault(step, []).append(key)
+        return key
+
+    def receive(self, message: int, device: torch.device) -> kd.TopK:
+        if message not in _IN_PROCESS:
+            raise KeyError(f"message: top-k {message} was not sent in this process (or was received already); the "
+                           "in_process transfer needs the teacher and its student in one process (placement=fused)")
+        return _IN_PROCESS.pop(message).to(device)
+
+    def release(self, step: int) -> None:
+        for done in [s for s in self._sent if s <= step]:
+            for key in self._sent.pop(done):
+                _IN_PROCESS.pop(key, None)
+
+
+TRANSFERS = {mode.name: mode for mode in (ObjectStore, CudaIpc, Nccl, InProcess)}
 
 
 def transfer_for(name: str) -> Transfer:

@@ -121,13 +121,14 @@ def test_object_store_transfer_round_trip(ray_cluster):
     logprobs[0, -1] = -math.inf
     top = kd.TopK(logprobs, torch.randint(0, 40, (6, 5), dtype=torch.int32), torch.randn(6), 2.0)
     sender, receiver = transfer_for("object_store"), transfer_for("object_store")
-    assert isinstance(sender, ObjectStore) and set(TRANSFERS) == {"object_store", "cuda_ipc", "nccl"}
+    assert isinstance(sender, ObjectStore) and set(TRANSFERS) == {"object_store", "cuda_ipc", "nccl", "in_process"}
     fetched = ray.get(ray.put(sender.send(top, step=0, student_rank=0)))
     assert isinstance(fetched, np.ndarray) and not fetched.flags.writeable  # shared memory, read in place
     back = receiver.receive(fetched, torch.device("cpu"))
     assert torch.equal(back.indices, top.indices) and torch.equal(back.logprobs, top.logprobs.to(torch.bfloat16))
     assert back.temperature == 2.0
-    with pytest.raises(ValueError, match="transfer: expected one of 'object_store', 'cuda_ipc', 'nccl', got 'tcp'"):
+    with pytest.raises(ValueError, match="transfer: expected one of 'object_store', 'cuda_ipc', 'nccl', "
+                                         "'in_process', got 'tcp'"):
         transfer_for("tcp")
 
 

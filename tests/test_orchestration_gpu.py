@@ -1,6 +1,6 @@
 """The Ray driver on GPUs: top-k through CUDA IPC (teacher and student sharing one GPU) and
-through NCCL (two GPUs) give the same training as the object store; the teacher can be
-offloaded between its calls. Runs on the GPU machine (skipped without CUDA or Ray)."""
+through NCCL (two GPUs) give the same training as the object store, and the fused placement
+(both in one process) as colocated; the teacher can be offloaded between its calls. Runs on the GPU machine (skipped without CUDA or Ray)."""
 import json
 
 import pytest
@@ -67,6 +67,21 @@ def test_colocated_teacher_offload_trains_the_same(ray_cluster, tmp_path):
                     return_parameters=True)
     assert offloaded["transfer"] == "cuda_ipc"
     _same_training(plain, offloaded)
+
+
+@pytest.mark.parametrize("strategy", ["replica", "fsdp2"])
+def test_fused_trains_like_colocated_in_one_process_per_gpu(ray_cluster, tmp_path, strategy):
+    from orchestration.driver import run
+
+    colocated = run(_small(tmp_path, f"pair_{strategy}", placement="colocated", student_strategy=strategy),
+                    progress=False, return_parameters=True)
+    fused = run(_small(tmp_path, f"fused_{strategy}", placement="fused", student_strategy=strategy), progress=False,
+                return_parameters=True)
+    assert (fused["placement"], fused["transfer"]) == ("fused", "in_process")
+    with open(tmp_path / f"fused_{strategy}" / "workers.json") as handle:
+        workers = json.load(handle)
+    assert workers["teacher-0"]["pid"] == workers["student-0"]["pid"]
+    _same_training(colocated, fused)
 
 
 def test_disaggregated_nccl_equals_the_object_store(ray_cluster, tmp_path):

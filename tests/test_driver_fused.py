@@ -1,0 +1,133 @@
+"""placement=fused: each teacher / student pair in one Ray actor, top-k handed over in
+process. It trains exactly as the two-actor placement does, resumes, names its workers,
+and refuses the combinations it cannot run."""
+import json
+
+import pytest
+import torch
+
+import kd_kernels as kd
+from orchestration.errors import UsageError
+from test_orchestration import _tiny
+from test_orchestration import ray_cluster  # noqa: F401 - the fixture
+
+FEW = dict(steps=4, checkpoint_every=2)
+
+
+def test_in_process_transfer_hands_the_topk_over_in_bf16_and_release_drops_leftovers():
+    from orchestration.transfer import _IN_PROCESS, transfer_for
+
+    logprobs = torch.log_softmax(torch.randn(6, 40), -1).topk(5).values
+    top = kd.TopK(logprobs, torch.randint(0, 40, (6, 5), dtype=torch.int32), torch.randn(6), 2.0)
+    teacher, student = transfer_for("in_process"), transfer_for("in_process")
+    first, second = teacher.send(top, step=3, student_rank=0), teacher.send(top, step=3, student_rank=0)
+    back = student.receive(first, torch.device("cpu"))
+    assert torch.equal(back.logprobs, logprobs.to(torch.bfloat16)) and back.indices is top.indices
+    assert back.lse is top.lse and back.temperature == 2.0
+    with pytest.raises(KeyError, match="was not sent in this process"):
+        student.receive(first, torch.device("cpu"))  # popped: received once
+    teacher.release(2)
+    assert second in _IN_PROCESS  # a later step's top-k stays
+    teacher.release(3)
+    assert second not in _IN_PROCESS
+
+
+def test_fused_actors_route_calls_by_worker_name_and_name_the_worker_that_raised(ray_cluster):
+    import os
+
+    import ray
+
+    from orchestration.actors import Actors
+    from orchestration.errors import WorkerFailed
+
+    class Role:  # defined here: Ray sends the class itself to the workers
+        def __init__(self, name):
+            self.name = name
+
+        def pid(self):
+            return self.name, os.getpid()
+
+        def fail(self):
+            raise ValueError(f"{self.name} failed")
+
+    actors = Actors(ray, lambda: None)
+    try:
+        names = actors.start_fused([("teacher", Role), ("student", Role)], 2, dict(num_cpus=0),
+                                   lambda role, rank: (f"{role} {rank}",))
+        assert names == dict(teacher=["teacher-0", "teacher-1"], student=["student-0", "student-1"])
+        assert sorted(actors.handles) == ["teacher-0+student-0", "teacher-1+student-1"]
+        answers = actors.get([actors.call(worker, "pid") for worker in ("teacher-1", "student-1", "student-0")],
+                             "during setup")
+        assert [name for name, _ in answers] == ["teacher 1", "student 1", "student 0"]
+        assert answers[0][1] == answers[1][1] != answers[2][1]  # one process a pair
+        with pytest.raises(WorkerFailed, match=r"^worker student-1 failed at step 3: ValueError: student 1 failed$"):
+            actors.get([actors.call("teacher-0", "pid"), actors.call("student-1", "fail")], "at step 3")
+    finally:
+        actors.kill_all()
+
+
+@pytest.mark.parametrize("workers", [1, pytest.param(2, marks=pytest.mark.slow)])  # 2: six worker processes
+def test_fused_trains_exactly_like_the_two_actor_placement(ray_cluster, tmp_path, workers):
+    from orchestration.driver import run
+
+    layout = dict(teacher_workers=workers, student_workers=workers, micro_batches=2, **FEW)
+    apart = run(_tiny(tmp_path, f"apart{workers}", **layout), progress=False, return_parameters=True)
+    fused = run(_tiny(tmp_path, f"fused{workers}", placement="fused", **layout), progress=False,
+                return_parameters=True)
+    assert (fused["placement"], fused["transfer"]) == ("fused", "in_process")
+    assert apart["placement"] == "colocated"
+    assert len(fused["student_parameters"]) == workers
+    for got, expected in zip(fused["student_parameters"], apart["student_parameters"]):
+        assert torch.equal(got, expected)
+    workers_json = json.load(open(tmp_path / f"fused{workers}" / "workers.json"))
+    assert sorted(workers_json) == sorted([f"teacher-{r}" for r in range(workers)] +
+                                          [f"student-{r}" for r in range(workers)])
+    for rank in range(workers):  # one process a pair
+        assert workers_json[f"teacher-{rank}"]["pid"] == workers_json[f"student-{rank}"]["pid"]
+
+
+@pytest.mark.slow  # four driver runs: whole, stopped, resumed, and one that dies
+def test_fused_fsdp2_resumes_exactly_and_a_death_names_both_workers_of_the_process(ray_cluster, tmp_path):
+    from orchestration.driver import run
+    from orchestration.errors import WorkerDied
+
+    sharded = dict(placement="fused", student_strategy="fsdp2", **FEW)
+    whole = run(_tiny(tmp_path, "whole", **sharded), progress=False, return_parameters=True)
+    run(_tiny(tmp_path, "resumed", stop_after=1, **sharded), progress=False)
+    resumed = run(_tiny(tmp_path, "resumed", resume=True, **sharded), progress=False, return_parameters=True)
+    assert resumed["last_step"] == 3 and torch.equal(resumed["student_parameters"][0], whole["student_parameters"][0])
+    with pytest.raises(WorkerDied, match=r"^workers teacher-0, student-0 died at step 2; last good checkpoint: "
+                                         r".*step_0000001$"):
+        run(_tiny(tmp_path, "dies", fail_student_at_step=2, **sharded), progress=False)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(teacher_workers=1, student_workers=2), "placement: fused holds one teacher and one student worker in each "
+                                                 "process: needs teacher_workers == student_workers, got 1 and 2"),
+    (dict(transfer="object_store"), "transfer: placement fused hands top-k over inside its process: use in_process "
+                                    "(or auto), got 'object_store'"),
+    (dict(mode="gkd"), "placement: fused runs mode off_policy"),
+    (dict(teacher_cache="/nonexistent"), "placement: fused pairs a live teacher with each student"),
+])
+def test_fused_refuses_what_it_cannot_run(tmp_path, overrides, message):
+    from orchestration.config import check_machine
+
+    try:  # the rules refuse when the Config is built, the machine's checks before a run starts
+        problems = check_machine(vars(_tiny(tmp_path, "refused", placement="fused", **overrides)), set())
+    except UsageError as error:
+        problems = error.lines
+    assert any(line.startswith(message) for line in problems), problems
+
+
+def test_fused_layouts_on_gpus():
+    from orchestration.placement import resolve_layout
+
+    assert resolve_layout("fused", "auto", "cuda", 2, 2, 2) == resolve_layout("fused", "in_process", "cuda", 2, 2, 2)
+    assert resolve_layout("fused", "auto", "cuda", 2, 2, 2).gpus_per_student == 1.0
+    assert resolve_layout("auto", "auto", "cuda", 2, 2, 2).placement == "colocated"  # fused is never auto
+    with pytest.raises(ValueError, match="fused takes one GPU per teacher / student pair: needs student_workers <= "
+                                         "GPUs, got 3 and 2 GPUs"):
+        resolve_layout("fused", "auto", "cuda", 2, 3, 3)
+    with pytest.raises(ValueError, match="transfer: 'in_process' hands top-k over inside one process; it needs "
+                                         "placement=fused"):
+        resolve_layout("colocated", "in_process", "cuda", 1, 1, 1)
