@@ -17,7 +17,9 @@ Three ways a bucket travels, one receiver (`WeightReceiver`) for all:
   maps that memory and copies out of it (`receive_buffer`): one device-to-device copy into its
   parameters, no host round trip. The sender keeps the buffer until `release_shared`.
   `WeightSender.share_tensors` skips the packing: one CUDA IPC handle per parameter, of the
-  parameter's own storage, so the receiver's copies are the update's only device traffic.
+  parameter's own storage, so the receiver's copies are the update's only device traffic; while
+  those storages stay put, later updates send a `MappedTensors` marker instead of the handles
+  and the metadata.
 - a plain tensor (the Ray object store, or tests in one process): `receive_buffer` with the
   packed buffer itself.
 
@@ -36,8 +38,9 @@ Locking: the receiver owns one lock. A generation holds it for its whole duratio
 (`WeightReceiver.generation`); `pause` takes it (so it waits for a running generation) and marks
 the receiver paused, which keeps new generations waiting; bucket calls are refused unless paused
 and take the lock too; `resume` refuses while an update is incomplete (a half-updated model never
-generates), then publishes the new ``weight_version`` and wakes the waiting generations. The
-sender has its own lock so that two updates from one trainer never interleave.
+generates), then publishes the new ``weight_version`` and wakes the waiting generations;
+`WeightReceiver.receive_whole` does all three for a one-payload update in one call, holding the
+lock throughout. The sender has its own lock so that two updates from one trainer never interleave.
 """
 from __future__ import annotations
 
@@ -518,7 +521,9 @@ class WeightReceiver:
     def _resume_locked(self) -> Optional[UpdateMetrics]:
         pending, metrics = self._pending, None
         if pending is not None:
-            missing = [name for name in self._parameters if name not in pending.received]
+            # ``received`` holds parameter names only (`_receive_locked` checks each), so a count tells
+            missing = [] if len(pending.received) == len(self._parameters) else \
+                [name for name in self._parameters if name not in pending.received]
             if missing:
                 raise RuntimeError(f"resume: the update to weight_version {pending.weight_version} is incomplete: "
                                    f"{len(missing)} parameters not received (first: {missing[:3]}); the worker "

@@ -323,7 +323,10 @@ def _ipc_storages(rank, world, init_file, queue, acks):
         model = tiny_llama(1, vocab=32_000, hidden=512).cuda()
         sender = WeightSender(model, bucket_bytes=8 << 20)
         for version in (1, 2):
-            queue.put(sender.share_tensors(version))
+            arguments = sender.share_tensors(version)
+            if version == 2:  # the same storages: a marker of the handles sent at 1, no metadata
+                assert arguments[:4] == (None, None, None, MappedTensors(len(list(model.parameters())), 1))
+            queue.put(arguments)
             acks.get()
             metrics = sender.release_shared()
             assert metrics.weight_version == version
@@ -336,10 +339,13 @@ def _ipc_storages(rank, world, init_file, queue, acks):
                     parameter.mul_(1.0 + 0.01 * version)
         return
     worker = RolloutWorker(tiny_llama(2, vocab=32_000, hidden=512), pad_token_id=0, device="cuda")
-    for _ in (1, 2):
-        worker.pause_generation()
-        worker.update_weights_from_tensor(*queue.get())
-        worker.continue_generation()
+    for version in (1, 2):
+        if version == 1:
+            worker.pause_generation()
+            worker.update_weights_from_tensor(*queue.get())
+            worker.continue_generation()
+        else:  # the driver's call: pause -> copy -> continue in one
+            assert worker.update_weights_from_tensor(*queue.get(), True)["weight_version"] == 2
         acks.put(True)
         expected = queue.get()
         with torch.no_grad():
