@@ -306,33 +306,27 @@ def qwen_like(name: str):
 
 def _sync_receiver(name: str, inbox, outbox) -> None:
     """The rollout side in its own process: a `RolloutWorker` (flattened) of a model of the same
-    shapes, updated from each message ``(update_weights_from_tensor arguments, whole update, last
-    bucket)`` by the driver's calls; answers each with (its copy's seconds, its call's seconds)."""
+    shapes, taking the driver's calls as messages ``(method, arguments)``; answers each with
+    (the call's result, its seconds)."""
     from orchestration.rollout import RolloutWorker
 
     torch.cuda.set_device(0)
     worker = RolloutWorker(qwen_like(name), pad_token_id=0, device="cuda")
     outbox.put("ready")
     while (message := inbox.get()) is not None:
-        arguments, whole, last = message
+        method, arguments = message
         start = time.perf_counter()
-        if whole:  # the driver's colocated sync: pause -> copy -> continue in one call
-            reply = worker.update_weights_from_tensor(*arguments, True)
-        else:
-            if not worker._receiver.paused:
-                worker.pause_generation()
-            reply = worker.update_weights_from_tensor(*arguments)
-            if last:
-                worker.continue_generation()
-        outbox.put((reply["seconds"], time.perf_counter() - start))
+        result = getattr(worker, method)(*arguments)
+        outbox.put((result, time.perf_counter() - start))
 
 
 def weight_sync_rows(env: dict, names: list[str]) -> list[dict]:
     """Per model: the floor (one flat device copy of the parameters' bytes) and the two CUDA IPC
     paths of `orchestration.weight_sync` to a receiver process on the same GPU. An update's
-    seconds run from the sender's first call to its `release_shared` after the receiver's answer
-    (the receiver has published the new weight_version by then); its parts: the sender's call,
-    the receiver's call (its copy among it), and the rest, the messages."""
+    seconds run from its first call (the sender's, or the receiver's pause) to the sender's
+    `release_shared` after the receiver's last answer (the receiver has published the new
+    weight_version by then); its parts: the sender's calls, the receiver's calls (its copy
+    among them), and the rest, the messages."""
     import torch.multiprocessing as mp
 
     from orchestration.flat_parameters import flatten_parameters
@@ -364,29 +358,36 @@ def weight_sync_rows(env: dict, names: list[str]) -> list[dict]:
         flatten_parameters(model)
         sender = WeightSender(model, bucket_bytes=512 * 2**20)
         version = 0
+
+        def call(method: str, *arguments) -> tuple:
+            inbox.put((method, arguments))
+            return outbox.get(timeout=600)
+
         for provider in ("CUDA IPC, the flattened parameters", "CUDA IPC, packed 512 MiB buckets"):
             seconds, parts = [], []
             for _ in range(SYNC_REPEATS + 1):
                 version += 1
                 copy = handled = sending = 0.0
-                if provider.endswith("parameters"):
+                update_start = time.perf_counter()
+                if provider.endswith("parameters"):  # the driver's colocated sync: one call pauses, copies, continues
                     start = time.perf_counter()
                     arguments = sender.share_tensors(version)
                     sending = time.perf_counter() - start
-                    inbox.put((arguments, True, True))
-                    copy, handled = outbox.get(timeout=600)
-                else:
+                    reply, handled = call("update_weights_from_tensor", *arguments, True)
+                    copy = reply["seconds"]
+                else:  # pause -> a call a bucket -> continue
+                    handled = call("pause_generation")[1]
                     for index in range(len(sender.buckets)):
                         start = time.perf_counter()
                         arguments = sender.share(index, version)
                         sending += time.perf_counter() - start
-                        inbox.put((arguments, False, index == len(sender.buckets) - 1))
-                        reply = outbox.get(timeout=600)
-                        copy, handled = copy + reply[0], handled + reply[1]
+                        reply, seconds = call("update_weights_from_tensor", *arguments)
+                        copy, handled = copy + reply["seconds"], handled + seconds
                         if index < len(sender.buckets) - 1:
                             sender.release_shared()  # frees the bucket; the last one's call ends the update
-                metrics = sender.release_shared()
-                seconds.append(metrics.seconds)
+                    handled += call("continue_generation")[1]
+                assert sender.release_shared().weight_version == version
+                seconds.append(time.perf_counter() - update_start)
                 parts.append((sending, handled, copy))
             measured[provider] = (seconds[0], statistics.median(seconds[1:]), len(sender.buckets),
                                   [statistics.median(part[i] for part in parts[1:]) for i in range(3)])
