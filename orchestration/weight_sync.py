@@ -584,8 +584,9 @@ class WeightReceiver:
         """`pause`, `receive_buffer` of a payload holding the whole update, and `resume`, in one
         call under the lock: waits for a running generation, and the next one runs on the new
         weights of ``weight_version``; returns the update's metrics. Refused while paused (a
-        caller that paused continues itself). If the payload is refused before a parameter was
-        written, the worker is left as it was; after (a half-updated model), it stays paused."""
+        caller that paused continues itself). A payload its checks refuse (ValueError, raised
+        before any write) leaves the worker as it was; any other failure, or a payload that
+        misses parameters, leaves it paused (a half-updated model never generates)."""
         with self._condition:
             if self._paused:
                 raise RuntimeError("receive_whole: the worker is paused (pause_generation was called): update with "
@@ -593,7 +594,7 @@ class WeightReceiver:
             self._paused = True
             try:
                 self._receive_buffer_locked(names, dtypes, shapes, payload, weight_version)
-            except BaseException:
+            except ValueError:  # the checks' refusals, all before the first write
                 if self._pending is not None and not self._pending.received:
                     self._pending = None
                 if self._pending is None:

@@ -466,3 +466,9 @@ def test_a_whole_update_in_one_call_gives_bit_equal_logits_and_refuses_without_t
         worker.update_weights_from_tensor(names, dtypes, shapes, handles, 3, 1)
     worker.update_weights_from_tensor(names, dtypes, shapes, handles, 3, True)
     assert worker.weight_version == 3 and torch.equal(worker.model(TOKENS).logits, trainer(TOKENS).logits)
+    # a payload that misses parameters: written, so the worker stays paused until the rest arrives
+    with pytest.raises(RuntimeError, match="resume: the update to weight_version 4 is incomplete"):
+        worker.update_weights_from_tensor(names[:1], dtypes[:1], shapes[:1], handles[:1], 4, True)
+    assert worker._receiver.paused and worker.weight_version == 3
+    worker.update_weights_from_tensor(names[1:], dtypes[1:], shapes[1:], handles[1:], 4)
+    assert worker.continue_generation()["weight_version"] == worker.weight_version == 4
