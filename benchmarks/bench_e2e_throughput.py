@@ -30,7 +30,10 @@ On-policy parts (instead of the above; no Ray for --weight-sync):
       the trainer's parameters by CUDA IPC (the driver's colocated path), and through packed
       512 MiB buckets; the floor is torch's device-to-device copy of the same bytes in one
       buffer. Rows: seconds and GB/s an update (cold: the first, opening the IPC handles; warm:
-      the median of the next ones) and the share of the floor's bandwidth.
+      the median of the next ones), the share of the floor's bandwidth, and the update's parts
+      (the sender's call, the receiver's call with its copy, the messages). The receiver is a
+      `RolloutWorker` taking the driver's calls (the flattened path: one call that pauses,
+      copies and continues); the messages go over a multiprocessing queue, not Ray.
   --onpolicy      the driver with mode=on_policy: the step's breakdown (generate / sync /
       teacher / student seconds) and tokens/s at the GPU default and at a 1.5B -> 0.5B-like
       pair (Qwen2.5 layers and hidden sizes, the driver's vocab); and generation tokens/s of
@@ -329,29 +332,28 @@ def qwen_like(name: str):
 
 
 def _sync_receiver(name: str, inbox, outbox) -> None:
-    """The rollout side in its own process: a model of the same shapes, updated from each message
-    ``(receive_buffer arguments, last bucket of the update)``; answers each message."""
-    from orchestration.flat_parameters import flatten_parameters
-    from orchestration.weight_sync import WeightReceiver
+    """The rollout side in its own process: a `RolloutWorker` (flattened) of a model of the same
+    shapes, taking the driver's calls as messages ``(method, arguments)``; answers each with
+    (the call's result, its seconds)."""
+    from orchestration.rollout import RolloutWorker
 
     torch.cuda.set_device(0)
-    model = qwen_like(name)
-    flatten_parameters(model)
-    receiver = WeightReceiver(model)
+    worker = RolloutWorker(qwen_like(name), pad_token_id=0, device="cuda")
     outbox.put("ready")
     while (message := inbox.get()) is not None:
-        arguments, last = message
-        if not receiver.paused:
-            receiver.pause()
-        reply = receiver.receive_buffer(*arguments)
-        if last:
-            receiver.resume()
-        outbox.put(reply["seconds"])
+        method, arguments = message
+        start = time.perf_counter()
+        result = getattr(worker, method)(*arguments)
+        outbox.put((result, time.perf_counter() - start))
 
 
 def weight_sync_rows(env: dict, names: list[str]) -> list[dict]:
     """Per model: the floor (one flat device copy of the parameters' bytes) and the two CUDA IPC
-    paths of `orchestration.weight_sync` to a receiver process on the same GPU."""
+    paths of `orchestration.weight_sync` to a receiver process on the same GPU. An update's
+    seconds run from its first call (the sender's, or the receiver's pause) to the sender's
+    `release_shared` after the receiver's last answer (the receiver has published the new
+    weight_version by then); its parts: the sender's calls, the receiver's calls (its copy
+    among them), and the rest, the messages."""
     import torch.multiprocessing as mp
 
     from orchestration.flat_parameters import flatten_parameters
@@ -375,7 +377,7 @@ def weight_sync_rows(env: dict, names: list[str]) -> list[dict]:
             floor.append(time.perf_counter() - start)
         del source, target
         floor_s = statistics.median(floor[1:])
-        measured = {SYNC_FLOOR: (floor[0], floor_s, 1)}
+        measured = {SYNC_FLOOR: (floor[0], floor_s, 1, None)}
         inbox, outbox = context.Queue(), context.Queue()
         child = context.Process(target=_sync_receiver, args=(name, inbox, outbox))
         child.start()
@@ -383,29 +385,45 @@ def weight_sync_rows(env: dict, names: list[str]) -> list[dict]:
         flatten_parameters(model)
         sender = WeightSender(model, bucket_bytes=512 * 2**20)
         version = 0
+
+        def call(method: str, *arguments) -> tuple:
+            inbox.put((method, arguments))
+            return outbox.get(timeout=600)
+
         for provider in ("CUDA IPC, the flattened parameters", "CUDA IPC, packed 512 MiB buckets"):
-            seconds, copies = [], []
+            seconds, parts = [], []
             for _ in range(SYNC_REPEATS + 1):
                 version += 1
-                copy = 0.0
-                if provider.endswith("parameters"):
-                    inbox.put((sender.share_tensors(version), True))
-                    copy += outbox.get(timeout=600)
-                else:
+                copy = handled = sending = 0.0
+                update_start = time.perf_counter()
+                if provider.endswith("parameters"):  # the driver's colocated sync: one call pauses, copies, continues
+                    start = time.perf_counter()
+                    arguments = sender.share_tensors(version)
+                    sending = time.perf_counter() - start
+                    reply, handled = call("update_weights_from_tensor", *arguments, True)
+                    copy = reply["seconds"]
+                else:  # pause -> a call a bucket -> continue
+                    handled = call("pause_generation")[1]
                     for index in range(len(sender.buckets)):
-                        inbox.put((sender.share(index, version), index == len(sender.buckets) - 1))
-                        copy += outbox.get(timeout=600)
+                        start = time.perf_counter()
+                        arguments = sender.share(index, version)
+                        sending += time.perf_counter() - start
+                        reply, seconds = call("update_weights_from_tensor", *arguments)
+                        copy, handled = copy + reply["seconds"], handled + seconds
                         if index < len(sender.buckets) - 1:
                             sender.release_shared()  # frees the bucket; the last one's call ends the update
-                metrics = sender.release_shared()
-                seconds.append(metrics.seconds)
-                copies.append(copy)
+                    handled += call("continue_generation")[1]
+                assert sender.release_shared().weight_version == version
+                seconds.append(time.perf_counter() - update_start)
+                parts.append((sending, handled, copy))
             measured[provider] = (seconds[0], statistics.median(seconds[1:]), len(sender.buckets),
-                                  statistics.median(copies[1:]))
+                                  [statistics.median(part[i] for part in parts[1:]) for i in range(3)])
         inbox.put(None)
         child.join(timeout=600)
-        for provider, (cold, warm, buckets, *copy) in measured.items():
-            extra = dict(receiver_copy_ms=1e3 * copy[0]) if copy else {}
+        for provider, (cold, warm, buckets, part) in measured.items():
+            extra = {} if part is None else dict(sender_ms=1e3 * part[0], receiver_ms=1e3 * part[1],
+                                                 receiver_copy_ms=1e3 * part[2],
+                                                 messages_ms=1e3 * (warm - part[0] - part[1]))
             rows.append(result_row(env, BENCHMARK, shape, provider, "weight update", 1e3 * warm, SYNC_FLOOR,
                                    warm / floor_s, None, warm_seconds=warm, cold_seconds=cold,
                                    gb_per_s=total / warm / 1e9, share_of_floor=floor_s / warm, buckets=buckets,
@@ -506,6 +524,7 @@ def onpolicy_main(args, parser: argparse.ArgumentParser) -> None:
     print()
     print_table(rows, {"shape": lambda row: row["shape"]["name"], "provider": "provider", "ms": "ms",
                        "× floor": "ratio", "GB/s": "gb_per_s", "share of floor": "share_of_floor", "receiver copy ms": "receiver_copy_ms",
+                       "sender ms": "sender_ms", "receiver ms": "receiver_ms", "messages ms": "messages_ms",
                        "cold s": "cold_seconds",
                        "tokens/s": "tokens_per_s", "generate s": "generate_seconds", "sync s": "sync_seconds",
                        "teacher s": "teacher_seconds", "student s": "student_seconds"})

@@ -201,25 +201,26 @@ class OnPolicySession(_Session):
 
     def sync(self, weight_version: int, when: str) -> dict:
         """The rollouts to the student's weights of ``weight_version`` trained steps, if they
-        hold another: pause -> flush -> send -> continue. The update's metrics ({} if none)."""
+        hold another: pause -> flush -> send -> continue (by CUDA IPC, one call a rollout that
+        does all of it under its lock). The update's metrics ({} if none)."""
         if weight_version == self.rollout_version:
             return {}
         rollouts, first = self.rollouts, self.students[0]
-        self.get(self.each(rollouts, "pause_generation"), when)
-        self.get(self.each(rollouts, "flush_cache"), when)
         if self.transport == "cuda_ipc":
             names, dtypes, shapes, handles, _ = self.get([self.actors.call(first, "share_weights", weight_version)],
                                                          when)[0]
             self.get([self.actors.call(rollout, "update_weights_from_tensor", names, dtypes, shapes, handles,
-                                       weight_version) for rollout in rollouts], when)
+                                       weight_version, True) for rollout in rollouts], when)
             metrics = self.get([self.actors.call(first, "release_shared_weights")], when)[0]
         else:
+            self.get(self.each(rollouts, "pause_generation"), when)
+            self.get(self.each(rollouts, "flush_cache"), when)
             calls = [self.actors.call(first, "send_weights", weight_version)]
             for names, dtypes, shapes in self.buckets:  # one actor call per bucket, in the sender's order
                 calls += [self.actors.call(rollout, "update_weights_from_distributed", names, dtypes, shapes,
                                            WEIGHT_GROUP, weight_version) for rollout in rollouts]
             metrics = self.get(calls, when)[0]
-        self.get(self.each(rollouts, "continue_generation"), when)
+            self.get(self.each(rollouts, "continue_generation"), when)
         self.rollout_version = weight_version
         return {f"sync_{key}": value for key, value in metrics.items() if key != "weight_version"}
 

@@ -11,8 +11,11 @@ worker's place through an adapter:
 - ``update_weights_from_distributed(names, dtypes, shapes, group_name, weight_version)``: one
   bucket broadcast by the trainer (SGLang's ``load_format="flattened_bucket"``: one flat buffer
   per call, offsets from `weight_sync.bucket_layout`);
-- ``update_weights_from_tensor(names, dtypes, shapes, payload, weight_version)``: one bucket as
-  a packed buffer or a CUDA IPC handle of it (a worker on the trainer's GPU);
+- ``update_weights_from_tensor(names, dtypes, shapes, payload, weight_version, whole_update)``:
+  one bucket as a packed buffer or a CUDA IPC handle of it (a worker on the trainer's GPU); with
+  ``whole_update`` the payload is the whole update and the call does pause → update → continue
+  itself, under the lock (one message instead of four; SGLang's call also takes its
+  model-update lock and flushes itself);
 - ``pause_generation()`` → ``flush_cache()`` → updates → ``continue_generation()``;
 - ``destroy_weights_update_group(group_name)``.
 
@@ -196,11 +199,21 @@ class RolloutWorker:
         """The trainer's next broadcast bucket into the weights (between pause and continue)."""
         return self._receiver.receive_broadcast(names, dtypes, shapes, group_name, weight_version)
 
-    def update_weights_from_tensor(self, names: Sequence[str], dtypes: Sequence, shapes: Sequence[Sequence[int]],
-                                   payload: Any, weight_version: int) -> dict:
+    def update_weights_from_tensor(self, names: Optional[Sequence[str]], dtypes: Optional[Sequence],
+                                   shapes: Optional[Sequence[Sequence[int]]], payload: Any, weight_version: int,
+                                   whole_update: bool = False) -> dict:
         """A packed bucket (a ``uint8`` buffer, or a CUDA IPC handle of one), or a list of CUDA IPC
-        handles of the tensors themselves, into the weights (`WeightReceiver.receive_buffer`)."""
-        return self._receiver.receive_buffer(names, dtypes, shapes, payload, weight_version)
+        handles of the tensors themselves, into the weights (`WeightReceiver.receive_buffer`):
+        between pause and continue, the bucket's reply. ``whole_update`` True: the payload is the
+        whole update, and this one call pauses (waiting for a running generation), copies and
+        continues under the worker's lock (`WeightReceiver.receive_whole`; no cache outlives a
+        `generate` call, so none to flush); the update's metrics, as `continue_generation`
+        returns them."""
+        if not isinstance(whole_update, bool):
+            raise ValueError(f"whole_update: expected a bool, got {whole_update!r}")
+        if not whole_update:
+            return self._receiver.receive_buffer(names, dtypes, shapes, payload, weight_version)
+        return self._receiver.receive_whole(names, dtypes, shapes, payload, weight_version).as_dict()
 
     def pause_generation(self) -> None:
         """Blocks new generations and returns once the running one has finished."""

@@ -17,7 +17,9 @@ Three ways a bucket travels, one receiver (`WeightReceiver`) for all:
   maps that memory and copies out of it (`receive_buffer`): one device-to-device copy into its
   parameters, no host round trip. The sender keeps the buffer until `release_shared`.
   `WeightSender.share_tensors` skips the packing: one CUDA IPC handle per parameter, of the
-  parameter's own storage, so the receiver's copies are the update's only device traffic.
+  parameter's own storage, so the receiver's copies are the update's only device traffic; while
+  those storages stay put, later updates send a `MappedTensors` marker instead of the handles
+  and the metadata.
 - a plain tensor (the Ray object store, or tests in one process): `receive_buffer` with the
   packed buffer itself.
 
@@ -36,8 +38,9 @@ Locking: the receiver owns one lock. A generation holds it for its whole duratio
 (`WeightReceiver.generation`); `pause` takes it (so it waits for a running generation) and marks
 the receiver paused, which keeps new generations waiting; bucket calls are refused unless paused
 and take the lock too; `resume` refuses while an update is incomplete (a half-updated model never
-generates), then publishes the new ``weight_version`` and wakes the waiting generations. The
-sender has its own lock so that two updates from one trainer never interleave.
+generates), then publishes the new ``weight_version`` and wakes the waiting generations;
+`WeightReceiver.receive_whole` does all three for a one-payload update in one call, holding the
+lock throughout. The sender has its own lock so that two updates from one trainer never interleave.
 """
 from __future__ import annotations
 
@@ -143,6 +146,12 @@ def plan_buckets(specs: Iterable[tuple[str, Union[str, torch.dtype], Sequence[in
     if names:
         buckets.append(Bucket(tuple(names), tuple(dtypes), tuple(shapes)))
     return buckets
+
+
+def _bucket_of(names: Sequence[str], dtypes: Sequence, shapes: Sequence[Sequence[int]]) -> Bucket:
+    """The `Bucket` of an update's metadata as it arrives (dtypes as names or dtypes)."""
+    return Bucket(tuple(names), tuple(as_dtype(d) for d in dtypes), tuple(tuple(int(s) for s in shape)
+                                                                         for shape in shapes))
 
 
 def _view(buffer: torch.Tensor, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
@@ -256,9 +265,12 @@ class WeightSender:
 
     def __init__(self, source: Union[torch.nn.Module, NamedTensors], *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                  dtype: Optional[torch.dtype] = None):
-        if isinstance(source, torch.nn.Module):  # its Parameter objects, once: their data is read at each update
-            parameters = list(source.named_parameters())
-            self._named_tensors: NamedTensors = lambda: parameters
+        # a module's Parameter objects, once: their data is read at each update, their names cannot change
+        self._parameters: Optional[list[torch.Tensor]] = None
+        if isinstance(source, torch.nn.Module):
+            named = list(source.named_parameters())
+            self._named_tensors: NamedTensors = lambda: named
+            self._parameters = [parameter for _, parameter in named]
         else:
             self._named_tensors = source
         self._dtype = dtype
@@ -271,7 +283,8 @@ class WeightSender:
         self._shared: list[torch.Tensor] = []
         self._sharing: Optional[tuple[int, int, float]] = None  # (weight_version, next bucket, start)
         self._shared_bytes = 0  # bytes of the update `share_tensors` handed out
-        self._handed_storages: Optional[tuple] = None  # what `share_tensors` last sent handles of
+        # what `share_tensors` last sent handles of: ((pointer, dtype, shape) each, its weight_version, bytes)
+        self._handed: Optional[tuple[tuple, int, int]] = None
 
     def _sent_dtype(self, tensor: torch.Tensor) -> torch.dtype:
         return self._dtype if self._dtype is not None and tensor.is_floating_point() else tensor.dtype
@@ -379,15 +392,23 @@ class WeightSender:
         parameters, one device-to-device copy per tensor. Tensors that need a cast (``dtype``) are
         cast into copies kept until `release_shared`, which ends the update and returns its metrics
         once the receivers have returned. The trainer must not step while they copy. When the
-        tensors are the storages whose handles the last update sent, the payload is a
-        `MappedTensors` marker instead: every receiver keeps those tensors mapped."""
+        tensors are the storages (pointer, dtype, shape) whose handles an earlier update sent, the
+        arguments are ``(None, None, None, MappedTensors(count, handed_at), weight_version)``:
+        every receiver keeps those tensors mapped, checked against their names, dtypes and shapes
+        when they were mapped."""
         from torch.multiprocessing.reductions import reduce_tensor
 
         with self._lock:
             self._next_version(weight_version)
             if self._sharing is not None:
                 raise RuntimeError(f"share_tensors: the update to {self._sharing[0]} is still in progress")
-            start, current = time.perf_counter(), self._current()
+            start = time.perf_counter()
+            if self._parameters is not None and self._handed is not None:
+                # a module's names cannot change: its storages alone say whether the handed handles still hold
+                storages = tuple((tensor.data_ptr(), tensor.dtype, tensor.shape) for tensor in self._parameters)
+                if storages == self._handed[0]:
+                    return self._share_mapped(weight_version, start, self._parameters[0].device)
+            current = self._current()
             names = [name for bucket in self.buckets for name in bucket.names]
             tensors = [current[name] for name in names]
             if not all(tensor.is_cuda for tensor in tensors):
@@ -397,18 +418,25 @@ class WeightSender:
                     for tensor in tensors]
             self._shared.extend(fresh for fresh, tensor in zip(sent, tensors) if fresh is not tensor)
             torch.cuda.current_stream(sent[0].device).synchronize()  # another process reads them next
+            # the parameters' storages do not move between updates: their handles go once, then a marker
+            storages = tuple((tensor.data_ptr(), tensor.dtype, tensor.shape) for tensor in sent)
+            uncast = all(fresh is tensor for fresh, tensor in zip(sent, tensors))
+            if uncast and self._handed is not None and storages == self._handed[0]:
+                return self._share_mapped(weight_version, start, None)
             self._sharing = (weight_version, len(self.buckets), start)
             self._shared_bytes = sum(tensor.numel() * tensor.element_size() for tensor in sent)
-            # the parameters' storages do not move between updates: their handles go once, then a marker
-            storages = tuple((tensor.data_ptr(), tensor.dtype, tuple(tensor.shape)) for tensor in sent)
-            if storages == self._handed_storages and all(fresh is tensor for fresh, tensor in zip(sent, tensors)):
-                payload = MappedTensors(len(sent))
-            else:
-                payload = [reduce_tensor(tensor) for tensor in sent]
-                self._handed_storages = storages if all(fresh is tensor for fresh, tensor in zip(sent, tensors)) \
-                    else None
+            self._handed = (storages, weight_version, self._shared_bytes) if uncast else None
             return (tuple(names), tuple(tensor.dtype for tensor in sent), tuple(tuple(tensor.shape) for tensor in sent),
-                    payload, weight_version)
+                    [reduce_tensor(tensor) for tensor in sent], weight_version)
+
+    def _share_mapped(self, weight_version: int, start: float, device: Optional[torch.device]) -> tuple:
+        """`share_tensors`'s arguments when the receivers hold the handed tensors mapped already;
+        waits for ``device``'s current stream first unless None (already waited for)."""
+        if device is not None:
+            torch.cuda.current_stream(device).synchronize()  # another process reads the tensors next
+        storages, handed_at, nbytes = self._handed
+        self._sharing, self._shared_bytes = (weight_version, len(self.buckets), start), nbytes
+        return None, None, None, MappedTensors(len(storages), handed_at), weight_version
 
     def release_shared(self) -> Optional[UpdateMetrics]:
         """Frees the buffers handed out by `share` (their receivers have returned). After the last
@@ -429,8 +457,10 @@ class WeightSender:
 @dataclass(frozen=True)
 class MappedTensors:
     """A `WeightReceiver.receive_buffer` payload: the ``count`` tensors of the receiver's last list
-    payload again (the sender's parameters did not move, so their handles are not sent twice)."""
+    payload again, that of the update to ``handed_at`` (the sender's parameters did not move, so
+    their handles are not sent twice)."""
     count: int
+    handed_at: int
 
 
 @dataclass
@@ -454,6 +484,8 @@ class WeightReceiver:
         self._mapped_flat: Optional[torch.Tensor] = None  # the region of ``_mapped``, if one
         self._mapped_bytes = 0  # the bytes of ``_mapped``'s tensors (padding between them not counted)
         self._flat_bucket: Optional[Bucket] = None  # the last whole flat update, its checks passed
+        self._mapped_bucket: Optional[Bucket] = None  # the layout of ``_mapped``, its checks passed
+        self._mapped_at = 0  # the weight_version of the update whose list payload ``_mapped`` is
         self._condition = threading.Condition(threading.Lock())
         self._paused = False
         self._pending: Optional[_PendingUpdate] = None
@@ -484,18 +516,23 @@ class WeightReceiver:
         """Ends the pause. An update received during it becomes the model's ``weight_version``
         (its metrics are returned); raises, staying paused, if that update missed parameters."""
         with self._condition:
-            pending, metrics = self._pending, None
-            if pending is not None:
-                missing = [name for name in self._parameters if name not in pending.received]
-                if missing:
-                    raise RuntimeError(f"resume: the update to weight_version {pending.weight_version} is incomplete: "
-                                       f"{len(missing)} parameters not received (first: {missing[:3]}); the worker "
-                                       "stays paused")
-                metrics = UpdateMetrics(pending.weight_version, pending.bytes, pending.buckets, pending.seconds)
-                self.weight_version, self.last_update, self._pending = pending.weight_version, metrics, None
-            self._paused = False
-            self._condition.notify_all()
-            return metrics
+            return self._resume_locked()
+
+    def _resume_locked(self) -> Optional[UpdateMetrics]:
+        pending, metrics = self._pending, None
+        if pending is not None:
+            # ``received`` holds parameter names only (`_receive_locked` checks each), so a count tells
+            missing = [] if len(pending.received) == len(self._parameters) else \
+                [name for name in self._parameters if name not in pending.received]
+            if missing:
+                raise RuntimeError(f"resume: the update to weight_version {pending.weight_version} is incomplete: "
+                                   f"{len(missing)} parameters not received (first: {missing[:3]}); the worker "
+                                   "stays paused")
+            metrics = UpdateMetrics(pending.weight_version, pending.bytes, pending.buckets, pending.seconds)
+            self.weight_version, self.last_update, self._pending = pending.weight_version, metrics, None
+        self._paused = False
+        self._condition.notify_all()
+        return metrics
 
     # -- update side --
     def join_group(self, master_address: str, master_port: int, rank: int, world_size: int, group_name: str,
@@ -526,22 +563,69 @@ class WeightReceiver:
             self._group.broadcast(buffer)
             return buffer
 
-        return self._receive(names, dtypes, shapes, weight_version, fetch)
+        bucket = _bucket_of(names, dtypes, shapes)
+        with self._condition:
+            return self._receive_locked(bucket, weight_version, fetch)
 
-    def receive_buffer(self, names: Sequence[str], dtypes: Sequence, shapes: Sequence[Sequence[int]],
-                       payload: Any, weight_version: int) -> dict:
+    def receive_buffer(self, names: Optional[Sequence[str]], dtypes: Optional[Sequence],
+                       shapes: Optional[Sequence[Sequence[int]]], payload: Any, weight_version: int) -> dict:
         """A bucket packed by `pack_bucket` into the parameters. ``payload``: that ``uint8`` buffer,
         ``(rebuild, args)`` of a CUDA IPC handle of it (`WeightSender.share`), or a list of such
         handles, one per tensor of ``names`` (`WeightSender.share_tensors`), or `MappedTensors`
-        (the tensors of the last list payload again); copied out of before this returns. The
+        (the tensors of the last list payload again; ``names``, ``dtypes``, ``shapes`` may then be
+        None: the layout checked when they were mapped); copied out of before this returns. The
         tensors of a list payload stay mapped until the next list payload."""
+        with self._condition:
+            return self._receive_buffer_locked(names, dtypes, shapes, payload, weight_version)
+
+    def receive_whole(self, names: Optional[Sequence[str]], dtypes: Optional[Sequence],
+                      shapes: Optional[Sequence[Sequence[int]]], payload: Any, weight_version: int
+                      ) -> UpdateMetrics:
+        """`pause`, `receive_buffer` of a payload holding the whole update, and `resume`, in one
+        call under the lock: waits for a running generation, and the next one runs on the new
+        weights of ``weight_version``; returns the update's metrics. Refused while paused (a
+        caller that paused continues itself). A payload its checks refuse (ValueError, raised
+        before any write) leaves the worker as it was; any other failure, or a payload that
+        misses parameters, leaves it paused (a half-updated model never generates)."""
+        with self._condition:
+            if self._paused:
+                raise RuntimeError("receive_whole: the worker is paused (pause_generation was called): update with "
+                                   "the bucket calls, then continue_generation")
+            self._paused = True
+            try:
+                self._receive_buffer_locked(names, dtypes, shapes, payload, weight_version)
+            except ValueError:  # the checks' refusals, all before the first write
+                if self._pending is not None and not self._pending.received:
+                    self._pending = None
+                if self._pending is None:
+                    self._paused = False
+                    self._condition.notify_all()
+                raise
+            return self._resume_locked()
+
+    def _receive_buffer_locked(self, names, dtypes, shapes, payload: Any, weight_version: int) -> dict:
+        mapped_again = isinstance(payload, MappedTensors)
+        if mapped_again:
+            if len(self._mapped) != payload.count or payload.handed_at != self._mapped_at:
+                raise ValueError(f"payload: {payload} needs the {payload.count} tensors of the list payload of "
+                                 f"weight_version {payload.handed_at} mapped here; this worker holds "
+                                 f"{len(self._mapped)} of weight_version {self._mapped_at}")
+        if mapped_again and names is None and dtypes is None and shapes is None:
+            if self._mapped_bucket is None:
+                raise ValueError("names: None needs the layout of the mapped tensors checked by an earlier update")
+            bucket = self._mapped_bucket
+        elif names is None or dtypes is None or shapes is None:
+            raise ValueError("names, dtypes, shapes: None only with a MappedTensors payload (all three)")
+        else:
+            bucket = _bucket_of(names, dtypes, shapes)
+
         def fetch(bucket: Bucket):
             if isinstance(payload, torch.Tensor):
                 return payload
-            if isinstance(payload, MappedTensors):
-                if len(self._mapped) != len(bucket.names) or payload.count != len(bucket.names):
-                    raise ValueError(f"payload: MappedTensors({payload.count}) needs the {len(bucket.names)} tensors "
-                                     f"of an earlier list payload mapped here, this worker holds {len(self._mapped)}")
+            if mapped_again:
+                if len(self._mapped) != len(bucket.names):
+                    raise ValueError(f"payload: {payload} holds {payload.count} tensors, the update names "
+                                     f"{len(bucket.names)}")
                 return self._mapped
             if isinstance(payload, list):
                 if len(payload) != len(bucket.names):
@@ -549,55 +633,55 @@ class WeightReceiver:
                 self._mapped = [rebuild(*arguments) for rebuild, arguments in payload]
                 self._mapped_flat = flat_region(self._mapped)
                 self._mapped_bytes = sum(tensor.numel() * tensor.element_size() for tensor in self._mapped)
-                self._flat_bucket = None  # new tensors: checked again
+                self._flat_bucket = self._mapped_bucket = None  # new tensors: checked again
+                self._mapped_at = weight_version
                 return self._mapped
             rebuild, arguments = payload
             return rebuild(*arguments)
 
-        return self._receive(names, dtypes, shapes, weight_version, fetch, isinstance(payload, MappedTensors))
+        return self._receive_locked(bucket, weight_version, fetch, mapped_again)
 
-    def _receive(self, names, dtypes, shapes, weight_version: int, fetch: Callable[[Bucket], torch.Tensor],
-                 mapped_again: bool = False) -> dict:
-        bucket = Bucket(tuple(names), tuple(as_dtype(d) for d in dtypes), tuple(tuple(int(s) for s in shape)
-                                                                                for shape in shapes))
-        with self._condition:
-            if not self._paused:
-                raise RuntimeError("update: call pause_generation before updating weights (a generation could "
-                                   "otherwise see a half-updated model)")
-            pending = self._start(weight_version)
-            if mapped_again and not pending.received and bucket == self._flat_bucket:
-                # the tensors mapped and checked at the last list payload, the whole model, flat
-                start = time.perf_counter()
-                fetch(bucket)
-                return self._copy_flat(pending, bucket, start)
-            for name, shape in zip(bucket.names, bucket.shapes):
-                parameter = self._parameters.get(name)
-                if parameter is None:
-                    raise ValueError(f"names: {name!r} is not a parameter of this model")
-                if tuple(parameter.shape) != shape:
-                    raise ValueError(f"shapes: {name!r} is {shape} in the update, {tuple(parameter.shape)} here")
-                if name in pending.received:
-                    raise ValueError(f"names: {name!r} came twice in the update to weight_version {weight_version}")
+    def _receive_locked(self, bucket: Bucket, weight_version: int, fetch: Callable[[Bucket], Any],
+                        mapped_again: bool = False) -> dict:
+        if not self._paused:
+            raise RuntimeError("update: call pause_generation before updating weights (a generation could "
+                               "otherwise see a half-updated model)")
+        pending = self._start(weight_version)
+        if mapped_again and not pending.received and bucket == self._flat_bucket:
+            # the tensors mapped and checked at the last list payload, the whole model, flat
             start = time.perf_counter()
-            fetched = fetch(bucket)
-            views = fetched if isinstance(fetched, list) else bucket_views(fetched, bucket)
-            with torch.no_grad():
-                for name, view, dtype, shape in zip(bucket.names, views, bucket.dtypes, bucket.shapes):
-                    if view.dtype != dtype or tuple(view.shape) != shape:
-                        raise ValueError(f"payload: {name!r} is {view.dtype} {tuple(view.shape)}, the update says "
-                                         f"{dtype} {shape}")
-                if self._whole_flat_update(bucket, fetched):
-                    self._flat_bucket = bucket  # its next updates skip the checks above (the same mapping)
-                    return self._copy_flat(pending, bucket, start)
-                targets = [self._parameters[name].data for name in bucket.names]
-                if all(target.dtype == view.dtype for target, view in zip(targets, views)):
-                    torch._foreach_copy_(targets, list(views))  # one multi-tensor launch, not one per tensor
-                else:
-                    for target, view in zip(targets, views):
-                        target.copy_(view)
-            moved = fetched.numel() if isinstance(fetched, torch.Tensor) else sum(v.numel() * v.element_size()
-                                                                                   for v in views)
-            return self._received(pending, bucket, views[0] if views else None, moved, start)
+            fetch(bucket)
+            return self._copy_flat(pending, bucket, start)
+        for name, shape in zip(bucket.names, bucket.shapes):
+            parameter = self._parameters.get(name)
+            if parameter is None:
+                raise ValueError(f"names: {name!r} is not a parameter of this model")
+            if tuple(parameter.shape) != shape:
+                raise ValueError(f"shapes: {name!r} is {shape} in the update, {tuple(parameter.shape)} here")
+            if name in pending.received:
+                raise ValueError(f"names: {name!r} came twice in the update to weight_version {weight_version}")
+        start = time.perf_counter()
+        fetched = fetch(bucket)
+        views = fetched if isinstance(fetched, list) else bucket_views(fetched, bucket)
+        with torch.no_grad():
+            for name, view, dtype, shape in zip(bucket.names, views, bucket.dtypes, bucket.shapes):
+                if view.dtype != dtype or tuple(view.shape) != shape:
+                    raise ValueError(f"payload: {name!r} is {view.dtype} {tuple(view.shape)}, the update says "
+                                     f"{dtype} {shape}")
+            if fetched is self._mapped:
+                self._mapped_bucket = bucket  # a MappedTensors payload may then come without the metadata
+            if self._whole_flat_update(bucket, fetched):
+                self._flat_bucket = bucket  # its next updates skip the checks above (the same mapping)
+                return self._copy_flat(pending, bucket, start)
+            targets = [self._parameters[name].data for name in bucket.names]
+            if all(target.dtype == view.dtype for target, view in zip(targets, views)):
+                torch._foreach_copy_(targets, list(views))  # one multi-tensor launch, not one per tensor
+            else:
+                for target, view in zip(targets, views):
+                    target.copy_(view)
+        moved = fetched.numel() if isinstance(fetched, torch.Tensor) else sum(v.numel() * v.element_size()
+                                                                               for v in views)
+        return self._received(pending, bucket, views[0] if views else None, moved, start)
 
     def _copy_flat(self, pending: _PendingUpdate, bucket: Bucket, start: float) -> dict:
         """The whole update as one copy (cast included) of the mapped flat region into this

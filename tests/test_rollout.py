@@ -136,6 +136,51 @@ def test_pause_waits_for_the_running_generation():
     worker.continue_generation()
 
 
+def test_a_whole_update_waits_for_the_running_generation_and_the_next_one_sees_all_of_it():
+    """`update_weights_from_tensor(..., whole_update=True)`, one call: a generation running when it
+    arrives ends on the old weights first; one requested while it copies waits and runs on the
+    whole new model."""
+    trainer = tiny_llama(1)
+    worker = RolloutWorker(tiny_llama(2), pad_token_id=0)
+    before = worker.generate(PROMPTS, GREEDY).responses()
+    expected = RolloutWorker(tiny_llama(1), pad_token_id=0).generate(PROMPTS, GREEDY).responses()
+    assert before != expected
+    started, copying, forwards, results, log = threading.Event(), threading.Event(), [], {}, {}
+
+    def slow_forward(module, args, output):
+        started.set()
+        time.sleep(0.02)
+        forwards.append(time.perf_counter())
+
+    def slow_rebuild(tensor):  # the receiver maps the handles under its lock, before it copies
+        copying.set()
+        time.sleep(0.02)
+        return tensor
+
+    def requested_during_the_update():
+        copying.wait()
+        log["requested"] = time.perf_counter()
+        results["after"] = worker.generate(PROMPTS, GREEDY)
+
+    named = list(trainer.named_parameters())
+    payload = [(slow_rebuild, (parameter.detach(),)) for _, parameter in named]
+    handle = worker.model.register_forward_hook(slow_forward)
+    running = threading.Thread(target=lambda: results.update(running=worker.generate(PROMPTS, GREEDY)))
+    waiting = threading.Thread(target=requested_during_the_update)
+    running.start()
+    waiting.start()
+    started.wait()
+    worker.update_weights_from_tensor([n for n, _ in named], [p.dtype for _, p in named],
+                                      [tuple(p.shape) for _, p in named], payload, 1, True)
+    updated = time.perf_counter()
+    running.join()
+    waiting.join()
+    handle.remove()
+    assert forwards[GREEDY.max_new_tokens - 1] < log["requested"] < updated  # the running one ended first
+    assert results["running"].weight_version == 0 and results["running"].responses() == before
+    assert results["after"].weight_version == 1 and results["after"].responses() == expected
+
+
 def test_ids_past_the_tokenizers_vocab_are_never_sampled():
     """An lm_head padded past the tokenizer (96 rows, 10 real tokens here): its padding rows are
     masked out of the sampling."""

@@ -298,11 +298,24 @@ def test_a_payload_of_one_handle_per_tensor_updates_the_whole_model_in_one_call(
         for _, parameter in named:
             parameter.add_(0.01)
     worker.pause_generation()
-    with pytest.raises(ValueError, match=r"payload: MappedTensors\(1\) needs the .* tensors of an earlier list"):
-        worker.update_weights_from_tensor(names, dtypes, shapes, MappedTensors(1), 2)
-    worker.update_weights_from_tensor(names, dtypes, shapes, MappedTensors(len(names)), 2)
+    with pytest.raises(ValueError, match=r"payload: MappedTensors\(count=1, handed_at=1\) needs the 1 tensors of "
+                                         rf"the list payload of weight_version 1 mapped here; this worker holds {len(names)}"):
+        worker.update_weights_from_tensor(names, dtypes, shapes, MappedTensors(1, 1), 2)
+    with pytest.raises(ValueError, match=rf"holds {len(names)} of weight_version 1"):  # handles of another update
+        worker.update_weights_from_tensor(names, dtypes, shapes, MappedTensors(len(names), 7), 2)
+    worker.update_weights_from_tensor(names, dtypes, shapes, MappedTensors(len(names), 1), 2)
     worker.continue_generation()
     assert worker.weight_version == 2 and torch.equal(worker.model(TOKENS).logits, trainer(TOKENS).logits)
+    # without the metadata: the layout checked when the tensors were mapped
+    with torch.no_grad():
+        for _, parameter in named:
+            parameter.add_(0.01)
+    worker.pause_generation()
+    with pytest.raises(ValueError, match="names, dtypes, shapes: None only with a MappedTensors payload"):
+        worker.update_weights_from_tensor(None, None, None, [(_mapped, (p.detach(),)) for _, p in named], 3)
+    worker.update_weights_from_tensor(None, None, None, MappedTensors(len(names), 1), 3)
+    worker.continue_generation()
+    assert worker.weight_version == 3 and torch.equal(worker.model(TOKENS).logits, trainer(TOKENS).logits)
 
 
 def _ipc_storages(rank, world, init_file, queue, acks):
@@ -310,7 +323,10 @@ def _ipc_storages(rank, world, init_file, queue, acks):
         model = tiny_llama(1, vocab=32_000, hidden=512).cuda()
         sender = WeightSender(model, bucket_bytes=8 << 20)
         for version in (1, 2):
-            queue.put(sender.share_tensors(version))
+            arguments = sender.share_tensors(version)
+            if version == 2:  # the same storages: a marker of the handles sent at 1, no metadata
+                assert arguments[:4] == (None, None, None, MappedTensors(len(list(model.parameters())), 1))
+            queue.put(arguments)
             acks.get()
             metrics = sender.release_shared()
             assert metrics.weight_version == version
@@ -323,10 +339,13 @@ def _ipc_storages(rank, world, init_file, queue, acks):
                     parameter.mul_(1.0 + 0.01 * version)
         return
     worker = RolloutWorker(tiny_llama(2, vocab=32_000, hidden=512), pad_token_id=0, device="cuda")
-    for _ in (1, 2):
-        worker.pause_generation()
-        worker.update_weights_from_tensor(*queue.get())
-        worker.continue_generation()
+    for version in (1, 2):
+        if version == 1:
+            worker.pause_generation()
+            worker.update_weights_from_tensor(*queue.get())
+            worker.continue_generation()
+        else:  # the driver's call: pause -> copy -> continue in one
+            assert worker.update_weights_from_tensor(*queue.get(), True)["weight_version"] == 2
         acks.put(True)
         expected = queue.get()
         with torch.no_grad():
@@ -393,7 +412,7 @@ def test_a_flattened_trainer_updates_a_flattened_rollout_copy_in_one_cast_copy()
     named = list(trainer.named_parameters())
     names, shapes = [n for n, _ in named], [tuple(p.shape) for _, p in named]
     dtypes = [p.dtype for _, p in named]
-    for version, payload in ((1, [(_mapped, (p.detach(),)) for _, p in named]), (2, MappedTensors(len(named)))):
+    for version, payload in ((1, [(_mapped, (p.detach(),)) for _, p in named]), (2, MappedTensors(len(named), 1))):
         with torch.no_grad():
             for _, parameter in named:
                 parameter.mul_(1.0 + 0.1 * version)
@@ -405,3 +424,51 @@ def test_a_flattened_trainer_updates_a_flattened_rollout_copy_in_one_cast_copy()
         for name, parameter in worker.model.named_parameters():
             assert parameter.dtype == torch.bfloat16
             assert torch.equal(parameter, dict(named)[name].detach().to(torch.bfloat16)), name
+
+
+def test_a_whole_update_in_one_call_gives_bit_equal_logits_and_refuses_without_touching_the_model():
+    """`update_weights_from_tensor(..., whole_update=True)`: pause -> copy -> continue in one call
+    (one copy when both models are flattened), then the metadata-free marker; a refused payload
+    (wrong version, stale handles, a changed layout) leaves the worker unpaused on its weights."""
+    trainer = tiny_llama(1)
+    flatten_parameters(trainer)
+    worker = RolloutWorker(tiny_llama(2), pad_token_id=0)
+    named = list(trainer.named_parameters())
+    names, dtypes, shapes = [n for n, _ in named], [p.dtype for _, p in named], [tuple(p.shape) for _, p in named]
+    handles = [(_mapped, (p.detach(),)) for _, p in named]
+    metrics = worker.update_weights_from_tensor(names, dtypes, shapes, handles, 1, True)
+    assert metrics["weight_version"] == worker.weight_version == 1 and not worker._receiver.paused
+    assert metrics["bytes"] == sum(p.numel() * p.element_size() for _, p in named) and metrics["buckets"] == 1
+    assert torch.equal(worker.model(TOKENS).logits, trainer(TOKENS).logits)
+    _perturb(trainer, 3)
+    with _CopyCount() as counted:
+        worker.update_weights_from_tensor(None, None, None, MappedTensors(len(names), 1), 2, True)
+    assert counted.copies == 1 and worker.weight_version == 2
+    assert torch.equal(worker.model(TOKENS).logits, trainer(TOKENS).logits)
+    logits = worker.model(TOKENS).logits
+    _perturb(trainer, 4)
+    with pytest.raises(ValueError, match="weight_version: expected an int > 2"):
+        worker.update_weights_from_tensor(None, None, None, MappedTensors(len(names), 1), 2, True)
+    with pytest.raises(ValueError, match="holds .* of weight_version 1"):
+        worker.update_weights_from_tensor(None, None, None, MappedTensors(len(names), 2), 3, True)
+    changed = [(_mapped, (p.detach().reshape(-1),)) for _, p in named]  # a changed layout is checked again
+    with pytest.raises(ValueError, match=f"payload: '{names[0]}' is torch.float32 "):
+        worker.update_weights_from_tensor(names, dtypes, shapes, changed, 3, True)
+    with pytest.raises(ValueError, match="names: None needs the layout of the mapped tensors"):
+        worker.update_weights_from_tensor(None, None, None, MappedTensors(len(names), 3), 3, True)
+    assert not worker._receiver.paused and worker.weight_version == 2
+    assert torch.equal(worker.model(TOKENS).logits, logits)
+    worker.pause_generation()
+    with pytest.raises(RuntimeError, match="receive_whole: the worker is paused"):
+        worker.update_weights_from_tensor(names, dtypes, shapes, handles, 3, True)
+    worker.continue_generation()
+    with pytest.raises(ValueError, match="whole_update: expected a bool, got 1"):
+        worker.update_weights_from_tensor(names, dtypes, shapes, handles, 3, 1)
+    worker.update_weights_from_tensor(names, dtypes, shapes, handles, 3, True)
+    assert worker.weight_version == 3 and torch.equal(worker.model(TOKENS).logits, trainer(TOKENS).logits)
+    # a payload that misses parameters: written, so the worker stays paused until the rest arrives
+    with pytest.raises(RuntimeError, match="resume: the update to weight_version 4 is incomplete"):
+        worker.update_weights_from_tensor(names[:1], dtypes[:1], shapes[:1], handles[:1], 4, True)
+    assert worker._receiver.paused and worker.weight_version == 3
+    worker.update_weights_from_tensor(names[1:], dtypes[1:], shapes[1:], handles[1:], 4)
+    assert worker.continue_generation()["weight_version"] == worker.weight_version == 4
