@@ -16,12 +16,15 @@ alone (kd_weight 0, sft_alpha 1, lmbda 0), every run with a pretrained teacher; 
 (nats a token; over the whole vocab, and ``teacher_reverse_kl_top_k`` over the k + 1 bins of the
 teacher's top-k and tail, what ``support=tail`` trains: the gap is the divergence within the tail
 that the loss cannot see). The driver's loss options apply to every run: on-policy distillation
-usually runs reverse_kl or jsd (``--set divergence=reverse_kl``).
+usually runs reverse_kl or jsd (``--set divergence=reverse_kl``). ``--runs`` picks the runs and
+their order (ce, off, gkd, on); each row is printed and appended to the results when its run
+ends. On a GPU the runs take `ONPOLICY_GPU` (the GPU default models, 60 steps, 64 new tokens, a
+teacher of 300 steps, 4 MB of corpus) under any ``--set``; on CPU the small default.
 
 usage: python benchmarks/bench_e2e.py [--set key=value ...]   (the driver's options)
        python benchmarks/bench_e2e.py --quality [--samples 12] [--seeds 3] [--set ...]   (teacher signals compared)
        python benchmarks/bench_e2e.py --cache-read   (teacher cache read tokens/s against the student loss's)
-       python benchmarks/bench_e2e.py --onpolicy [--set key=value ...]
+       python benchmarks/bench_e2e.py --onpolicy [--runs ce,off,gkd,on] [--set key=value ...]
 """
 from __future__ import annotations
 
@@ -47,6 +50,7 @@ from orchestration.data import IGNORE_INDEX, prepare_data  # noqa: E402
 from orchestration.driver import run  # noqa: E402
 from orchestration.hf_models import final_hidden_states  # noqa: E402
 from orchestration.models import autocast, build_model, lm_head_inputs, pick_device  # noqa: E402
+from orchestration.placement import device_type  # noqa: E402
 from orchestration.progress import Progress  # noqa: E402
 from orchestration.sampler import StepSampler  # noqa: E402
 from orchestration.student import lr_factor  # noqa: E402
@@ -376,7 +380,7 @@ def onpolicy_rows(args, env: dict) -> list[dict]:
         sys.exit(f"bench_e2e: --runs: expected a comma-separated list of {', '.join(ONPOLICY_RUNS)}, got {args.runs!r}")
     options = list(args.set)
     base = load_config(None, options)
-    if base.device == "cuda":
+    if device_type(base.device) == "cuda":
         options = [*ONPOLICY_GPU, *options]
         base = load_config(None, options)
     shape = dict(name="driver default, on-policy", device=base.device, steps=base.steps, seed=base.seed, k=base.k,

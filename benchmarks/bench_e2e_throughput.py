@@ -511,7 +511,8 @@ def onpolicy_rows(env: dict, row: str, args) -> list[dict]:
     device = "cpu" if args.tiny else "cuda"
     if row in ("default", "pair"):
         extra = [*(ONPOLICY_PAIR if row == "pair" else []), *tiny, *args.set]
-        name = "on-policy, GPU default" if row == "default" else "on-policy, 1.5B -> 0.5B-like pair"
+        name = ("on-policy, GPU default" if row == "default"
+                else "on-policy, 1.5B -> 0.5B-like pair (Qwen2.5 layers x hidden)")
         return [onpolicy_driver_row(env, name + (" (tiny CPU)" if args.tiny else ""), args.steps, args.warmup,
                                     os.path.join(args.output_dir, f"onpolicy_{row}"), extra, list(ONPOLICY_SETUP))]
     config = load_config(None, [f"device={device}", *tiny, *args.set])

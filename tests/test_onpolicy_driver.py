@@ -160,6 +160,7 @@ def test_the_cli_runs_on_policy_with_opsd_prompts_and_prints_the_teachers_revers
     assert 0 <= summary["teacher_reverse_kl_top_k"] <= summary["teacher_reverse_kl"]  # fewer bins see less
 
 
+@pytest.mark.slow
 def test_the_onpolicy_throughput_bench_runs_tiny_on_the_cpu_row_by_row(ray_cluster, tmp_path):
     """`bench_e2e_throughput.py --onpolicy --tiny`: each chosen row appended when done; the step's
     parts are each measured (none negative) and their sum stays within the step."""
