@@ -289,9 +289,9 @@ ONPOLICY_PARTS = ("generate_seconds", "sync_wall_seconds", "wait_seconds", "tran
 # less text, a teacher pretrained briefly (its samples' scores cost the same), no checkpoints
 ONPOLICY_SETUP = ("max_corpus_bytes=1000000", "teacher_pretrain_steps=20", "checkpoint_every=0")
 ONPOLICY_PAIR = ("teacher_hidden=1536", "teacher_layers=28", "student_hidden=896", "student_layers=24", "heads=16")
-ONPOLICY_TINY = ("device=cpu", "tokenizer_vocab=512", "max_corpus_bytes=200000", "teacher_hidden=64", "teacher_layers=2",
-                 "student_hidden=32", "student_layers=2", "heads=4", "rows_per_micro_batch=2", "micro_batches=1",
-                 "max_new_tokens=8", "k=8")
+ONPOLICY_TINY = ("device=cpu", "tokenizer_vocab=512", "max_corpus_bytes=200000", "teacher_hidden=64",
+                 "teacher_layers=2", "student_hidden=32", "student_layers=2", "heads=4", "rows_per_micro_batch=2",
+                 "micro_batches=1", "max_new_tokens=8", "k=8")
 SYNC_FLOOR = "device-to-device copy (torch)"
 
 
