@@ -16,12 +16,15 @@ alone (kd_weight 0, sft_alpha 1, lmbda 0), every run with a pretrained teacher; 
 (nats a token; over the whole vocab, and ``teacher_reverse_kl_top_k`` over the k + 1 bins of the
 teacher's top-k and tail, what ``support=tail`` trains: the gap is the divergence within the tail
 that the loss cannot see). The driver's loss options apply to every run: on-policy distillation
-usually runs reverse_kl or jsd (``--set divergence=reverse_kl``).
+usually runs reverse_kl or jsd (``--set divergence=reverse_kl``). ``--runs`` picks the runs and
+their order (ce, off, gkd, on); each row is printed and appended to the results when its run
+ends. On a GPU the runs take `ONPOLICY_GPU` (the GPU default models, 60 steps, 64 new tokens, a
+teacher of 300 steps, 4 MB of corpus) under any ``--set``; on CPU the small default.
 
 usage: python benchmarks/bench_e2e.py [--set key=value ...]   (the driver's options)
        python benchmarks/bench_e2e.py --quality [--samples 12] [--seeds 3] [--set ...]   (teacher signals compared)
        python benchmarks/bench_e2e.py --cache-read   (teacher cache read tokens/s against the student loss's)
-       python benchmarks/bench_e2e.py --onpolicy [--set key=value ...]
+       python benchmarks/bench_e2e.py --onpolicy [--runs ce,off,gkd,on] [--set key=value ...]
 """
 from __future__ import annotations
 
@@ -47,6 +50,7 @@ from orchestration.data import IGNORE_INDEX, prepare_data  # noqa: E402
 from orchestration.driver import run  # noqa: E402
 from orchestration.hf_models import final_hidden_states  # noqa: E402
 from orchestration.models import autocast, build_model, lm_head_inputs, pick_device  # noqa: E402
+from orchestration.placement import device_type  # noqa: E402
 from orchestration.progress import Progress  # noqa: E402
 from orchestration.sampler import StepSampler  # noqa: E402
 from orchestration.student import lr_factor  # noqa: E402
@@ -353,30 +357,60 @@ def cache_read(args) -> None:
                        "× student": "ratio"})
 
 
+ONPOLICY_RUNS = {"ce": (FLOOR, ["mode=gkd", "lmbda=0", "kd_weight=0", "ce_weight=1", "sft_alpha=1"]),
+                 "off": ("off-policy (lmbda 0)", ["mode=gkd", "lmbda=0"]),
+                 "gkd": ("GKD (lmbda 0.5)", ["mode=gkd", "lmbda=0.5"]),
+                 "on": ("on-policy (lmbda 1)", ["mode=on_policy"])}
+# --onpolicy on a GPU: the driver's GPU default models, fewer steps and shorter responses, a
+# teacher pretrained for less and a tokenizer trained on less text (so that the four runs fit
+# in ~6 minutes of one H200); every run sees the same options but its mode's
+ONPOLICY_GPU = ("steps=60", "max_new_tokens=64", "teacher_pretrain_steps=300", "max_corpus_bytes=4000000",
+                "checkpoint_every=0")
+ONPOLICY_COLUMNS = {"student": "provider", "held-out CE": "held_out_ce", "× CE alone": "ratio",
+                    "teacher reverse KL of samples": "teacher_reverse_kl", "its top-k bins": "teacher_reverse_kl_top_k",
+                    "teacher held-out CE": "teacher_held_out_ce", "run s": "run_seconds"}
+
+
 def onpolicy_rows(args, env: dict) -> list[dict]:
-    """The on-policy comparison (module docstring): four runs at equal steps."""
-    base = load_config(None, args.set)
-    off_policy = ["mode=gkd", "lmbda=0", f"sft_alpha={base.ce_weight}"]
-    runs = (("off-policy (lmbda 0)", off_policy), ("GKD (lmbda 0.5)", ["mode=gkd", "lmbda=0.5",
-                                                                    f"sft_alpha={base.ce_weight}"]),
-            ("on-policy (lmbda 1)", ["mode=on_policy"]),
-            (FLOOR, ["mode=gkd", "lmbda=0", "kd_weight=0", "ce_weight=1", "sft_alpha=1"]))
+    """The on-policy comparison (module docstring): the runs of ``--runs`` at equal steps, in
+    that order, each printed and appended to the results as soon as it is done (× CE alone when
+    CE alone ran before it). The runs after the first read the tokenizer the first one trained."""
+    chosen = [part.strip() for part in args.runs.split(",") if part.strip()]
+    if not chosen or any(name not in ONPOLICY_RUNS for name in chosen):
+        sys.exit(f"bench_e2e: --runs: expected a comma-separated list of {', '.join(ONPOLICY_RUNS)}, got {args.runs!r}")
+    options = list(args.set)
+    base = load_config(None, options)
+    if device_type(base.device) == "cuda":
+        options = [*ONPOLICY_GPU, *options]
+        base = load_config(None, options)
     shape = dict(name="driver default, on-policy", device=base.device, steps=base.steps, seed=base.seed, k=base.k,
                  divergence=base.divergence, samples_per_step=base.rows_per_micro_batch * base.micro_batches,
-                 max_new_tokens=base.max_new_tokens, vocab=base.tokenizer_vocab)
-    measured = {}
-    for name, overrides in runs:
-        config = load_config(None, args.set + overrides + [f"output_dir={base.output_dir}/onpolicy_"
-                                                           f"{name.split(' ')[0]}", "overwrite=true"])
+                 max_new_tokens=base.max_new_tokens, vocab=base.tokenizer_vocab,
+                 teacher_pretrain_steps=base.teacher_pretrain_steps, options=" ".join(options))
+    rows, floor, tokenizer = [], None, []
+    for key in chosen:
+        name, overrides = ONPOLICY_RUNS[key]
+        if key in ("off", "gkd"):  # their dataset steps train as mode=off_policy does
+            overrides = [*overrides, f"sft_alpha={base.ce_weight}"]
+        config = load_config(None, options + overrides + tokenizer + [f"output_dir={base.output_dir}/onpolicy_{key}",
+                                                                      "overwrite=true"])
+        started = time.perf_counter()
         summary = run(config, progress=False)
-        measured[name] = dict(held_out_ce=summary["student_held_out_ce"],
-                              teacher_held_out_ce=summary["teacher_held_out_ce"],
-                              teacher_reverse_kl=summary["teacher_reverse_kl"],
-                              teacher_reverse_kl_top_k=summary["teacher_reverse_kl_top_k"], mode=config.mode,
-                              lmbda=config.lmbda)
-    floor = measured[FLOOR]["held_out_ce"]
-    return [result_row(env, BENCHMARK, shape, name, "equal steps, on-policy", None, FLOOR, m["held_out_ce"] / floor,
-                       None, **m) for name, m in measured.items()]
+        measured = dict(held_out_ce=summary["student_held_out_ce"], teacher_held_out_ce=summary["teacher_held_out_ce"],
+                        teacher_reverse_kl=summary["teacher_reverse_kl"],
+                        teacher_reverse_kl_top_k=summary["teacher_reverse_kl_top_k"], mode=config.mode,
+                        lmbda=config.lmbda, run_seconds=time.perf_counter() - started)
+        if key == "ce":
+            floor = measured["held_out_ce"]
+        trained = os.path.join(config.output_dir, "tokenizer")
+        if not tokenizer and base.tokenizer_path is None and os.path.isdir(trained):
+            tokenizer = [f"tokenizer_path={trained}"]  # the same tokenizer: trained once, read by the others
+        row = result_row(env, BENCHMARK, shape, name, "equal steps, on-policy", None, FLOOR,
+                         None if floor is None else measured["held_out_ce"] / floor, None, **measured)
+        publish(args, env, [row], ONPOLICY_COLUMNS)
+        sys.stdout.flush()
+        rows.append(row)
+    return rows
 
 
 def main():
@@ -384,6 +418,8 @@ def main():
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="a driver option for both runs (python orchestrate.py --help lists them)")
     parser.add_argument("--onpolicy", action="store_true", help="the on-policy comparison instead (see above)")
+    parser.add_argument("--runs", default=",".join(ONPOLICY_RUNS),
+                        help=f"--onpolicy: which runs, in order (comma): {', '.join(ONPOLICY_RUNS)}")
     add_results_arguments(parser, BENCHMARK)
     signal_quality = parser.add_argument_group("signal quality (--quality: CE only, full-vocab KD, top-k, sampled)")
     signal_quality.add_argument("--quality", action="store_true",
@@ -402,10 +438,9 @@ def main():
         return
     if args.onpolicy:
         env = environment(args.commit)
-        publish(args, env, onpolicy_rows(args, env),
-                {"student": "provider", "held-out CE": "held_out_ce", "× CE alone": "ratio",
-                 "teacher reverse KL of samples": "teacher_reverse_kl", "its top-k bins": "teacher_reverse_kl_top_k",
-                 "teacher held-out CE": "teacher_held_out_ce"})
+        rows = onpolicy_rows(args, env)
+        print()
+        print_table(rows, ONPOLICY_COLUMNS)
         return
     base = load_config(None, args.set)
     env = environment(args.commit)

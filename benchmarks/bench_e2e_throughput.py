@@ -34,20 +34,26 @@ On-policy parts (instead of the above; no Ray for --weight-sync):
       (the sender's call, the receiver's call with its copy, the messages). The receiver is a
       `RolloutWorker` taking the driver's calls (the flattened path: one call that pauses,
       copies and continues); the messages go over a multiprocessing queue, not Ray.
-  --onpolicy      the driver with mode=on_policy: the step's breakdown (generate / sync /
-      teacher / student seconds) and tokens/s at the GPU default and at a 1.5B -> 0.5B-like
-      pair (Qwen2.5 layers and hidden sizes, the driver's vocab); and generation tokens/s of
-      the rollout worker against plain Hugging Face generate of the same model and batch.
+  --onpolicy      the on-policy rows named in --onpolicy-rows, each printed and appended to
+      --results when it is done: "default" and "pair", the driver with mode=on_policy at the GPU
+      default and at a 1.5B -> 0.5B-like pair (Qwen2.5 layers and hidden sizes, the driver's
+      vocab): the step's breakdown (generate / sync / teacher / transfer / student seconds and
+      the rest) and tokens/s, with the setup the step does not depend on made cheap
+      (`ONPOLICY_SETUP`, stated in the row); "generation" and "generation-0.5b", tokens/s of the
+      rollout worker against plain Hugging Face generate of the same model and batch, and a
+      bare KV-cached loop. With --tiny: tiny shapes on the CPU (a smoke test).
 
 usage: python benchmarks/bench_e2e_throughput.py [--steps 20] [--tiny] [--strategies replica,fsdp2]
            [--placements colocated,fused] [--attention sdpa,flex_attention]
        python benchmarks/bench_e2e_throughput.py --weight-sync [--sync-models 0.5b,1.5b,7b]
-       python benchmarks/bench_e2e_throughput.py --onpolicy [--steps 40]
+       python benchmarks/bench_e2e_throughput.py --onpolicy [--onpolicy-rows default,pair,generation,generation-0.5b]
+           [--steps 8 --warmup 3]
 """
 from __future__ import annotations
 
 import argparse
 import gc
+import inspect
 import json
 import os
 import statistics
@@ -303,7 +309,19 @@ def main(argv=None):
 QWEN_SHAPES = {"0.5b": (896, 4864, 24, 14, 2, 151_936, True), "1.5b": (1536, 8960, 28, 12, 2, 151_936, True),
                "7b": (3584, 18_944, 28, 28, 4, 152_064, False)}
 SYNC_REPEATS = 5  # warm updates after the cold one
-WARMUP = 5  # the on-policy driver rows' steps not timed
+ONPOLICY_ROWS = ("default", "pair", "generation", "generation-0.5b")
+# the parts of an on-policy step, in order: the generation as the driver waits for it, the whole
+# weight update (pause, flush, send, continue), the student waiting on the teacher's scores, the
+# top-k's hand-over, the student's step, the student call's dispatch; the rest is the driver's
+ONPOLICY_PARTS = ("generate_seconds", "sync_wall_seconds", "wait_seconds", "transfer_seconds", "student_seconds",
+                  "dispatch_seconds")
+# what the on-policy step does not depend on, made cheap: the tokenizer (same vocab) trained on
+# less text, a teacher pretrained briefly (its samples' scores cost the same), no checkpoints
+ONPOLICY_SETUP = ("max_corpus_bytes=1000000", "teacher_pretrain_steps=20", "checkpoint_every=0")
+ONPOLICY_PAIR = ("teacher_hidden=1536", "teacher_layers=28", "student_hidden=896", "student_layers=24", "heads=16")
+ONPOLICY_TINY = ("device=cpu", "tokenizer_vocab=512", "max_corpus_bytes=200000", "teacher_hidden=64",
+                 "teacher_layers=2", "student_hidden=32", "student_layers=2", "heads=4", "rows_per_micro_batch=2",
+                 "micro_batches=1", "max_new_tokens=8", "k=8")
 SYNC_FLOOR = "device-to-device copy (torch)"
 
 
@@ -312,6 +330,8 @@ def add_onpolicy_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--weight-sync", action="store_true", help="time the colocated CUDA IPC weight sync")
     group.add_argument("--sync-models", default="0.5b,1.5b,7b", help=f"of {', '.join(QWEN_SHAPES)}")
     group.add_argument("--onpolicy", action="store_true", help="the on-policy step breakdown and generation speed")
+    group.add_argument("--onpolicy-rows", default="default,pair,generation,generation-0.5b",
+                       help=f"which on-policy rows, in order (comma): {', '.join(ONPOLICY_ROWS)}")
 
 
 def qwen_like(name: str):
@@ -433,101 +453,170 @@ def weight_sync_rows(env: dict, names: list[str]) -> list[dict]:
     return rows
 
 
-def onpolicy_driver_row(env: dict, name: str, steps: int, output_dir: str, extra: list) -> dict:
-    """The driver in mode=on_policy: median step, tokens/s, mean seconds of each part."""
-    config = load_config(None, [f"output_dir={output_dir}/{name.replace(' ', '_')}", f"steps={steps}",
-                                "teacher_pretrain_steps=20", "checkpoint_every=0", "max_corpus_bytes=4000000",
-                                "overwrite=true", "mode=on_policy", *extra])
-    summary = run(config, progress=False)
+def onpolicy_driver_row(env: dict, name: str, steps: int, warmup: int, output_dir: str, extra: list,
+                        setup: list) -> dict:
+    """The driver in mode=on_policy: the median step, tokens/s and the mean seconds of each part of
+    a step after ``warmup`` (`ONPOLICY_PARTS`, each timed where it runs and ending on a device
+    synchronization or a copy to the host; ``rest_seconds`` is the mean step less their sum: the
+    driver's response batches, its calls to the teacher and the metrics row). ``teacher_seconds``
+    (the teacher's own scoring) and ``sync_seconds`` (the sender's copy) lie within wait and
+    sync_wall. ``run_seconds`` is the whole run, ``loop_seconds`` its steps (the rest is setup and
+    the final evaluation). ``setup``: the options the step does not depend on (stated in the row)."""
+    overrides = [f"output_dir={output_dir}", f"steps={steps}",
+                 "overwrite=true", "mode=on_policy", *setup, *extra]
+    config = load_config(None, overrides)
+    started = time.perf_counter()
+    summary = run(config, progress=True)  # the phases' lines say where the setup's time goes
+    run_seconds = time.perf_counter() - started
     with open(summary["metrics"]) as handle:
-        records = [json.loads(line) for line in handle][WARMUP:]
-    parts = {key: statistics.mean(r.get(key, 0.0) for r in records)
-             for key in ("generate_seconds", "sync_seconds", "teacher_seconds", "student_seconds")}
-    ms = 1e3 * statistics.median(r["step_seconds"] for r in records)
+        records = [json.loads(line) for line in handle]
+    timed = records[warmup:]
+    parts = {key: statistics.mean(r.get(key, 0.0) for r in timed) for key in ONPOLICY_PARTS}
+    step_mean = statistics.mean(r["step_seconds"] for r in timed)
     shape = dict(name=name, teacher=f"{config.teacher_layers} x {config.teacher_hidden}",
-                 student=f"{config.student_layers} x {config.student_hidden}", vocab=config.tokenizer_vocab,
+                 student=f"{config.student_layers} x {config.student_hidden}", vocab=summary["vocab"],
                  samples_per_step=config.rows_per_micro_batch * config.micro_batches,
-                 max_new_tokens=config.max_new_tokens, k=config.k)
-    return result_row(env, BENCHMARK, shape, "driver, on_policy", "median step", ms, None, None, None,
-                      tokens_per_s=statistics.median(r["tokens_per_s"] for r in records),
-                      sync_transport=summary["weight_sync"],
-                      sync_gb_per_s=statistics.median(r["sync_gb_per_s"] for r in records if "sync_gb_per_s" in r),
-                      **parts)
+                 max_new_tokens=config.max_new_tokens, k=config.k, device=config.device, setup=" ".join(setup),
+                 steps=steps, warmup=warmup)
+    syncs = [r["sync_gb_per_s"] for r in timed if "sync_gb_per_s" in r]
+    return result_row(env, BENCHMARK, shape, "driver, on_policy", "median step",
+                      1e3 * statistics.median(r["step_seconds"] for r in timed), None, None, None,
+                      tokens_per_s=statistics.median(r["tokens_per_s"] for r in timed),
+                      response_tokens=statistics.mean(r["tokens"] for r in timed),
+                      sync_transport=summary["weight_sync"], sync_gb_per_s=statistics.median(syncs) if syncs else None,
+                      step_mean_seconds=step_mean, **parts, rest_seconds=step_mean - sum(parts.values()),
+                      teacher_seconds=statistics.mean(r["teacher_seconds"] for r in timed),
+                      sync_seconds=statistics.mean(r.get("sync_seconds", 0.0) for r in timed),
+                      run_seconds=run_seconds, loop_seconds=sum(r["step_seconds"] for r in records))
 
 
-def generation_rows(env: dict, extra: list) -> list[dict]:
+def generation_row(env: dict, name: str, build, vocab: int, batch: int, new: int, device: str) -> list[dict]:
     """Generation tokens/s of `rollout.RolloutWorker` against ``model.generate`` of the same
-    bf16 model, prompts and sampling (no stop token: every row generates max_new_tokens)."""
+    model (``build()``, bf16 on CUDA), prompts and sampling (no stop token: every row generates
+    ``new`` tokens), and the floor under both: a bare KV-cached loop of the model's forward and
+    multinomial sampling (what any generate pays for the model itself). Median of 3 after a
+    warm-up, device-synchronized."""
     from orchestration.rollout import RolloutWorker, SamplingParams
 
-    rows = []
-    config = load_config(None, ["device=cuda", *extra])
-    for name, model in (("driver GPU default student", lambda: build_model(
-            None, config.student_hidden, config.student_layers, config, config.tokenizer_vocab, 1)),
-                        ("Qwen2.5-0.5B-like", lambda: qwen_like("0.5b"))):
-        model = model().cuda().to(torch.bfloat16).eval()
-        vocab = config.tokenizer_vocab if name.startswith("driver") else model.config.vocab_size
-        batch, prompt_tokens, new = config.rows_per_micro_batch * config.micro_batches, 64, config.max_new_tokens
-        prompts = torch.randint(0, vocab, (batch, prompt_tokens), generator=torch.Generator().manual_seed(0))
-        worker = RolloutWorker(model, pad_token_id=0, device="cuda")
-        sampling = SamplingParams(max_new_tokens=new, temperature=1.0, seed=0)
+    cuda = device == "cuda"
+    model = build().to(device=device, dtype=torch.bfloat16 if cuda else torch.float32).eval()
+    prompt_tokens = 64
+    prompts = torch.randint(3, vocab, (batch, prompt_tokens), generator=torch.Generator().manual_seed(0))
+    worker = RolloutWorker(model, pad_token_id=0, device=device, vocab_size=vocab)
+    sampling = SamplingParams(max_new_tokens=new, temperature=1.0, seed=0)
+    on_device = prompts.to(device)
 
-        def ours():
-            worker.generate(prompts.tolist(), sampling)
+    def ours():
+        worker.generate(prompts.tolist(), sampling)
 
-        def plain():
-            with torch.no_grad():
-                model.generate(input_ids=prompts.cuda(), attention_mask=torch.ones_like(prompts).cuda(),
-                               max_new_tokens=new, do_sample=True, temperature=1.0, top_p=1.0, top_k=0,
-                               pad_token_id=0, eos_token_id=None, use_cache=True)
+    @torch.no_grad()
+    def plain():
+        model.generate(input_ids=on_device, attention_mask=torch.ones_like(on_device), max_new_tokens=new,
+                       do_sample=True, temperature=1.0, top_p=1.0, top_k=0, pad_token_id=0, eos_token_id=None,
+                       use_cache=True)
 
-        timed = {}
-        for provider, call in (("plain HF generate", plain), ("rollout worker", ours)):
-            call()  # warm-up
-            seconds = []
-            for _ in range(3):
+    accepted = inspect.signature(model.forward).parameters
+    cache_keyword = "cache" if "cache" in accepted else "past_key_values"  # transformers >= 5.2x: "cache"
+    last_only = dict(logits_to_keep=1) if "logits_to_keep" in accepted else {}
+
+    @torch.no_grad()
+    def loop():
+        out = model(input_ids=on_device, use_cache=True, **last_only)
+        for position in range(new):  # new tokens from new forwards, as generate
+            token = torch.multinomial(torch.softmax(out.logits[:, -1, :vocab].float(), -1), 1)
+            if position + 1 < new:
+                cache = out.cache if getattr(out, "cache", None) is not None else out.past_key_values
+                out = model(input_ids=token, use_cache=True, **{cache_keyword: cache}, **last_only)
+
+    timed = {}
+    for provider, call in (("plain HF generate", plain), ("rollout worker", ours),
+                           ("bare KV-cached loop (torch)", loop)):
+        call()  # warm-up
+        seconds = []
+        for _ in range(3):
+            if cuda:
                 torch.cuda.synchronize()
-                start = time.perf_counter()
-                call()
+            start = time.perf_counter()
+            call()
+            if cuda:
                 torch.cuda.synchronize()
-                seconds.append(time.perf_counter() - start)
-            timed[provider] = statistics.median(seconds)
-        shape = dict(name=f"generation, {name}", batch=batch, prompt_tokens=prompt_tokens, new_tokens=new)
-        for provider, seconds in timed.items():
-            rows.append(result_row(env, BENCHMARK, shape, provider, "median of 3", 1e3 * seconds,
-                                   "plain HF generate", seconds / timed["plain HF generate"], None,
-                                   tokens_per_s=batch * new / seconds))
-    return rows
+            seconds.append(time.perf_counter() - start)
+        timed[provider] = statistics.median(seconds)
+    shape = dict(name=f"generation, {name}", batch=batch, prompt_tokens=prompt_tokens, new_tokens=new, vocab=vocab,
+                 device=device)
+    return [result_row(env, BENCHMARK, shape, provider, "median of 3", 1e3 * seconds, "plain HF generate",
+                       seconds / timed["plain HF generate"], None, tokens_per_s=batch * new / seconds,
+                       ms_per_token=1e3 * seconds / new)
+            for provider, seconds in timed.items()]
 
 
-def onpolicy_main(args, parser: argparse.ArgumentParser) -> None:
-    if not torch.cuda.is_available():
-        sys.exit("bench_e2e_throughput: needs a CUDA device")
+def onpolicy_rows(env: dict, row: str, args) -> list[dict]:
+    """The rows of one ``--onpolicy-rows`` entry (module docstring)."""
+    tiny = list(ONPOLICY_TINY) if args.tiny else []
+    device = "cpu" if args.tiny else "cuda"
+    if row in ("default", "pair"):
+        extra = [*(ONPOLICY_PAIR if row == "pair" else []), *tiny, *args.set]
+        name = ("on-policy, GPU default" if row == "default"
+                else "on-policy, 1.5B -> 0.5B-like pair (Qwen2.5 layers x hidden)")
+        return [onpolicy_driver_row(env, name + (" (tiny CPU)" if args.tiny else ""), args.steps, args.warmup,
+                                    os.path.join(args.output_dir, f"onpolicy_{row}"), extra, list(ONPOLICY_SETUP))]
+    config = load_config(None, [f"device={device}", *tiny, *args.set])
+    batch, new = config.rows_per_micro_batch * config.micro_batches, config.max_new_tokens
+    if row == "generation":
+        vocab = config.tokenizer_vocab
+        return generation_row(env, "driver default student" + (" (tiny CPU)" if args.tiny else ""),
+                              lambda: build_model(None, config.student_hidden, config.student_layers, config, vocab, 1),
+                              vocab, batch, new, device)
+    return generation_row(env, "Qwen2.5-0.5B-like", lambda: qwen_like("0.5b"), QWEN_SHAPES["0.5b"][5], batch, new,
+                          device)
+
+
+COLUMNS = {"shape": lambda row: row["shape"]["name"], "provider": "provider", "ms": "ms", "× floor": "ratio",
+           "GB/s": "gb_per_s", "share of floor": "share_of_floor", "receiver copy ms": "receiver_copy_ms",
+           "sender ms": "sender_ms", "receiver ms": "receiver_ms", "messages ms": "messages_ms",
+           "cold s": "cold_seconds", "tokens/s": "tokens_per_s", "ms/token": "ms_per_token",
+           "generate s": "generate_seconds", "sync s": "sync_wall_seconds", "(copy s)": "sync_seconds",
+           "teacher wait s": "wait_seconds", "(teacher s)": "teacher_seconds", "transfer s": "transfer_seconds",
+           "student s": "student_seconds", "dispatch s": "dispatch_seconds", "rest s": "rest_seconds",
+           "step s": "step_mean_seconds", "run s": "run_seconds", "loop s": "loop_seconds"}
+
+
+def onpolicy_main(args, parser: argparse.ArgumentParser) -> list[dict]:
+    """--weight-sync and --onpolicy: each row printed and appended to ``--results`` as soon as it
+    is measured, so a run stopped part-way keeps the rows it finished."""
+    if args.weight_sync and args.tiny:
+        parser.error("--weight-sync: needs a CUDA device (no --tiny)")
+    if not args.tiny and not torch.cuda.is_available():
+        sys.exit("bench_e2e_throughput: needs a CUDA device (or --onpolicy --tiny)")
     env = environment(args.commit)
+    print(f"environment: {env}", flush=True)
     rows = []
+
+    def publish(measured: list[dict]) -> None:
+        rows.extend(measured)
+        append_rows(args.results, measured)
+        print_table(measured, {key: value for key, value in COLUMNS.items()
+                               if callable(value) or any(row.get(value) is not None for row in measured)})
+        sys.stdout.flush()
+
     if args.weight_sync:
         names = [part.strip().lower() for part in args.sync_models.split(",") if part.strip()]
         if not names or any(name not in QWEN_SHAPES for name in names):
             parser.error(f"--sync-models: expected a comma-separated list of {', '.join(QWEN_SHAPES)}, "
                          f"got {args.sync_models!r}")
-        rows += weight_sync_rows(env, names)
+        publish(weight_sync_rows(env, names))
     if args.onpolicy:
-        if args.steps <= WARMUP:
-            parser.error(f"--steps: expected more than the {WARMUP} warm-up steps, got {args.steps}")
-        pair = ["teacher_hidden=1536", "teacher_layers=28", "student_hidden=896", "student_layers=24", "heads=16"]
-        rows.append(onpolicy_driver_row(env, "on-policy, GPU default", args.steps, args.output_dir, args.set))
-        rows.append(onpolicy_driver_row(env, "on-policy, 1.5B -> 0.5B-like (Qwen2.5 layers x hidden)", args.steps,
-                                        args.output_dir, [*pair, *args.set]))
-        rows += generation_rows(env, args.set)
-    print(f"environment: {env}")
-    append_rows(args.results, rows)
-    print()
-    print_table(rows, {"shape": lambda row: row["shape"]["name"], "provider": "provider", "ms": "ms",
-                       "× floor": "ratio", "GB/s": "gb_per_s", "share of floor": "share_of_floor", "receiver copy ms": "receiver_copy_ms",
-                       "sender ms": "sender_ms", "receiver ms": "receiver_ms", "messages ms": "messages_ms",
-                       "cold s": "cold_seconds",
-                       "tokens/s": "tokens_per_s", "generate s": "generate_seconds", "sync s": "sync_seconds",
-                       "teacher s": "teacher_seconds", "student s": "student_seconds"})
+        chosen = [part.strip() for part in args.onpolicy_rows.split(",") if part.strip()]
+        if not chosen or any(row not in ONPOLICY_ROWS for row in chosen):
+            parser.error(f"--onpolicy-rows: expected a comma-separated list of {', '.join(ONPOLICY_ROWS)}, "
+                         f"got {args.onpolicy_rows!r}")
+        if args.tiny and "generation-0.5b" in chosen:
+            parser.error("--onpolicy-rows: generation-0.5b needs a CUDA device (no --tiny)")
+        if any(row in ("default", "pair") for row in chosen) and args.steps <= args.warmup:
+            parser.error(f"--steps: expected more than --warmup ({args.warmup}), got {args.steps}")
+        for row in chosen:
+            publish(onpolicy_rows(env, row, args))
+    return rows
 
 
 if __name__ == "__main__":

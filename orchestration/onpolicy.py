@@ -202,10 +202,11 @@ class OnPolicySession(_Session):
     def sync(self, weight_version: int, when: str) -> dict:
         """The rollouts to the student's weights of ``weight_version`` trained steps, if they
         hold another: pause -> flush -> send -> continue (by CUDA IPC, one call a rollout that
-        does all of it under its lock). The update's metrics ({} if none)."""
+        does all of it under its lock). The update's metrics ({} if none); ``sync_wall_seconds``
+        the whole of it as the driver waits (the actor calls included)."""
         if weight_version == self.rollout_version:
             return {}
-        rollouts, first = self.rollouts, self.students[0]
+        started, rollouts, first = time.perf_counter(), self.rollouts, self.students[0]
         if self.transport == "cuda_ipc":
             names, dtypes, shapes, handles, _ = self.get([self.actors.call(first, "share_weights", weight_version)],
                                                          when)[0]
@@ -222,7 +223,8 @@ class OnPolicySession(_Session):
             metrics = self.get(calls, when)[0]
             self.get(self.each(rollouts, "continue_generation"), when)
         self.rollout_version = weight_version
-        return {f"sync_{key}": value for key, value in metrics.items() if key != "weight_version"}
+        return dict({f"sync_{key}": value for key, value in metrics.items() if key != "weight_version"},
+                    sync_wall_seconds=time.perf_counter() - started)
 
     def generate(self, round_index: int, prompts: PromptSource, size: int) -> tuple:
         """Starts the generation of round ``round_index``: ``size`` prompts split over the rollout

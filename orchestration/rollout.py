@@ -97,8 +97,8 @@ class _PaddingRowsOff:
         self.vocab_size = vocab_size
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        return torch.cat([scores[:, :self.vocab_size], torch.full_like(scores[:, self.vocab_size:], -float("inf"))],
-                         dim=1)
+        scores[:, self.vocab_size:] = -float("inf")  # in place: no copy of [B, V] a token
+        return scores
 
 
 class RolloutWorker:

@@ -158,3 +158,30 @@ def test_the_cli_runs_on_policy_with_opsd_prompts_and_prints_the_teachers_revers
         summary = json.load(handle)
     assert summary["weight_version"] == 3
     assert 0 <= summary["teacher_reverse_kl_top_k"] <= summary["teacher_reverse_kl"]  # fewer bins see less
+
+
+@pytest.mark.slow
+def test_the_onpolicy_throughput_bench_runs_tiny_on_the_cpu_row_by_row(ray_cluster, tmp_path):
+    """`bench_e2e_throughput.py --onpolicy --tiny`: each chosen row appended when done; the step's
+    parts are each measured (none negative) and their sum stays within the step."""
+    import sys
+
+    sys.path.insert(0, "benchmarks")
+    from bench_e2e_throughput import ONPOLICY_PARTS, main
+
+    results = tmp_path / "rows.jsonl"
+    tiny = [f"{key}={value}" for key, value in TINY.items() if key not in ("device", "steps", "checkpoint_every")]
+    rows = main(["--onpolicy", "--tiny", "--onpolicy-rows", "generation,default", "--steps", "3", "--warmup", "1",
+                 "--output-dir", str(tmp_path / "bench"), "--results", str(results),
+                 *[argument for option in tiny for argument in ("--set", option)]])
+    assert [row["provider"] for row in rows] == ["plain HF generate", "rollout worker", "bare KV-cached loop (torch)",
+                                                 "driver, on_policy"]
+    assert all(row["tokens_per_s"] > 0 for row in rows)
+    driver = rows[-1]
+    assert all(driver[part] >= 0 for part in ONPOLICY_PARTS) and driver["generate_seconds"] > 0
+    assert driver["sync_wall_seconds"] > 0 and driver["sync_transport"] == "gloo"  # steps 1 and 2 synced
+    assert 0 <= driver["rest_seconds"] < driver["step_mean_seconds"]
+    assert 0 < driver["loop_seconds"] < driver["run_seconds"] and driver["response_tokens"] > 0
+    assert driver["shape"]["setup"] and driver["shape"]["max_new_tokens"] == TINY["max_new_tokens"]
+    assert [json.loads(line)["provider"] for line in results.read_text().splitlines()] == [
+        row["provider"] for row in rows]
