@@ -12,8 +12,9 @@ noise's uniform w and its 16 coarse bits: kd_kernels/sampling.py), so the test
 ``t = exp2(z · log2e / τ − tile_max2)``, already computed for the sum, times the row's
 ``2^(tile_max2 − f · log2e)``: per element a share of one hash a pair of columns, the coarse
 bits, one fma and one compare, no transcendental. Where t underflows (under 2⁻¹²⁶) the product
-still bounds X while the row's maximum is at most 2^MAX_EXCESS2 above its floor; tiles with a
-row further above take X from its own exp2. The floor is lowered by MARGIN2 (log2 units), far
+still bounds X while the row's maximum is at most 2^MAX_EXCESS2 above its floor; a row further
+above is counted past the capacity, so the logits schedule redoes it exactly (one branch-free
+epilogue for every tile). The floor is lowered by MARGIN2 (log2 units), far
 more than the approximate exp2's error and the keys' float32 rounding, so every element whose
 float32 key (as the rank pass computes it, ops/sample_keys.py) is ≥ f is kept.
 
@@ -39,7 +40,7 @@ from .lm_head_group_maxima import (POPC_IN_HARDWARE, _check_appends, _popcount, 
 from .tma import row_tile_descriptor
 
 MARGIN2 = 1.0 / 512  # log2 units (1.35e-3 nats) added to each row's excess over its floor
-MAX_EXCESS2 = 100.0  # a tile's row above its floor by more (log2 units): X by its own exp2
+MAX_EXCESS2 = 100.0  # a tile's row above its floor by more (log2 units) is redone from logits
 _LOG2E = tl.constexpr(1.4426950408889634)
 _MARGIN2 = tl.constexpr(MARGIN2)
 _MAX_EXCESS2 = tl.constexpr(MAX_EXCESS2)
@@ -160,24 +161,16 @@ def _lm_head_sample_kernel(hidden_desc, weight_desc, bias_ptr, tile_max2_ptr, ti
         base = tl.where(rows_ok, _TWO_POW_23, -1.0)[:, None, None]
         tile_pair = ((noise_offset + column_tile * BLOCK_N) >> 1).to(tl.uint32)
         hash_base = ((row_key(seed_key, first_row + row_offsets) + tile_pair) * _M1)[:, None, None]
-        # each branch whole, from the exponentials to the kept bits: no tensor of the tile crosses it
-        if tl.max(tl.where(rows_ok, excess2, float("-inf")), axis=0) <= _MAX_EXCESS2:
-            t_even = tl.exp2(tl.fma(even, log2e_over_t, -safe_max2))
-            t_odd = tl.exp2(tl.fma(odd, log2e_over_t, -safe_max2))
-            scale = tl.where(rows_ok, tl.exp2(excess2 + _COARSE_SCALE2), 0.0)[:, None, None]
-            tile_sum2 = tl.sum(tl.sum(t_even + t_odd, axis=2), axis=1)
-            bits = _kept_bits(tl.fma(t_even, scale, base), tl.fma(t_odd, scale, base), hash_base, pair_share, even_bit)
-        else:
-            shift2 = (floor2 - _MARGIN2 - _COARSE_SCALE2)[:, None, None]
-            scale = tl.where(rows_ok, 1.0, 0.0)[:, None, None]
-            tile_sum2 = tl.sum(tl.sum(tl.exp2(tl.fma(even, log2e_over_t, -safe_max2))
-                                      + tl.exp2(tl.fma(odd, log2e_over_t, -safe_max2)), axis=2), axis=1)
-            bits = _kept_bits(tl.fma(tl.exp2(tl.minimum(tl.fma(even, log2e_over_t, -shift2), 126.0)), scale, base),
-                              tl.fma(tl.exp2(tl.minimum(tl.fma(odd, log2e_over_t, -shift2), 126.0)), scale, base),
-                              hash_base, pair_share, even_bit)
+        t_even = tl.exp2(tl.fma(even, log2e_over_t, -safe_max2))
+        t_odd = tl.exp2(tl.fma(odd, log2e_over_t, -safe_max2))
+        scale = tl.where(rows_ok, tl.exp2(tl.minimum(excess2, _MAX_EXCESS2) + _COARSE_SCALE2), 0.0)[:, None, None]
+        tile_sum2 = tl.sum(tl.sum(t_even + t_odd, axis=2), axis=1)
+        bits = _kept_bits(tl.fma(t_even, scale, base), tl.fma(t_odd, scale, base), hash_base, pair_share, even_bit)
         tl.store(tile_sum2_ptr + row_offsets * column_tiles + column_tile, tile_sum2, mask=rows_ok)
         count = _popcount(bits, POPC_IN_HARDWARE)
-        row_count = tl.sum(count, axis=1)
+        # a row further above its floor than MAX_EXCESS2 (its t may underflow where X does not)
+        # counts past the capacity: the logits schedule redoes it exactly
+        row_count = tl.sum(count, axis=1) + tl.where(rows_ok & (excess2 > _MAX_EXCESS2), key_capacity + 1, 0)
         row_first = tl.atomic_add(counts_ptr + row_offsets, row_count, mask=row_count > 0, sem="relaxed")
         first = row_first[:, None] + tl.cumsum(count, axis=1) - count
         column_even = noise_offset + column_tile * BLOCK_N + even_column
