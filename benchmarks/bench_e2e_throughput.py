@@ -428,8 +428,8 @@ def weight_sync_rows(env: dict, names: list[str]) -> list[dict]:
                         start = time.perf_counter()
                         arguments = sender.share(index, version)
                         sending += time.perf_counter() - start
-                        reply, seconds = call("update_weights_from_tensor", *arguments)
-                        copy, handled = copy + reply["seconds"], handled + seconds
+                        reply, call_seconds = call("update_weights_from_tensor", *arguments)
+                        copy, handled = copy + reply["seconds"], handled + call_seconds
                         if index < len(sender.buckets) - 1:
                             sender.release_shared()  # frees the bucket; the last one's call ends the update
                     handled += call("continue_generation")[1]
