@@ -276,7 +276,9 @@ def main(argv=None):
     if not os.path.exists(data):
         write_documents(data, args.vocab, args.rows * args.row_tokens * (args.steps + 2) * 2, args.row_tokens)
     env = environment(args.commit)
-    shape = dict(name="tiny CPU" if args.tiny else "Qwen2.5-1.5B -> 0.5B-like", teacher=args.teacher,
+    named = (args.teacher, args.student) == (TEACHER, STUDENT)
+    shape = dict(name="tiny CPU" if args.tiny else "Qwen2.5-1.5B -> 0.5B-like" if named else
+                 f"teacher {args.teacher} -> student {args.student}", teacher=args.teacher,
                  student=args.student, vocab=args.vocab, tokens_per_step=args.rows * args.row_tokens, k=args.k)
     measurements = []
     if not args.skip_single:
