@@ -42,6 +42,16 @@ def fork_ranks(worker, world: int, *args, timeout_s: float = 300.0) -> None:
                 raise TimeoutError(f"fork_ranks: {worker.__name__} ran past {timeout_s} s")
 
 
+def cpu_ranks(worker, world: int, *args) -> None:
+    """Ranks of a CPU (gloo) test: `fork_ranks` where this process runs Triton's interpreter
+    (its kernels are interpreted ones; no CUDA), else `spawn_ranks`, whose fresh processes set
+    the interpreter before defining any kernel."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        fork_ranks(worker, world, *args)
+    else:
+        spawn_ranks(worker, world, *args)
+
+
 def _rank_main(rank, worker, world, init_file, args):
     worker(rank, world, init_file, *args)
     # gloo's run-loop thread may still be releasing the last collective's tensors, which takes the
@@ -176,3 +186,20 @@ def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
+
+
+def stopped_copy(source, target, step: int) -> str:
+    """Copies the finished run directory ``source`` to ``target`` without its checkpoints after
+    ``step``: the state a run stopped after ``step`` leaves (its metrics rows past ``step`` are
+    dropped on resume). Returns ``target`` as a string."""
+    import shutil
+
+    from orchestration import checkpoint
+
+    target = str(target)
+    shutil.copytree(source, target)
+    for later in checkpoint.candidates(target):
+        if later != checkpoint.path_of(target, step):
+            shutil.rmtree(later)
+    assert checkpoint.candidates(target) == [checkpoint.path_of(target, step)], checkpoint.candidates(target)
+    return target

@@ -13,6 +13,8 @@ from orchestration.teacher_cache import TeacherCacheReader
 
 ray = pytest.importorskip("ray")
 
+from test_orchestration import ray_cluster  # noqa: E402,F401 - one Ray for the module's driver runs
+
 
 def _tiny(tmp_path, name, **overrides):
     values = dict(output_dir=str(tmp_path / name), device="cpu", max_corpus_bytes=8_000, tokenizer_vocab=300,
@@ -83,7 +85,7 @@ def test_a_cache_made_for_another_run_is_refused_in_one_line(written, overrides,
 
 
 @pytest.mark.slow  # Ray and three driver runs, the acceptance test of training from a cache
-def test_training_from_the_cache_equals_training_with_the_live_teacher(written):
+def test_training_from_the_cache_equals_training_with_the_live_teacher(written, ray_cluster):
     # three driver runs on one Ray cluster: live, from the top-k cache, from a cache of samples
     # with support="sampled"
     from orchestration.driver import run
@@ -94,15 +96,10 @@ def test_training_from_the_cache_equals_training_with_the_live_teacher(written):
     written_samples = run(_tiny(tmp_path, "write_samples", mode="cache", teacher_cache=samples_cache,
                                 cache_samples=4, cache_encoding="compact"), progress=False)
     assert written_samples["complete"] and written_samples["kind"] == "samples"
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False,
-             ignore_reinit_error=True)
-    try:
-        live = run(_tiny(tmp_path, "live"), progress=False, return_parameters=True)
-        cached = run(_tiny(tmp_path, "cached", teacher_cache=cache), progress=False, return_parameters=True)
-        sampled = run(_tiny(tmp_path, "sampled", teacher_cache=samples_cache, cache_samples=4, support="sampled"),
-                      progress=False)
-    finally:
-        ray.shutdown()
+    live = run(_tiny(tmp_path, "live"), progress=False, return_parameters=True)
+    cached = run(_tiny(tmp_path, "cached", teacher_cache=cache), progress=False, return_parameters=True)
+    sampled = run(_tiny(tmp_path, "sampled", teacher_cache=samples_cache, cache_samples=4, support="sampled"),
+                  progress=False)
     sampled_rows = read_rows(sampled["metrics"])
     # a sampled estimate of a row may fall below 0; a step's mean over its tokens stays finite and non-zero
     assert len(sampled_rows) == 4 and all(math.isfinite(row["loss"]) and row["kd"] != 0 for row in sampled_rows)
@@ -115,7 +112,7 @@ def test_training_from_the_cache_equals_training_with_the_live_teacher(written):
 
 
 @pytest.mark.slow  # Ray and two driver runs: the acceptance test above on packed pre-tokenized documents
-def test_a_cache_of_pre_tokenized_documents_trains_as_the_live_teacher(tmp_path):
+def test_a_cache_of_pre_tokenized_documents_trains_as_the_live_teacher(ray_cluster, tmp_path):
     """Pre-tokenized ``.npy`` documents (no tokenizer; packed with position ids restarting per
     document and the block-diagonal mask): the cache is scored under that layout and read in
     the epoch order, so training from it equals training with the live teacher."""
@@ -136,14 +133,8 @@ def test_a_cache_of_pre_tokenized_documents_trains_as_the_live_teacher(tmp_path)
     save_token_documents(changed, from_lists([documents[1], documents[0], *documents[2:]]))
     with pytest.raises(Exception, match="teacher_cache: .*data_hash"):
         run(_tiny(tmp_path, "refused", teacher_cache=cache, data_path=changed, attention="eager"), progress=False)
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False,
-             ignore_reinit_error=True)
-    try:
-        live = run(_tiny(tmp_path, "live", **common), progress=False, return_parameters=True)
-        cached = run(_tiny(tmp_path, "cached", teacher_cache=cache, **common), progress=False,
-                     return_parameters=True)
-    finally:
-        ray.shutdown()
+    live = run(_tiny(tmp_path, "live", **common), progress=False, return_parameters=True)
+    cached = run(_tiny(tmp_path, "cached", teacher_cache=cache, **common), progress=False, return_parameters=True)
     live_rows, cached_rows = read_rows(live["metrics"]), read_rows(cached["metrics"])
     assert [row["step"] for row in cached_rows] == list(range(4))
     for got, expected in zip(cached_rows, live_rows):

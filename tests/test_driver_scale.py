@@ -1,12 +1,12 @@
 """The driver at scale on CPU (gloo): FSDP2 students, local Hugging Face checkpoints in and
 out, pre-tokenized packed data, held-out evaluation, and joining a Ray cluster."""
 import json
-import shutil
 
 import pytest
 import ray
 import torch
 
+from helpers import stopped_copy
 from helpers_hf import LM_HEAD_ROWS, VOCAB, save_checkpoint, tiny_tokenizer
 from orchestration.errors import UsageError
 from test_orchestration import _tiny as tiny_config
@@ -21,7 +21,7 @@ def _tiny(tmp_path, name, **overrides):
     return tiny_config(tmp_path, name, **{**SCALE, **overrides})
 
 
-@pytest.mark.slow  # four driver runs: 1 rank, 2 ranks, 2 ranks stopped and resumed
+@pytest.mark.slow  # three driver runs: 1 rank, 2 ranks, 2 ranks resumed from the sharded checkpoint of step 1
 def test_fsdp2_two_workers_train_like_one_and_resume_exactly(ray_cluster, tmp_path):
     from orchestration.driver import run
 
@@ -29,9 +29,10 @@ def test_fsdp2_two_workers_train_like_one_and_resume_exactly(ray_cluster, tmp_pa
     two = run(_tiny(tmp_path, "two", student_workers=2), progress=False, return_parameters=True)
     assert len(two["student_parameters"]) == 2 and torch.equal(*two["student_parameters"])  # gathered on each rank
     torch.testing.assert_close(two["student_parameters"][0], one["student_parameters"][0], rtol=1e-5, atol=1e-6)
-    run(_tiny(tmp_path, "resumed", student_workers=2, stop_after=1), progress=False)
+    stopped_copy(tmp_path / "two", tmp_path / "resumed", 1)
     resumed = run(_tiny(tmp_path, "resumed", student_workers=2, resume=True), progress=False,
                   return_parameters=True)
+    assert resumed["last_step"] == 3
     assert torch.equal(resumed["student_parameters"][0], two["student_parameters"][0])
     rows = [json.loads(line) for line in open(one["metrics"])]
     assert [row["step"] for row in rows] == [0, 1, 2, 3]
@@ -53,7 +54,6 @@ def _documents(path, count=30, seed=0):
 
 @pytest.mark.slow  # two driver runs of 7 steps
 def test_epochs_set_the_steps_and_a_resume_across_an_epoch_boundary_is_exact(ray_cluster, tmp_path):
-    from orchestration import checkpoint
     from orchestration.driver import run
 
     data = _documents(tmp_path / "docs.jsonl")
@@ -62,10 +62,7 @@ def test_epochs_set_the_steps_and_a_resume_across_an_epoch_boundary_is_exact(ray
     whole = run(_tiny(tmp_path, "whole", **epochs), progress=False, return_parameters=True)
     assert whole["steps"] == -(-2 * whole["train_rows"] // 4) == whole["last_step"] + 1
     assert whole["train_rows"] % 4  # the first pass ends inside a step
-    shutil.copytree(tmp_path / "whole", tmp_path / "resumed")  # as if stopped after step 1, in the first pass
-    for later in checkpoint.candidates(str(tmp_path / "resumed"))[:-1]:
-        shutil.rmtree(later)
-    assert checkpoint.candidates(str(tmp_path / "resumed")) == [checkpoint.path_of(str(tmp_path / "resumed"), 1)]
+    stopped_copy(tmp_path / "whole", tmp_path / "resumed", 1)  # as if stopped after step 1, in the first pass
     resumed = run(_tiny(tmp_path, "resumed", resume=True, **epochs), progress=False, return_parameters=True)
     assert resumed["last_step"] == whole["last_step"]
     assert torch.equal(resumed["student_parameters"][0], whole["student_parameters"][0])

@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 megatron = pytest.importorskip("megatron.core")
 
-from helpers import relative_error, spawn_ranks  # noqa: E402
+from helpers import cpu_ranks, relative_error  # noqa: E402
 
 WORLD, VOCAB, PADDED, HIDDEN, ROWS = 2, 100, 102, 16, 11
 
@@ -35,6 +35,7 @@ def _gathered(weight):
 
 
 def _worker(rank, world, init_file):
+    torch.set_num_threads(1)  # a forked rank (`cpu_ranks`)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         from megatron.core import parallel_state
@@ -76,4 +77,4 @@ def _worker(rank, world, init_file):
 
 
 def test_megatron_output_layer_tp2_matches_reference():
-    spawn_ranks(_worker, WORLD)
+    cpu_ranks(_worker, WORLD)

@@ -4,6 +4,8 @@ single-candidate groups' keys straight from them and the groups holding two or m
 elements computed again (ops/topk_from_group_top2.py); overflowing rows redone exactly.
 Interpreter tiles: 16 rows × 32 columns, groups of 8 (the real shape runs on a GPU in
 tests/test_teacher_schedule.py)."""
+import functools
+
 import pytest
 import torch
 
@@ -102,6 +104,13 @@ def test_maxima_schedule_matches_the_reference(k, temperature, scale, chunk_rows
                        temperature, 200)
 
 
+@functools.lru_cache(maxsize=None)
+def _problem_and_default_top_k(k):
+    """(hidden, weight, bias, their top-k at the default LISTING_STEPS / KTH_STEPS), computed once a k."""
+    hidden, weight, bias = small_teacher_problem(k + 30, rows=37, columns=1000, dtype=torch.float16, scale=2.0)
+    return hidden, weight, bias, teacher_topk_maxima(hidden, weight, k, 1.0, 1000, bias)
+
+
 @pytest.mark.parametrize("k, listing_steps, kth_steps", [(12, 2, 8), (12, 8, 2), (3, 1, 1)])
 def test_thresholds_further_below_give_the_same_top_k(k, listing_steps, kth_steps, monkeypatch):
     """LISTING_STEPS, KTH_STEPS: the listing's threshold and T are lower bounds from a few
@@ -111,8 +120,7 @@ def test_thresholds_further_below_give_the_same_top_k(k, listing_steps, kth_step
     interpreter the host BLAS may round its last bit differently from the matmul's epilogue)."""
     from kd_kernels.ops import topk_from_group_top2 as top2_module
 
-    hidden, weight, bias = small_teacher_problem(k + 30, rows=37, columns=1000, dtype=torch.float16, scale=2.0)
-    default = teacher_topk_maxima(hidden, weight, k, 1.0, 1000, bias)
+    hidden, weight, bias, default = _problem_and_default_top_k(k)
     monkeypatch.setattr(top2_module, "LISTING_STEPS", listing_steps)
     monkeypatch.setattr(top2_module, "KTH_STEPS", kth_steps)
     below = teacher_topk_maxima(hidden, weight, k, 1.0, 1000, bias)

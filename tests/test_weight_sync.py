@@ -6,7 +6,7 @@ import multiprocessing
 import pytest
 import torch
 
-from helpers import HAS_CUDA, free_port, spawn_ranks, tiny_llama
+from helpers import HAS_CUDA, cpu_ranks, free_port, spawn_ranks, tiny_llama
 from orchestration.flat_parameters import ELEMENT_ALIGNMENT, flat_offsets, flat_region, flatten_parameters
 from orchestration.rollout import RolloutWorker
 from orchestration.weight_sync import (ALIGNMENT, MappedTensors, WeightSender, as_dtype, bucket_layout, bucket_views,
@@ -158,6 +158,7 @@ def _trainer_and_rollout(rank, world, init_file, port, queue):
     the weights to rank 2, a rollout worker outside that group."""
     import torch.distributed as dist
 
+    torch.set_num_threads(1)  # a forked rank (`cpu_ranks`)
     if rank < 2:
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
         model = tiny_llama(1)
@@ -200,7 +201,7 @@ def _trainer_and_rollout(rank, world, init_file, port, queue):
 
 def test_sync_over_a_stateless_gloo_group_beside_the_trainers_own_group():
     queue = multiprocessing.get_context("spawn").SimpleQueue()
-    spawn_ranks(_trainer_and_rollout, 3, free_port(), queue)
+    cpu_ranks(_trainer_and_rollout, 3, free_port(), queue)
 
 
 # ---- GPUs ---------------------------------------------------------------------------------
