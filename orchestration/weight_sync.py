@@ -630,19 +630,23 @@ class WeightReceiver:
             if isinstance(payload, list):
                 if len(payload) != len(bucket.names):
                     raise ValueError(f"payload: expected {len(bucket.names)} tensor handles, got {len(payload)}")
-                self._mapped = [rebuild(*arguments) for rebuild, arguments in payload]
-                self._mapped_flat = flat_region(self._mapped)
-                self._mapped_bytes = sum(tensor.numel() * tensor.element_size() for tensor in self._mapped)
-                self._flat_bucket = self._mapped_bucket = None  # new tensors: checked again
-                self._mapped_at = weight_version
-                return self._mapped
+                return [rebuild(*arguments) for rebuild, arguments in payload]
             rebuild, arguments = payload
             return rebuild(*arguments)
 
-        return self._receive_locked(bucket, weight_version, fetch, mapped_again)
+        def adopt(tensors: list) -> None:
+            """A list payload whose checks passed: its tensors are the mapped ones from now on."""
+            self._mapped = tensors
+            self._mapped_flat = flat_region(tensors)
+            self._mapped_bytes = sum(tensor.numel() * tensor.element_size() for tensor in tensors)
+            self._flat_bucket = self._mapped_bucket = None  # new tensors: their layout recorded below
+            self._mapped_at = weight_version
+
+        return self._receive_locked(bucket, weight_version, fetch, mapped_again,
+                                    adopt if isinstance(payload, list) else None)
 
     def _receive_locked(self, bucket: Bucket, weight_version: int, fetch: Callable[[Bucket], Any],
-                        mapped_again: bool = False) -> dict:
+                        mapped_again: bool = False, adopt: Optional[Callable[[list], None]] = None) -> dict:
         if not self._paused:
             raise RuntimeError("update: call pause_generation before updating weights (a generation could "
                                "otherwise see a half-updated model)")
@@ -668,6 +672,8 @@ class WeightReceiver:
                 if view.dtype != dtype or tuple(view.shape) != shape:
                     raise ValueError(f"payload: {name!r} is {view.dtype} {tuple(view.shape)}, the update says "
                                      f"{dtype} {shape}")
+            if adopt is not None:
+                adopt(fetched)  # only now: a refused payload leaves the earlier mapping in place
             if fetched is self._mapped:
                 self._mapped_bucket = bucket  # a MappedTensors payload may then come without the metadata
             if self._whole_flat_update(bucket, fetched):

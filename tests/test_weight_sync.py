@@ -455,21 +455,24 @@ def test_a_whole_update_in_one_call_gives_bit_equal_logits_and_refuses_without_t
     changed = [(_mapped, (p.detach().reshape(-1),)) for _, p in named]  # a changed layout is checked again
     with pytest.raises(ValueError, match=f"payload: '{names[0]}' is torch.float32 "):
         worker.update_weights_from_tensor(names, dtypes, shapes, changed, 3, True)
-    with pytest.raises(ValueError, match="names: None needs the layout of the mapped tensors"):
+    with pytest.raises(ValueError, match="holds .* of weight_version 1"):  # the refused handles were not kept
         worker.update_weights_from_tensor(None, None, None, MappedTensors(len(names), 3), 3, True)
     assert not worker._receiver.paused and worker.weight_version == 2
     assert torch.equal(worker.model(TOKENS).logits, logits)
+    worker.update_weights_from_tensor(None, None, None, MappedTensors(len(names), 1), 3, True)  # still mapped
+    assert worker.weight_version == 3 and torch.equal(worker.model(TOKENS).logits, trainer(TOKENS).logits)
+    _perturb(trainer, 5)
     worker.pause_generation()
     with pytest.raises(RuntimeError, match="receive_whole: the worker is paused"):
-        worker.update_weights_from_tensor(names, dtypes, shapes, handles, 3, True)
+        worker.update_weights_from_tensor(names, dtypes, shapes, handles, 4, True)
     worker.continue_generation()
     with pytest.raises(ValueError, match="whole_update: expected a bool, got 1"):
-        worker.update_weights_from_tensor(names, dtypes, shapes, handles, 3, 1)
-    worker.update_weights_from_tensor(names, dtypes, shapes, handles, 3, True)
-    assert worker.weight_version == 3 and torch.equal(worker.model(TOKENS).logits, trainer(TOKENS).logits)
+        worker.update_weights_from_tensor(names, dtypes, shapes, handles, 4, 1)
+    worker.update_weights_from_tensor(names, dtypes, shapes, handles, 4, True)
+    assert worker.weight_version == 4 and torch.equal(worker.model(TOKENS).logits, trainer(TOKENS).logits)
     # a payload that misses parameters: written, so the worker stays paused until the rest arrives
-    with pytest.raises(RuntimeError, match="resume: the update to weight_version 4 is incomplete"):
-        worker.update_weights_from_tensor(names[:1], dtypes[:1], shapes[:1], handles[:1], 4, True)
-    assert worker._receiver.paused and worker.weight_version == 3
-    worker.update_weights_from_tensor(names[1:], dtypes[1:], shapes[1:], handles[1:], 4)
-    assert worker.continue_generation()["weight_version"] == worker.weight_version == 4
+    with pytest.raises(RuntimeError, match="resume: the update to weight_version 5 is incomplete"):
+        worker.update_weights_from_tensor(names[:1], dtypes[:1], shapes[:1], handles[:1], 5, True)
+    assert worker._receiver.paused and worker.weight_version == 4
+    worker.update_weights_from_tensor(names[1:], dtypes[1:], shapes[1:], handles[1:], 5)
+    assert worker.continue_generation()["weight_version"] == worker.weight_version == 5
