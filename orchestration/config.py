@@ -154,13 +154,12 @@ def _fused(values: dict) -> Optional[str]:
     if values["mode"] in ("on_policy", "gkd"):
         return (f"placement: fused runs mode off_policy (the on-policy loop's rollout and weight-sync workers are "
                 f"separate actors); use colocated for mode {values['mode']}")
-    if values["teacher_cache"] and values["mode"] != "cache":
+    if values["mode"] == "cache":
+        return "placement: fused pairs a teacher with a student; mode cache scores with teachers alone (use auto)"
+    if values["teacher_cache"]:
         return "placement: fused pairs a live teacher with each student; a run from a teacher_cache uses colocated"
-    if values["teacher_workers"] == values["student_workers"]:  # else resolve_layout names the counts
-        plan = CommPlan(values["teacher_workers"], values["student_workers"], values["micro_batches"])
-        if any(route.teacher_rank != route.student_rank for route in plan.routes()):
-            return ("placement: fused needs every micro-batch scored by the teacher in its student's process, and "
-                    "the micro-batch plan routes some across ranks")
+    # with teacher_workers == student_workers (resolve_layout refuses others) the plan keeps each
+    # micro-batch in its pair's process
     return None
 
 

@@ -108,6 +108,8 @@ def test_fused_fsdp2_resumes_exactly_and_a_death_names_both_workers_of_the_proce
                                     "(or auto), got 'object_store'"),
     (dict(mode="gkd"), "placement: fused runs mode off_policy"),
     (dict(teacher_cache="/nonexistent"), "placement: fused pairs a live teacher with each student"),
+    (dict(mode="cache", teacher_cache="/nonexistent"), "placement: fused pairs a teacher with a student; mode cache"),
+    (dict(teacher_workers=2, student_workers=2, micro_batches=3), "micro_batches"),
 ])
 def test_fused_refuses_what_it_cannot_run(tmp_path, overrides, message):
     from orchestration.config import check_machine
