@@ -259,6 +259,9 @@ def main(argv=None):
     args.device = "cpu" if args.tiny else "cuda"
     if args.steps <= args.warmup:
         parser.error(f"--steps: expected more than --warmup ({args.warmup}), got {args.steps}")
+    for option, allowed in (("placements", ("colocated", "fused")), ("strategies", ("replica", "fsdp2"))):
+        if unknown := [name for name in getattr(args, option).split(",") if name not in allowed]:
+            parser.error(f"--{option}: expected {' and/or '.join(allowed)} (comma), got {unknown}")
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("bench_e2e_throughput: needs a CUDA device (or --tiny)")
     attentions = args.attention.split(",")
@@ -280,24 +283,33 @@ def main(argv=None):
     shape = dict(name="tiny CPU" if args.tiny else "Qwen2.5-1.5B -> 0.5B-like" if named else
                  f"teacher {args.teacher} -> student {args.student}", teacher=args.teacher,
                  student=args.student, vocab=args.vocab, tokens_per_step=args.rows * args.row_tokens, k=args.k)
-    measurements = []
+    print(f"environment: {env}")
+    rows, floor = [], None
+
+    def publish(measured: dict) -> None:
+        """One row: its ratio to the full-logits loop's time (measured first), appended and printed
+        at once, so a run stopped part-way keeps the rows it finished."""
+        nonlocal floor
+        provider, ms = measured.pop("provider"), measured.pop("ms")
+        floor = ms if provider == FLOOR else floor
+        ratio = ms / floor if ms is not None and floor else None
+        rows.append(result_row(env, BENCHMARK, shape, provider, "median step", ms, FLOOR, ratio, None, **measured))
+        append_rows(args.results, rows[-1:])
+        print_table(rows[-1:], {"row": "provider", "tokens/s": "tokens_per_s", "step ms": "ms",
+                                "× floor (time)": "ratio", "peak MiB": "peak_mib"})
+        sys.stdout.flush()
+
     if not args.skip_single:
         packed = PackedRows(load_token_documents(data), args.row_tokens, eos_id=1, pad_id=0, seed=0)
         runs = [("full", None, "sdpa"), ("kd_kernels", None, "sdpa")]
         runs += [(kind, packed, attention) for attention in attentions for kind in ("full", "kd_kernels")]
-        for kind, rows, attention in runs:
-            measurements.append(single_process(kind, paths, args, device, rows, attention))
+        for kind, packed_rows, attention in runs:
+            publish(single_process(kind, paths, args, device, packed_rows, attention))
             release_memory(device)
-    measurements += [driver(placement, strategy, paths, data, args, attention) for attention in attentions
-                     for placement in args.placements.split(",") for strategy in args.strategies.split(",")]
-    floor = next((m["ms"] for m in measurements if m["provider"] == FLOOR), None)
-    rows = []
-    for m in measurements:
-        provider, ms = m.pop("provider"), m.pop("ms")
-        ratio = ms / floor if ms is not None and floor else None
-        rows.append(result_row(env, BENCHMARK, shape, provider, "median step", ms, FLOOR, ratio, None, **m))
-    print(f"environment: {env}")
-    append_rows(args.results, rows)
+    for attention in attentions:
+        for placement in args.placements.split(","):
+            for strategy in args.strategies.split(","):
+                publish(driver(placement, strategy, paths, data, args, attention))
     print()
     print_table(rows, {"row": "provider", "tokens/s": "tokens_per_s", "step ms": "ms", "× floor (time)": "ratio",
                        "peak MiB": "peak_mib"})
