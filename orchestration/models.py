@@ -19,12 +19,16 @@ def pick_device(config) -> torch.device:
     return torch.device(config.device)
 
 
-def build_model(path: Optional[str], hidden: int, layers: int, config, vocab: int, seed: int):
-    """A Hugging Face causal LM from a local path, or a small Llama built from a config."""
-    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+def build_model(path: Optional[str], hidden: int, layers: int, config, vocab: int, seed: int,
+                dtype: torch.dtype = torch.float32):
+    """A Hugging Face causal LM from a local path in ``dtype`` (`hf_models.load_causal_lm`:
+    whatever dtype the checkpoint was saved in), or a small float32 Llama built from a config."""
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     if path:
-        return AutoModelForCausalLM.from_pretrained(path, local_files_only=True, attn_implementation=config.attention)
+        from .hf_models import load_causal_lm
+
+        return load_causal_lm(path, dtype=dtype, attention=config.attention)
     torch.manual_seed(seed)
     padded = -(-vocab // LM_HEAD_ROW_MULTIPLE) * LM_HEAD_ROW_MULTIPLE
     model_config = LlamaConfig(vocab_size=padded, hidden_size=hidden, intermediate_size=2 * hidden,
@@ -42,6 +46,12 @@ def lm_head_inputs(model, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     weight = model.get_output_embeddings().weight
     dtype = torch.bfloat16 if hidden.is_cuda else hidden.dtype
     return hidden.to(dtype), weight.to(dtype)
+
+
+def scoring_dtype(device: torch.device) -> torch.dtype:
+    """The dtype a frozen teacher loaded from a checkpoint is held in: bfloat16 on GPUs (what
+    autocast would cast every weight to at every forward), float32 on CPU."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
 def autocast(device: torch.device):

@@ -35,6 +35,23 @@ def test_a_local_checkpoint_gives_hidden_states_and_lm_head_that_make_its_logits
         load_causal_lm(str(tmp_path / "missing"), argument="student_path")
 
 
+def test_students_load_float32_master_weights_and_gpu_teachers_bf16_from_a_bf16_checkpoint(tmp_path):
+    from orchestration.config import Config
+    from orchestration.models import build_model, scoring_dtype
+
+    model = tiny_causal_lm("qwen2").to(torch.bfloat16)
+    model.save_pretrained(tmp_path / "bf16")
+    config = Config(attention="eager")
+    student = build_model(str(tmp_path / "bf16"), 32, 2, config, VOCAB, seed=0)
+    assert {p.dtype for p in student.parameters()} == {torch.float32}
+    teacher = build_model(str(tmp_path / "bf16"), 32, 2, config, VOCAB, seed=0,
+                          dtype=scoring_dtype(torch.device("cuda")))
+    assert {p.dtype for p in teacher.parameters()} == {torch.bfloat16}
+    assert torch.equal(student.lm_head.weight, model.lm_head.weight.float())
+    assert teacher.config._attn_implementation == "eager"
+    assert scoring_dtype(torch.device("cpu")) == torch.float32
+
+
 def test_models_whose_logits_are_transformed_are_refused():
     from transformers import LlamaForCausalLM
 
