@@ -21,8 +21,8 @@ def pick_device(config) -> torch.device:
 
 def build_model(path: Optional[str], hidden: int, layers: int, config, vocab: int, seed: int,
                 dtype: torch.dtype = torch.float32):
-    """A Hugging Face causal LM from a local path in ``dtype`` (`hf_models.load_causal_lm`:
-    whatever dtype the checkpoint was saved in), or a small float32 Llama built from a config."""
+    """A Hugging Face causal LM from a local path, its weights in ``dtype`` whatever dtype the
+    checkpoint holds (`hf_models.load_causal_lm`), or a small float32 Llama built from a config."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     if path:
@@ -74,6 +74,8 @@ def held_out_sums(model, chunk: tuple, vocab: int, device: torch.device, impleme
     rows, labels, positions, documents = chunk
     model.eval()
     weight, bias = output_embedding(model)
+    # float32 logits from float32 operands: a bf16 teacher's lm_head is cast once a call
+    weight, bias = weight[:vocab].float(), None if bias is None else bias[:vocab].float()
     total, count = 0.0, 0
     for start in range(0, rows.shape[0], 8):
         part = slice(start, start + 8)
@@ -86,9 +88,9 @@ def held_out_sums(model, chunk: tuple, vocab: int, device: torch.device, impleme
         # float32 logits of HELD_OUT_LOGIT_ROWS positions at a time: never [8·T, V] at once
         for first in range(0, hidden.shape[0], HELD_OUT_LOGIT_ROWS):
             piece = slice(first, first + HELD_OUT_LOGIT_ROWS)
-            logits = hidden[piece].to(weight.dtype) @ weight[:vocab].T
+            logits = hidden[piece].float() @ weight.T
             if bias is not None:
-                logits = logits + bias[:vocab]
-            total += F.cross_entropy(logits.float(), targets[piece], ignore_index=IGNORE_INDEX, reduction="sum").item()
+                logits = logits + bias
+            total += F.cross_entropy(logits, targets[piece], ignore_index=IGNORE_INDEX, reduction="sum").item()
         count += (targets != IGNORE_INDEX).sum().item()
     return total, count

@@ -52,7 +52,7 @@ class TeacherWorker(Worker):
             batch_rows = self.config.rows_per_micro_batch * self.config.micro_batches  # a student step's rows
             pick = torch.randint(0, self.rows.shape[0], (batch_rows,), generator=generator)
             tokens, targets = (part.to(self.device) for part in self.micro_batch(pick))
-            positions, mask = self._layout(pick)
+            positions, mask = self.row_layout(pick, self.device, self.config.attention, share=False)
             with autocast(self.device):
                 logits = self.model(input_ids=tokens, position_ids=positions, attention_mask=mask).logits
             logits = logits[..., :self.vocab]

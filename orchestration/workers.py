@@ -32,15 +32,17 @@ class Worker:
         """(tokens, labels) ``[B, T]`` of the training rows ``pick`` ``[B]``."""
         return self.rows[pick], self.labels[pick]
 
-    def row_layout(self, pick: torch.Tensor, device: torch.device, implementation: str
+    def row_layout(self, pick: torch.Tensor, device: torch.device, implementation: str, share: bool = True
                    ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
         """(position_ids ``[B, T]``, attention mask) of the training rows ``pick`` on ``device``:
         positions restarting per document and the block-diagonal causal mask
         (`packing.attention_mask` for ``implementation``) for packed pre-tokenized rows;
-        (None, None) for rows without document ids (plain causal)."""
+        (None, None) for rows without document ids (plain causal). In a fused process
+        (`layouts` given) the teacher's and the student's ask for the same micro-batch share one
+        build; ``share=False``: built for this call alone (e.g. the teacher's pretraining)."""
         if self.documents is None:
             return None, None
-        if self.layouts is not None:
+        if share and self.layouts is not None:
             return self.layouts.get(pick, device, implementation,
                                     lambda: layout_of(self.positions[pick], self.documents[pick], device,
                                                       implementation))
@@ -79,6 +81,7 @@ class Worker:
         logits = self.model(input_ids=tokens.to(self.device)).logits
         picked = logits.reshape(-1, logits.shape[-1])[rows.to(self.device), :self.vocab]
         return torch.log_softmax(picked.float(), dim=-1).cpu()
+
 
 class SharedLayouts:
     """The row layouts (`Worker.row_layout`) the two workers of one fused process share: the

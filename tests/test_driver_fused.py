@@ -59,9 +59,12 @@ def test_a_fused_pair_builds_a_micro_batchs_attention_mask_once_and_shares_it():
         pair.call("student", "row_layout", other, cpu, "sdpa")  # another pick, another mask
         pair.call("student", "row_layout", pick, cpu, "eager")  # another implementation
         assert built == ["sdpa", "sdpa", "sdpa", "eager"]
-        pair.call("teacher", "set_rows", rows, rows, positions, documents)  # new rows: nothing kept
-        pair.call("student", "row_layout", other, cpu, "sdpa")
+        pair.call("teacher", "row_layout", other, cpu, "sdpa", False)  # unshared: built, not kept
+        pair.call("student", "row_layout", other, cpu, "sdpa")  # the kept one
         assert len(built) == 5
+        pair.call("teacher", "set_rows", rows, rows, positions, documents)  # new rows: nothing kept
+        pair.call("student", "row_layout", pick, cpu, "eager")
+        assert len(built) == 6
     finally:
         workers.layout_of = saved
     expected = real(positions[pick], documents[pick], cpu, "sdpa")
@@ -113,9 +116,18 @@ def test_fused_actors_route_calls_by_worker_name_and_name_the_worker_that_raised
 
 @pytest.mark.parametrize("workers", [1, pytest.param(2, marks=pytest.mark.slow)])  # 2: six worker processes
 def test_fused_trains_exactly_like_the_two_actor_placement(ray_cluster, tmp_path, workers):
+    """One pair on packed documents (its teacher and student share each micro-batch's mask),
+    two pairs on text rows."""
+    import numpy as np
+
     from orchestration.driver import run
+    from orchestration.packing import from_lists, save_token_documents
 
     layout = dict(teacher_workers=workers, student_workers=workers, micro_batches=2, **FEW)
+    if workers == 1:
+        generator = np.random.default_rng(0)
+        documents = [generator.integers(3, 300, int(generator.integers(5, 50))) for _ in range(60)]
+        layout["data_path"] = save_token_documents(str(tmp_path / "documents.npy"), from_lists(documents))
     apart = run(_tiny(tmp_path, f"apart{workers}", **layout), progress=False, return_parameters=True)
     fused = run(_tiny(tmp_path, f"fused{workers}", placement="fused", **layout), progress=False,
                 return_parameters=True)
