@@ -138,3 +138,26 @@ def test_student_loss_and_teacher_topk_equal_the_full_logits_computation():
     assert metrics["rows"].item() == 10
     with pytest.raises(TypeError, match=r"unknown \['alpha'\]"):
         DistillationStudent(student, vocab_size=VOCAB, alpha=0.5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_a_gpu_teacher_from_a_checkpoint_scores_in_bf16_as_the_single_process_loop(tmp_path):
+    """A float32 checkpoint: the teacher worker holds it in bf16 on the GPU and its top-k equals
+    the single-process loop's (the model loaded in bf16, kd.teacher_topk on its hidden states)."""
+    from transformers import AutoModelForCausalLM
+
+    from orchestration.config import Config
+    from orchestration.teacher import TeacherWorker
+
+    path = save_checkpoint(tmp_path / "teacher", "qwen2")
+    worker = TeacherWorker(Config(device="cuda", teacher_path=path, k=8, attention="sdpa"), VOCAB, "in_process")
+    assert {(p.dtype, p.device.type) for p in worker.model.parameters()} == {(torch.bfloat16, "cuda")}
+    tokens = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(0)).cuda()
+    got = worker.entries(tokens)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, attn_implementation="sdpa").cuda().eval()
+    with torch.no_grad():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            hidden = final_hidden_states(model, tokens).reshape(-1, 32)
+        expected = kd.teacher_topk(hidden, output_embedding(model)[0], 8, vocab_size=VOCAB)
+    assert torch.equal(got.indices, expected.indices) and torch.equal(got.logprobs, expected.logprobs)
