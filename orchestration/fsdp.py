@@ -162,13 +162,14 @@ def synchronize_gradients(model: torch.nn.Module, group=None) -> None:
         offset += grad.numel()
 
 
-def clip_gradients(model: torch.nn.Module, max_norm: float) -> float:
+def clip_gradients(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
     """Clips the global gradient norm (over every shard) to ``max_norm``; returns the norm
-    before clipping (one host sync)."""
+    before clipping, a 0-dim float32 tensor on the gradients' device (no host sync: read it
+    with the step's other values)."""
     norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], max_norm)
     if hasattr(norm, "full_tensor"):
         norm = norm.full_tensor()
-    return float(norm)
+    return norm
 
 
 def parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:

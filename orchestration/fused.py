@@ -13,15 +13,21 @@ from __future__ import annotations
 
 from typing import Any
 
+from .workers import SharedLayouts
+
 
 class FusedWorker:
     """The workers of one process by role (``"teacher"``, ``"student"``), built in the order
-    given: the student last, so that it seeds this process's RNG last, as in its own process."""
+    given: the student last, so that it seeds this process's RNG last, as in its own process.
+    They share one `workers.SharedLayouts`: a micro-batch's attention mask is built once, by
+    whichever of them asks first."""
 
     def __init__(self, roles: list[tuple[str, type, tuple]]):
         self.roles = {}
+        layouts = SharedLayouts()
         for role, cls, arguments in roles:
             self.roles[role] = cls(*arguments)
+            self.roles[role].layouts = layouts
 
     def call(self, role: str, method: str, *args) -> Any:
         """``method(*args)`` of the worker of ``role``."""

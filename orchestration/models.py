@@ -19,12 +19,16 @@ def pick_device(config) -> torch.device:
     return torch.device(config.device)
 
 
-def build_model(path: Optional[str], hidden: int, layers: int, config, vocab: int, seed: int):
-    """A Hugging Face causal LM from a local path, or a small Llama built from a config."""
-    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+def build_model(path: Optional[str], hidden: int, layers: int, config, vocab: int, seed: int,
+                dtype: torch.dtype = torch.float32):
+    """A Hugging Face causal LM from a local path, its weights in ``dtype`` whatever dtype the
+    checkpoint holds (`hf_models.load_causal_lm`), or a small float32 Llama built from a config."""
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     if path:
-        return AutoModelForCausalLM.from_pretrained(path, local_files_only=True, attn_implementation=config.attention)
+        from .hf_models import load_causal_lm
+
+        return load_causal_lm(path, dtype=dtype, attention=config.attention)
     torch.manual_seed(seed)
     padded = -(-vocab // LM_HEAD_ROW_MULTIPLE) * LM_HEAD_ROW_MULTIPLE
     model_config = LlamaConfig(vocab_size=padded, hidden_size=hidden, intermediate_size=2 * hidden,
@@ -42,6 +46,12 @@ def lm_head_inputs(model, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     weight = model.get_output_embeddings().weight
     dtype = torch.bfloat16 if hidden.is_cuda else hidden.dtype
     return hidden.to(dtype), weight.to(dtype)
+
+
+def scoring_dtype(device: torch.device) -> torch.dtype:
+    """The dtype a frozen teacher loaded from a checkpoint is held in: bfloat16 on GPUs (what
+    autocast would cast every weight to at every forward), float32 on CPU."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
 def autocast(device: torch.device):
@@ -64,6 +74,8 @@ def held_out_sums(model, chunk: tuple, vocab: int, device: torch.device, impleme
     rows, labels, positions, documents = chunk
     model.eval()
     weight, bias = output_embedding(model)
+    # float32 logits from float32 operands: a bf16 teacher's lm_head is cast once a call
+    weight, bias = weight[:vocab].float(), None if bias is None else bias[:vocab].float()
     total, count = 0.0, 0
     for start in range(0, rows.shape[0], 8):
         part = slice(start, start + 8)
@@ -76,9 +88,9 @@ def held_out_sums(model, chunk: tuple, vocab: int, device: torch.device, impleme
         # float32 logits of HELD_OUT_LOGIT_ROWS positions at a time: never [8·T, V] at once
         for first in range(0, hidden.shape[0], HELD_OUT_LOGIT_ROWS):
             piece = slice(first, first + HELD_OUT_LOGIT_ROWS)
-            logits = hidden[piece].to(weight.dtype) @ weight[:vocab].T
+            logits = hidden[piece].float() @ weight.T
             if bias is not None:
-                logits = logits + bias[:vocab]
-            total += F.cross_entropy(logits.float(), targets[piece], ignore_index=IGNORE_INDEX, reduction="sum").item()
+                logits = logits + bias
+            total += F.cross_entropy(logits, targets[piece], ignore_index=IGNORE_INDEX, reduction="sum").item()
         count += (targets != IGNORE_INDEX).sum().item()
     return total, count

@@ -130,7 +130,8 @@ class StudentWorker(Worker, WeightSource):
         grad_norm = fsdp.clip_gradients(self.student, self.config.grad_clip)
         self.optimizer.step()
         self.scheduler.step()
-        totals = dict(zip(names, sums.tolist()), teacher_seconds=sum(teacher_seconds))
+        *values, grad_norm = torch.cat([sums, grad_norm.to(sums.device, torch.float64).reshape(1)]).tolist()
+        totals = dict(zip(names, values), teacher_seconds=sum(teacher_seconds))
         worker_seconds = time.perf_counter() - start
         return dict(totals, wait_seconds=wait_seconds, transfer_seconds=transfer_seconds,
                     student_seconds=worker_seconds - wait_seconds - transfer_seconds, worker_seconds=worker_seconds,

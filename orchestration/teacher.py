@@ -13,14 +13,16 @@ import kd_kernels as kd
 
 from .data import IGNORE_INDEX
 from .hf_models import final_hidden_states
-from .models import autocast, build_model, held_out_sums, lm_head_inputs, pick_device
+from .models import autocast, build_model, held_out_sums, lm_head_inputs, pick_device, scoring_dtype
 from .process_group import World, join_world
 from .transfer import transfer_for
 from .workers import Worker, layout_of
 
 
 class TeacherWorker(Worker):
-    """Frozen teacher (eval, no grad). Builds itself when no path is given."""
+    """Frozen teacher (eval, no grad). Loaded from ``teacher_path`` in `models.scoring_dtype`
+    (bf16 weights on GPUs); built from the config when no path is given, in float32 (it
+    pretrains itself)."""
 
     def __init__(self, config, vocab: int, transfer: str = "object_store", world: Optional[World] = None):
         self.config, self.vocab = config, vocab
@@ -28,7 +30,7 @@ class TeacherWorker(Worker):
         join_world(world)
         self.transfer = transfer_for(transfer)
         self.model = build_model(config.teacher_path, config.teacher_hidden, config.teacher_layers, config, vocab,
-                                 config.seed).to(self.device)
+                                 config.seed, dtype=scoring_dtype(self.device)).to(self.device)
         self._pretraining = None
 
     def pretrain(self, steps: int) -> float:
@@ -50,7 +52,7 @@ class TeacherWorker(Worker):
             batch_rows = self.config.rows_per_micro_batch * self.config.micro_batches  # a student step's rows
             pick = torch.randint(0, self.rows.shape[0], (batch_rows,), generator=generator)
             tokens, targets = (part.to(self.device) for part in self.micro_batch(pick))
-            positions, mask = self._layout(pick)
+            positions, mask = self.row_layout(pick, self.device, self.config.attention, share=False)
             with autocast(self.device):
                 logits = self.model(input_ids=tokens, position_ids=positions, attention_mask=mask).logits
             logits = logits[..., :self.vocab]

@@ -20,23 +20,32 @@ class Worker:
 
     positions: Optional[torch.Tensor] = None  # [R, T] int64 position ids of packed documents, or None
     documents: Optional[torch.Tensor] = None  # [R, T] int64 document ids within each row, or None
+    layouts: Optional["SharedLayouts"] = None  # given by a fused worker to both of its workers
 
     def set_rows(self, rows: torch.Tensor, labels: torch.Tensor, positions: Optional[torch.Tensor] = None,
                  documents: Optional[torch.Tensor] = None) -> None:
         self.rows, self.labels, self.positions, self.documents = rows, labels, positions, documents
+        if self.layouts is not None:
+            self.layouts.clear()
 
     def micro_batch(self, pick: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(tokens, labels) ``[B, T]`` of the training rows ``pick`` ``[B]``."""
         return self.rows[pick], self.labels[pick]
 
-    def row_layout(self, pick: torch.Tensor, device: torch.device, implementation: str
+    def row_layout(self, pick: torch.Tensor, device: torch.device, implementation: str, share: bool = True
                    ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
         """(position_ids ``[B, T]``, attention mask) of the training rows ``pick`` on ``device``:
         positions restarting per document and the block-diagonal causal mask
         (`packing.attention_mask` for ``implementation``) for packed pre-tokenized rows;
-        (None, None) for rows without document ids (plain causal)."""
+        (None, None) for rows without document ids (plain causal). In a fused process
+        (`layouts` given) the teacher's and the student's ask for the same micro-batch share one
+        build; ``share=False``: built for this call alone (e.g. the teacher's pretraining)."""
         if self.documents is None:
             return None, None
+        if share and self.layouts is not None:
+            return self.layouts.get(pick, device, implementation,
+                                    lambda: layout_of(self.positions[pick], self.documents[pick], device,
+                                                      implementation))
         return layout_of(self.positions[pick], self.documents[pick], device, implementation)
 
     def memory(self) -> dict:
@@ -72,6 +81,37 @@ class Worker:
         logits = self.model(input_ids=tokens.to(self.device)).logits
         picked = logits.reshape(-1, logits.shape[-1])[rows.to(self.device), :self.vocab]
         return torch.log_softmax(picked.float(), dim=-1).cpu()
+
+
+class SharedLayouts:
+    """The row layouts (`Worker.row_layout`) the two workers of one fused process share: the
+    teacher builds a micro-batch's mask when it scores it, the student takes the same one
+    when it trains on it, so a micro-batch's mask is built once. Both workers must hold the
+    same training rows (the driver sends every worker the same). An entry is dropped at its
+    second use; at most ``capacity`` are kept (the oldest go first: a dropped one is built
+    again when asked)."""
+
+    def __init__(self, capacity: int = 8):
+        if capacity < 1:
+            raise ValueError(f"capacity: expected >= 1, got {capacity}")
+        self.capacity = capacity
+        self._kept: dict[tuple, tuple] = {}
+
+    def get(self, pick: torch.Tensor, device: torch.device, implementation: str, build) -> tuple:
+        """The layout of ``pick`` on ``device`` for ``implementation``: ``build()``'s at the
+        first ask, the kept one (then dropped) at the second."""
+        key = (tuple(pick.tolist()), str(device), implementation)
+        if key in self._kept:
+            return self._kept.pop(key)
+        layout = build()
+        while len(self._kept) >= self.capacity:
+            self._kept.pop(next(iter(self._kept)))
+        self._kept[key] = layout
+        return layout
+
+    def clear(self) -> None:
+        self._kept.clear()
+
 
 def mask_dtype(device: torch.device) -> torch.dtype:
     """The dtype of eager attention masks: the compute dtype (bf16 on GPUs, float32 on CPU)."""

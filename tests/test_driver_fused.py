@@ -32,6 +32,54 @@ def test_in_process_transfer_hands_the_topk_over_in_bf16_and_release_drops_lefto
     assert second not in _IN_PROCESS
 
 
+def test_a_fused_pair_builds_a_micro_batchs_attention_mask_once_and_shares_it():
+    from orchestration import workers
+    from orchestration.fused import FusedWorker
+
+    built = []
+    real = workers.layout_of
+
+    def counted(*args):
+        built.append(args[-1])
+        return real(*args)
+
+    rows = torch.randint(3, 50, (6, 8))
+    documents = torch.tensor([0, 0, 0, 1, 1, 2, 2, 2]).repeat(6, 1)
+    positions = torch.tensor([0, 1, 2, 0, 1, 0, 1, 2]).repeat(6, 1)
+    pair = FusedWorker([("teacher", workers.Worker, ()), ("student", workers.Worker, ())])
+    for role in ("teacher", "student"):
+        pair.call(role, "set_rows", rows, rows, positions, documents)
+    cpu, pick, other = torch.device("cpu"), torch.tensor([4, 1]), torch.tensor([1, 4])
+    workers.layout_of, saved = counted, workers.layout_of
+    try:
+        first = pair.call("teacher", "row_layout", pick, cpu, "sdpa")
+        second = pair.call("student", "row_layout", pick, cpu, "sdpa")
+        assert len(built) == 1 and second[1] is first[1] and second[0] is first[0]
+        pair.call("student", "row_layout", pick, cpu, "sdpa")  # dropped at its second use: built again
+        pair.call("student", "row_layout", other, cpu, "sdpa")  # another pick, another mask
+        pair.call("student", "row_layout", pick, cpu, "eager")  # another implementation
+        assert built == ["sdpa", "sdpa", "sdpa", "eager"]
+        pair.call("teacher", "row_layout", other, cpu, "sdpa", False)  # unshared: built, not kept
+        pair.call("student", "row_layout", other, cpu, "sdpa")  # the kept one
+        assert len(built) == 5
+        pair.call("teacher", "set_rows", rows, rows, positions, documents)  # new rows: nothing kept
+        pair.call("student", "row_layout", pick, cpu, "eager")
+        assert len(built) == 6
+    finally:
+        workers.layout_of = saved
+    expected = real(positions[pick], documents[pick], cpu, "sdpa")
+    assert torch.equal(first[0], expected[0]) and torch.equal(first[1], expected[1])
+    assert bool(first[1][0, 0, 4, 3]) and not bool(first[1][0, 0, 3, 2])  # block-diagonal causal
+
+    layouts = workers.SharedLayouts(capacity=2)
+    for index in range(3):
+        layouts.get(torch.tensor([index]), cpu, "sdpa", lambda index=index: index)
+    assert layouts.get(torch.tensor([0]), cpu, "sdpa", lambda: "again") == "again"  # the oldest went first
+    assert layouts.get(torch.tensor([2]), cpu, "sdpa", lambda: "again") == 2
+    with pytest.raises(ValueError, match="capacity: expected >= 1, got 0"):
+        workers.SharedLayouts(capacity=0)
+
+
 def test_fused_actors_route_calls_by_worker_name_and_name_the_worker_that_raised(ray_cluster):
     import os
 
@@ -68,9 +116,18 @@ def test_fused_actors_route_calls_by_worker_name_and_name_the_worker_that_raised
 
 @pytest.mark.parametrize("workers", [1, pytest.param(2, marks=pytest.mark.slow)])  # 2: six worker processes
 def test_fused_trains_exactly_like_the_two_actor_placement(ray_cluster, tmp_path, workers):
+    """One pair on packed documents (its teacher and student share each micro-batch's mask),
+    two pairs on text rows."""
+    import numpy as np
+
     from orchestration.driver import run
+    from orchestration.packing import from_lists, save_token_documents
 
     layout = dict(teacher_workers=workers, student_workers=workers, micro_batches=2, **FEW)
+    if workers == 1:
+        generator = np.random.default_rng(0)
+        documents = [generator.integers(3, 300, int(generator.integers(5, 50))) for _ in range(60)]
+        layout["data_path"] = save_token_documents(str(tmp_path / "documents.npy"), from_lists(documents))
     apart = run(_tiny(tmp_path, f"apart{workers}", **layout), progress=False, return_parameters=True)
     fused = run(_tiny(tmp_path, f"fused{workers}", placement="fused", **layout), progress=False,
                 return_parameters=True)

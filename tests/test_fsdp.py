@@ -74,7 +74,7 @@ def _train(student, optimizer, steps, rank=0, world=1):
         optimizer.step()
         if world > 1:
             dist.all_reduce(total)
-        history.append((total.item(), norm))
+        history.append((total.item(), norm.item()))
     return history
 
 

@@ -35,6 +35,23 @@ def test_a_local_checkpoint_gives_hidden_states_and_lm_head_that_make_its_logits
         load_causal_lm(str(tmp_path / "missing"), argument="student_path")
 
 
+def test_students_load_float32_master_weights_and_gpu_teachers_bf16_from_a_bf16_checkpoint(tmp_path):
+    from orchestration.config import Config
+    from orchestration.models import build_model, scoring_dtype
+
+    model = tiny_causal_lm("qwen2").to(torch.bfloat16)
+    model.save_pretrained(tmp_path / "bf16")
+    config = Config(attention="eager")
+    student = build_model(str(tmp_path / "bf16"), 32, 2, config, VOCAB, seed=0)
+    assert {p.dtype for p in student.parameters()} == {torch.float32}
+    teacher = build_model(str(tmp_path / "bf16"), 32, 2, config, VOCAB, seed=0,
+                          dtype=scoring_dtype(torch.device("cuda")))
+    assert {p.dtype for p in teacher.parameters()} == {torch.bfloat16}
+    assert torch.equal(student.lm_head.weight, model.lm_head.weight.float())
+    assert teacher.config._attn_implementation == "eager"
+    assert scoring_dtype(torch.device("cpu")) == torch.float32
+
+
 def test_models_whose_logits_are_transformed_are_refused():
     from transformers import LlamaForCausalLM
 
@@ -121,3 +138,26 @@ def test_student_loss_and_teacher_topk_equal_the_full_logits_computation():
     assert metrics["rows"].item() == 10
     with pytest.raises(TypeError, match=r"unknown \['alpha'\]"):
         DistillationStudent(student, vocab_size=VOCAB, alpha=0.5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_a_gpu_teacher_from_a_checkpoint_scores_in_bf16_as_the_single_process_loop(tmp_path):
+    """A float32 checkpoint: the teacher worker holds it in bf16 on the GPU and its top-k equals
+    the single-process loop's (the model loaded in bf16, kd.teacher_topk on its hidden states)."""
+    from transformers import AutoModelForCausalLM
+
+    from orchestration.config import Config
+    from orchestration.teacher import TeacherWorker
+
+    path = save_checkpoint(tmp_path / "teacher", "qwen2")
+    worker = TeacherWorker(Config(device="cuda", teacher_path=path, k=8, attention="sdpa"), VOCAB, "in_process")
+    assert {(p.dtype, p.device.type) for p in worker.model.parameters()} == {(torch.bfloat16, "cuda")}
+    tokens = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(0)).cuda()
+    got = worker.entries(tokens)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, attn_implementation="sdpa").cuda().eval()
+    with torch.no_grad():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            hidden = final_hidden_states(model, tokens).reshape(-1, 32)
+        expected = kd.teacher_topk(hidden, output_embedding(model)[0], 8, vocab_size=VOCAB)
+    assert torch.equal(got.indices, expected.indices) and torch.equal(got.logprobs, expected.logprobs)
