@@ -447,17 +447,20 @@ def weight_sync_rows(env: dict, names: list[str]) -> list[dict]:
                         if index < len(sender.buckets) - 1:
                             sender.release_shared()  # frees the bucket; the last one's call ends the update
                     handled += call("continue_generation")[1]
-                assert sender.release_shared().weight_version == version
+                released = sender.release_shared()
                 seconds.append(time.perf_counter() - update_start)
-                parts.append((sending, handled, copy))
+                if released.weight_version != version:
+                    raise RuntimeError(f"weight sync: the sender released weight_version {released.weight_version}, "
+                                       f"expected {version}")
+                parts.append((sending, handled, copy, seconds[-1] - sending - handled))
             measured[provider] = (seconds[0], statistics.median(seconds[1:]), len(sender.buckets),
-                                  [statistics.median(part[i] for part in parts[1:]) for i in range(3)])
+                                  [statistics.median(part[i] for part in parts[1:]) for i in range(4)])
         inbox.put(None)
         child.join(timeout=600)
         for provider, (cold, warm, buckets, part) in measured.items():
             extra = {} if part is None else dict(sender_ms=1e3 * part[0], receiver_ms=1e3 * part[1],
                                                  receiver_copy_ms=1e3 * part[2],
-                                                 messages_ms=1e3 * (warm - part[0] - part[1]))
+                                                 messages_ms=1e3 * part[3])
             rows.append(result_row(env, BENCHMARK, shape, provider, "weight update", 1e3 * warm, SYNC_FLOOR,
                                    warm / floor_s, None, warm_seconds=warm, cold_seconds=cold,
                                    gb_per_s=total / warm / 1e9, share_of_floor=floor_s / warm, buckets=buckets,

@@ -201,17 +201,22 @@ def test_float32_hidden_takes_the_logits_schedule(torch_ranking):
     check_samples(got, reference.teacher_sample(hidden, weight, 4, 1.3, 200, bias, seed=2, row_offset=7))
 
 
-@pytest.mark.interpret
-def test_rows_whose_floor_keeps_too_few_keys_are_redone_exactly(monkeypatch, torch_ranking):
-    # r = 1: the floor is the sample's largest key, above the (n+1)-th largest in most rows
-    redone = []
-    original = schedules._logits_of_rows
+@pytest.fixture
+def redone(monkeypatch) -> list:
+    """The row counts of each redo by the logits schedule (`_logits_of_rows`), in call order."""
+    counts, original = [], schedules._logits_of_rows
 
     def counted(hidden, weight, bias, rows, *args):
-        redone.append(rows.numel())
+        counts.append(rows.numel())
         return original(hidden, weight, bias, rows, *args)
-    monkeypatch.setattr(topk_from_appended, "sample_rank", lambda k, stride, width: 1)
     monkeypatch.setattr(schedules, "_logits_of_rows", counted)
+    return counts
+
+
+@pytest.mark.interpret
+def test_rows_whose_floor_keeps_too_few_keys_are_redone_exactly(monkeypatch, torch_ranking, redone):
+    # r = 1: the floor is the sample's largest key, above the (n+1)-th largest in most rows
+    monkeypatch.setattr(topk_from_appended, "sample_rank", lambda k, stride, width: 1)
     hidden, weight, bias = small_teacher_problem(14, rows=12, dtype=torch.float16)
     got = schedules.teacher_sample_appended(hidden, weight, 6, 1.0, 200, bias, 3, stride=4)
     assert sum(redone) > 6
@@ -219,15 +224,8 @@ def test_rows_whose_floor_keeps_too_few_keys_are_redone_exactly(monkeypatch, tor
 
 
 @pytest.mark.interpret
-def test_rows_far_above_their_floor_are_redone_exactly(monkeypatch, torch_ranking):
+def test_rows_far_above_their_floor_are_redone_exactly(torch_ranking, redone):
     # one column 120 nats above the rest: every row's maximum is over MAX_EXCESS2 above its floor
-    redone = []
-    original = schedules._logits_of_rows
-
-    def counted(hidden, weight, bias, rows, *args):
-        redone.append(rows.numel())
-        return original(hidden, weight, bias, rows, *args)
-    monkeypatch.setattr(schedules, "_logits_of_rows", counted)
     hidden, weight, bias = small_teacher_problem(14, rows=12, dtype=torch.float16)
     bias = bias.clone()
     bias[17] += 120.0
@@ -257,7 +255,7 @@ def test_the_sampling_matmul_keeps_every_element_at_or_above_its_floor():
                                            torch.empty(rows, width + 8, dtype=torch.float32, device=DEVICE))
     assert torch.equal(stored.tile_max2, tile_max2) and torch.allclose(stored.tile_sum2, tile_sum2, rtol=1e-6)
     counts = appends.counts.cpu()
-    assert counts[3] > 512 and counts[4] <= 2
+    assert counts[3] > appends.keys.shape[1] and counts[4] <= 2  # row 3: past the capacity
     for row in (row for row in range(rows) if row != 3):
         raw = appends.keys[row, :counts[row]].cpu()
         columns = (raw & 0xFFFFFFFF).tolist()
