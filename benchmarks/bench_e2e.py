@@ -362,8 +362,8 @@ ONPOLICY_RUNS = {"ce": (FLOOR, ["mode=gkd", "lmbda=0", "kd_weight=0", "ce_weight
                  "gkd": ("GKD (lmbda 0.5)", ["mode=gkd", "lmbda=0.5"]),
                  "on": ("on-policy (lmbda 1)", ["mode=on_policy"])}
 # --onpolicy on a GPU: the driver's GPU default models, fewer steps and shorter responses, a
-# teacher pretrained for less and a tokenizer trained on less text (so that the four runs fit
-# in ~6 minutes of one H200); every run sees the same options but its mode's
+# teacher pretrained for less and a tokenizer trained on less text (the four runs within one
+# device call); every run sees the same options but its mode's
 ONPOLICY_GPU = ("steps=60", "max_new_tokens=64", "teacher_pretrain_steps=300", "max_corpus_bytes=4000000",
                 "checkpoint_every=0")
 ONPOLICY_COLUMNS = {"student": "provider", "held-out CE": "held_out_ce", "× CE alone": "ratio",

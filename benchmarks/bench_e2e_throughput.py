@@ -533,7 +533,7 @@ def generation_row(env: dict, name: str, build, vocab: int, batch: int, new: int
                        use_cache=True)
 
     accepted = inspect.signature(model.forward).parameters
-    cache_keyword = "cache" if "cache" in accepted else "past_key_values"  # transformers >= 5.2x: "cache"
+    cache_keyword = "cache" if "cache" in accepted else "past_key_values"  # the name the installed version takes
     last_only = dict(logits_to_keep=1) if "logits_to_keep" in accepted else {}
 
     @torch.no_grad()

@@ -1,6 +1,7 @@
 """The Ray driver on GPUs: top-k through CUDA IPC (teacher and student sharing one GPU) and
 through NCCL (two GPUs) give the same training as the object store, and the fused placement
-(both in one process) as colocated; the teacher can be offloaded between its calls. Runs on the GPU machine (skipped without CUDA or Ray)."""
+(both in one process) as colocated; the teacher can be offloaded between its calls. Runs on
+the GPU machine (skipped without CUDA or Ray)."""
 import json
 
 import pytest

@@ -157,7 +157,7 @@ def test_the_flex_block_mask_is_the_same_mask_and_skips_tiles_across_documents()
 @pytest.fixture
 def eager_flex_attention(monkeypatch):
     """Hugging Face's flex_attention path with torch's eager flex_attention instead of the
-    compiled one (compiling it takes about a minute on two CPU cores); the eager one computes
+    compiled one (whose compile would dominate the CPU suite); the eager one computes
     the same masked softmax, forward only on the CPU."""
     import transformers.integrations.flex_attention as hf_flex
     from torch.nn.attention.flex_attention import flex_attention

@@ -300,7 +300,8 @@ def test_a_payload_of_one_handle_per_tensor_updates_the_whole_model_in_one_call(
             parameter.add_(0.01)
     worker.pause_generation()
     with pytest.raises(ValueError, match=r"payload: MappedTensors\(count=1, handed_at=1\) needs the 1 tensors of "
-                                         rf"the list payload of weight_version 1 mapped here; this worker holds {len(names)}"):
+                                         r"the list payload of weight_version 1 mapped here; this worker "
+                                         rf"holds {len(names)}"):
         worker.update_weights_from_tensor(names, dtypes, shapes, MappedTensors(1, 1), 2)
     with pytest.raises(ValueError, match=rf"holds {len(names)} of weight_version 1"):  # handles of another update
         worker.update_weights_from_tensor(names, dtypes, shapes, MappedTensors(len(names), 7), 2)
