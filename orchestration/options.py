@@ -220,15 +220,16 @@ OPTIONS: tuple[Option, ...] = tuple([
             "normalized by the step's global token count)", dict(minimum=1)),
            ("placement", str, "auto", "on GPUs, teacher and student workers share each GPU (colocated) or get their "
             "own (disaggregated; auto picks it when there are teacher_workers + student_workers GPUs); fused: each "
-            "teacher / student pair in one process per GPU (off_policy, teacher_workers == student_workers; never "
-            "auto)", dict(choices=("auto", "colocated", "disaggregated", "fused"))),
+            "teacher / student pair in one process (one GPU each, or on the CPU; off_policy, teacher_workers == "
+            "student_workers; never auto)", dict(choices=("auto", "colocated", "disaggregated", "fused"))),
            ("transfer", str, "auto", "how teacher top-k reaches the student (auto: CUDA IPC when colocated, NCCL "
-            "when disaggregated, in process when fused, the object store on CPU)",
+            "when disaggregated, in process when fused, else the object store)",
             dict(choices=("auto", "object_store", "cuda_ipc", "nccl", "in_process"))),
            ("teacher_offload", bool, False, "keep the teacher's weights on the CPU between its scoring calls "
             "(colocated runs short of GPU memory)"),
            ("overlap", bool, True, "score step i + 1 on the teacher while the student trains step i (off-policy; "
-            "on-policy generation overlaps training only as max_staleness allows)")),
+            "on-policy generation overlaps training only as max_staleness allows; fused runs its calls one at a "
+            "time, so there it only queues the next scoring)")),
     # on-policy distillation (GKD): rollout workers, weight sync, the lmbda schedule (orchestration/onpolicy.py)
     *_rows("on-policy",
            ("mode", str, "off_policy", "off_policy: dataset rows only; on_policy: the student's own samples scored by "
