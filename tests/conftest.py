@@ -11,6 +11,11 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# pytest-xdist workers (-n): each its own Ray temp directory, so a local ray.init() of one never
+# joins the cluster another one started (Ray records the current cluster there)
+if "PYTEST_XDIST_WORKER" in os.environ:
+    os.environ.setdefault("RAY_TMPDIR", f"/tmp/ray_{os.environ['PYTEST_XDIST_WORKER']}")
+
 HAS_CUDA = torch.cuda.is_available()
 
 

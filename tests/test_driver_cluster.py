@@ -57,3 +57,23 @@ def ray_nodes(cluster) -> list:
         return ray.nodes()
     finally:
         ray.shutdown()
+
+
+@pytest.mark.slow  # two Ray nodes start, then two fused actors import torch and train
+def test_fused_pairs_take_one_slot_each_across_two_nodes(two_nodes, tmp_path):
+    from orchestration.driver import run
+
+    config = tiny_config(tmp_path, "fused", ray_address=two_nodes.address, placement="fused", teacher_workers=2,
+                         student_workers=2, steps=2, checkpoint_every=0, max_corpus_bytes=30_000)
+    summary = run(config, progress=False)
+    head, other = (node["NodeID"] for node in sorted(
+        (node for node in ray_nodes(two_nodes) if node["Alive"]), key=lambda node: node["Resources"]["CPU"]))
+    # pair 0 in the head's one slot, pair 1 on the other node: each pair's two workers in one process
+    assert summary["nodes"] == {"teacher-0": head, "student-0": head, "teacher-1": other, "student-1": other}
+    with open(os.path.join(config.output_dir, "workers.json")) as handle:
+        workers = json.load(handle)
+    assert workers["teacher-0"]["pid"] == workers["student-0"]["pid"] != workers["teacher-1"]["pid"]
+    assert workers["teacher-1"]["pid"] == workers["student-1"]["pid"]
+    assert summary["placement"] == "fused" and summary["transfer"] == "in_process"
+    rows = [json.loads(line) for line in open(summary["metrics"])]
+    assert [row["step"] for row in rows] == [0, 1] and all(math.isfinite(row["loss"]) for row in rows)
