@@ -155,11 +155,12 @@ def single_process(kind: str, paths: tuple, args, device: torch.device, packed=N
         else:
             batch = packed.batch([(0, (step * args.rows + row) % packed.rows_in_epoch()) for row in range(args.rows)])
             tokens, labels = batch.input_ids.to(device), batch.labels.to(device)
-            position_ids, mask = layout_of(batch.position_ids, batch.document_ids, device, attention)
-            layout = dict(position_ids=position_ids, attention_mask=mask)
         if cuda:
             torch.cuda.synchronize()
         start = time.perf_counter()
+        if packed is not None:  # the mask is built within the step, as the driver builds it
+            position_ids, mask = layout_of(batch.position_ids, batch.document_ids, device, attention)
+            layout = dict(position_ids=position_ids, attention_mask=mask)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
             if kind == "full":
                 with torch.no_grad():
