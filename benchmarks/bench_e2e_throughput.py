@@ -479,7 +479,8 @@ def onpolicy_driver_row(env: dict, name: str, steps: int, warmup: int, output_di
     driver's response batches, its calls to the teacher and the metrics row). ``teacher_seconds``
     (the teacher's own scoring) and ``sync_seconds`` (the update from student-0's share to its
     release, docs/DESIGN.md) lie within wait and sync_wall. ``run_seconds`` is the whole run,
-    ``loop_seconds`` its steps (the rest is setup and the final evaluation). ``setup``: the options the step does not depend on (stated in the row)."""
+    ``loop_seconds`` its steps (the rest is setup and the final evaluation). ``setup``: the
+    options the step does not depend on (stated in the row)."""
     overrides = [f"output_dir={output_dir}", f"steps={steps}",
                  "overwrite=true", "mode=on_policy", *setup, *extra]
     config = load_config(None, overrides)
