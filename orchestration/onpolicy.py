@@ -44,6 +44,7 @@ from .rollout import SamplingParams
 WEIGHT_GROUP = "kd-weights"
 _SAMPLING_STREAM = 3  # the rollouts' sampling seeds, distinct from other (seed, step) streams
 EVAL_ROUND = -1  # the round index of the final evaluation's samples
+EVAL_LOG_PROB_BYTES = 512 * 2**20  # a side's float64 [rows, V] log-probs the final evaluation holds at once
 
 
 @dataclass(frozen=True)
@@ -376,14 +377,21 @@ class OnPolicySession(_Session):
         self.sync(weight_version, "during the final evaluation")
         size = self.config.micro_batches * self.config.rows_per_micro_batch
         samples = self.collect(self.generate(EVAL_ROUND, self.held_prompts, size), "during the final evaluation")
+        rows_per_call = max(1, EVAL_LOG_PROB_BYTES // (8 * self.data.vocab))
         total, binned, count = 0.0, 0.0, 0
         for batch in self.response_batches(samples, self.held_prompts):
-            student, teacher = self.get(
-                [self.actors.call(self.students[0], "row_log_probs", batch.student_tokens, batch.student_rows),
-                 self.actors.call(self.teachers[0], "row_log_probs", batch.teacher_tokens, batch.teacher_rows)],
-                "during the final evaluation")
-            whole, top_k = reverse_kl_sums(student, teacher, self.config.k)
-            total, binned, count = total + whole, binned + top_k, count + len(batch.labels)
+            # [rows, V] log-probs of both sides cross the object store: a bounded number of rows at a time
+            for start in range(0, len(batch.labels), rows_per_call):
+                rows = slice(start, start + rows_per_call)
+                student, teacher = self.get(
+                    [self.actors.call(self.students[0], "row_log_probs", batch.student_tokens,
+                                      batch.student_rows[rows]),
+                     self.actors.call(self.teachers[0], "row_log_probs", batch.teacher_tokens,
+                                      batch.teacher_rows[rows])],
+                    "during the final evaluation")
+                whole, top_k = reverse_kl_sums(student, teacher, self.config.k)
+                total, binned = total + whole, binned + top_k
+            count += len(batch.labels)
         return total / max(count, 1), binned / max(count, 1), count
 
     def summary(self, last_step: int, return_parameters: bool) -> dict:

@@ -11,6 +11,7 @@ import torch
 
 from orchestration.chat_data import ChatRecord
 from orchestration.config import load_config
+from orchestration import onpolicy
 from orchestration.onpolicy import OnPolicySession, Sample, reverse_kl_sums
 from orchestration.rollout import SamplingParams
 from orchestration.rollout_actor import RolloutActor
@@ -68,7 +69,7 @@ def _binned_reverse_kl(student_model, teacher_model, samples, k):
     return total
 
 
-def test_an_on_policy_steps_loss_is_the_full_vocab_divergence_at_the_response_positions(tmp_path):
+def test_an_on_policy_steps_loss_is_the_full_vocab_divergence_at_the_response_positions(tmp_path, monkeypatch):
     config = _config(tmp_path)
     student, teacher = StudentWorker(config, VOCAB), TeacherWorker(config, VOCAB)
     rollout = RolloutActor(config, VOCAB, 0)
@@ -112,3 +113,18 @@ def test_an_on_policy_steps_loss_is_the_full_vocab_divergence_at_the_response_po
     torch.testing.assert_close(torch.tensor(binned, dtype=torch.float64),
                                _binned_reverse_kl(student.model, teacher.model, samples, 5), rtol=2e-5, atol=1e-7)
     assert binned < whole
+
+    # the same through the driver's final evaluation, which takes 3 rows of log-probs a call
+    monkeypatch.setattr(onpolicy, "EVAL_LOG_PROB_BYTES", 8 * VOCAB * 3)
+    workers = {"student-0": student, "teacher-0": teacher}
+    driver = SimpleNamespace(config=config, pad_id=0, data=SimpleNamespace(vocab=VOCAB), held_prompts=prompts,
+                             students=["student-0"], teachers=["teacher-0"], sync=lambda *args: None,
+                             generate=lambda *args: None, collect=lambda *args: samples, get=lambda calls, when: calls,
+                             actors=SimpleNamespace(call=lambda worker, method, *args: getattr(workers[worker],
+                                                                                                method)(*args)))
+    driver.response_batches = lambda *args: OnPolicySession.response_batches(driver, *args)
+    mean, mean_binned, counted = OnPolicySession.teacher_reverse_kl(driver, 1)
+    assert counted == tokens
+    assert mean * tokens == pytest.approx(whole, rel=1e-12)
+    assert mean_binned * tokens == pytest.approx(reverse_kl_sums(row_log_probs, teacher_log_probs, VOCAB)[1],
+                                                 rel=1e-12)
