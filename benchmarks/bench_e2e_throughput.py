@@ -200,6 +200,12 @@ def release_memory(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
+# a driver step's parts (medians in the row): the teacher's calls as they ran (on a GPU the launches,
+# their kernels run later), the student waiting for them, the top-k's hand-over, the student's step
+# (through its final host sync, so on a GPU also the queued teacher kernels), the student call's dispatch
+DRIVER_PARTS = ("teacher", "wait", "transfer", "student", "dispatch")
+
+
 def driver(placement: str, strategy: str, paths: tuple, data: str, args, attention: str = "sdpa") -> dict:
     name = f"driver {placement} ({strategy}{_attention_suffix(attention)})"
     config = load_config(None, [f"output_dir={args.output_dir}/{placement}_{strategy}", f"steps={args.steps}",
@@ -225,8 +231,10 @@ def driver(placement: str, strategy: str, paths: tuple, data: str, args, attenti
         pids = {worker: about["pid"] for worker, about in json.load(handle).items()}
     by_process = {pids[worker]: peak for worker, peak in peaks.items()}  # a fused pair's workers share one
     seconds = statistics.median(r["step_seconds"] for r in records)
+    parts = {f"{part}_ms": 1e3 * statistics.median(r[f"{part}_seconds"] for r in records) for part in DRIVER_PARTS}
     return dict(provider=name, ms=1e3 * seconds, tokens_per_s=statistics.median(r["tokens_per_s"] for r in records),
-                peak_mib=sum(by_process.values()), **{f"{worker}_peak_mib": peak for worker, peak in peaks.items()})
+                peak_mib=sum(by_process.values()), **{f"{worker}_peak_mib": peak for worker, peak in peaks.items()},
+                **parts)
 
 
 def main(argv=None):

@@ -294,16 +294,49 @@ def attention_mask(document_ids: torch.Tensor, implementation: str, dtype: torch
         ~allowed, torch.finfo(dtype).min)
 
 
+FLEX_MASK_CHUNK_ELEMENTS = 1 << 26  # query-by-key pairs evaluated at once while classifying tiles
+
+
 def _flex_block_mask(document_ids: torch.Tensor):
-    """The `attention_mask` contract as a flex_attention BlockMask. The block structure is
-    built eagerly (``_compile=False``: no compiled graph to keep per batch); the mask_mod is the
-    one function of the document ids that every batch uses, so the compiled flex_attention
-    kernel sees a new tensor of the same shape, not a new graph."""
-    from torch.nn.attention.flex_attention import create_block_mask
+    """The `attention_mask` contract as a flex_attention BlockMask, built from the tiles'
+    classes directly (`BlockMask.from_kv_blocks`): each ``[BLOCK, BLOCK]`` tile is skipped (no
+    allowed pair), full (every pair allowed, a whole tile inside the row: no mask_mod call) or
+    partial (the mask_mod decides), which is what ``create_block_mask`` computes, without its
+    vmap over the mask_mod. The pairs are evaluated in chunks of query tiles of at most
+    `FLEX_MASK_CHUNK_ELEMENTS` pairs. The mask_mod is the one function of the document ids that
+    every batch uses, so the compiled flex_attention kernel sees a new tensor of the same shape,
+    not a new graph."""
+    from torch.nn.attention.flex_attention import BlockMask
 
     def same_document_causal(batch, head, query, key):
         return (document_ids[batch, query] == document_ids[batch, key]) & (key <= query)
 
     rows, length = document_ids.shape
-    return create_block_mask(same_document_causal, rows, None, length, length, device=document_ids.device,
-                             BLOCK_SIZE=FLEX_BLOCK_SIZE, _compile=False)
+    tile = FLEX_BLOCK_SIZE
+    tiles = -(-length // tile)
+    padded = tiles * tile
+    documents = torch.nn.functional.pad(document_ids, (0, padded - length), value=-1)  # padding: no pair
+    position = torch.arange(padded, device=document_ids.device)
+    inside = position < length
+    counts = []
+    chunk = max(1, FLEX_MASK_CHUNK_ELEMENTS // (rows * tile * padded))
+    for first in range(0, tiles, chunk):  # query tiles [first, first + chunk)
+        query = slice(first * tile, min(tiles, first + chunk) * tile)
+        allowed = ((documents[:, query, None] == documents[:, None, :])
+                   & (position[None, None, :] <= position[None, query, None])
+                   & inside[None, query, None] & inside[None, None, :])
+        counts.append(allowed.reshape(rows, -1, tile, tiles, tile).sum(dim=(2, 4)))
+    counts = torch.cat(counts, dim=1)  # [B, query tiles, key tiles]: allowed pairs of each tile
+    whole = inside.reshape(tiles, tile).all(dim=1)
+    full = (counts == tile * tile) & whole[None, :, None] & whole[None, None, :]
+    partial = (counts > 0) & ~full
+
+    def blocks(kept: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(count, indices) of the kept key tiles of each query tile, kept ones first in order."""
+        order = torch.argsort((~kept).to(torch.int8), dim=-1, stable=True)
+        return kept.sum(dim=-1, dtype=torch.int32)[:, None], order.to(torch.int32)[:, None]
+
+    kv_num_blocks, kv_indices = blocks(partial)
+    full_kv_num_blocks, full_kv_indices = blocks(full)
+    return BlockMask.from_kv_blocks(kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices,
+                                    BLOCK_SIZE=tile, mask_mod=same_document_causal, seq_lengths=(length, length))
