@@ -154,6 +154,32 @@ def test_the_flex_block_mask_is_the_same_mask_and_skips_tiles_across_documents()
                        attention_mask(short, "sdpa"))
 
 
+def test_the_flex_tiles_are_those_create_block_mask_finds():
+    """Random packed rows (lengths on and off tile edges, documents across tiles): the skipped,
+    full and partial tiles, for the forward (by query tile) and the backward (by key tile), are
+    torch's own ``create_block_mask``'s for the same mask."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from orchestration.packing import FLEX_BLOCK_SIZE
+
+    generator = torch.Generator().manual_seed(5)
+    for rows, length in ((2, 384), (3, 300), (1, 129), (2, 1000)):
+        documents = torch.cumsum(torch.rand(rows, length, generator=generator) < 0.01, dim=1)
+        block = attention_mask(documents, "flex_attention")
+        expected = create_block_mask(lambda b, h, q, k: (documents[b, q] == documents[b, k]) & (k <= q), rows, None,
+                                     length, length, device="cpu", BLOCK_SIZE=FLEX_BLOCK_SIZE, _compile=False)
+        assert block.seq_lengths == expected.seq_lengths == (length, length)
+        for counts, indices in (("kv_num_blocks", "kv_indices"), ("full_kv_num_blocks", "full_kv_indices"),
+                                ("q_num_blocks", "q_indices"), ("full_q_num_blocks", "full_q_indices")):
+            ours, theirs = (getattr(mask, counts) for mask in (block, expected))
+            assert torch.equal(ours, theirs), counts
+            for b in range(rows):
+                for tile in range(ours.shape[2]):
+                    kept = int(ours[b, 0, tile])
+                    assert sorted(getattr(block, indices)[b, 0, tile, :kept].tolist()) == \
+                        sorted(getattr(expected, indices)[b, 0, tile, :kept].tolist()), (indices, b, tile)
+
+
 @pytest.fixture
 def eager_flex_attention(monkeypatch):
     """Hugging Face's flex_attention path with torch's eager flex_attention instead of the
