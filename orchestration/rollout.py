@@ -19,6 +19,13 @@ worker's place through an adapter:
 - ``pause_generation()`` → ``flush_cache()`` → updates → ``continue_generation()``;
 - ``destroy_weights_update_group(group_name)``.
 
+One method is an extension beside SGLang's names: ``share_weight_buffer()`` hands the worker's
+flat parameter buffer (CUDA IPC on its GPU, shared memory on CPU) and its lock-and-version file
+(`shared_weights`) to a trainer on the same GPU or node once; from then on the trainer's
+`weight_sync.WeightPusher` updates the weights by itself (lock, one copy, publish the version),
+and a generation reads the version it runs with under that lock. The calls above keep working
+beside it (they take the same lock).
+
 Generation is Hugging Face ``generate`` (KV-cached, batched with left padding and an attention
 mask). A generation and an update never overlap (`weight_sync.WeightReceiver`): a generation
 requested during an update waits for ``continue_generation`` and runs on the whole new model.
@@ -33,6 +40,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence, Union
 import torch
 
 from .flat_parameters import flatten_parameters
+from .shared_weights import SharedWeights
 from .weight_sync import UpdateMetrics, WeightReceiver
 
 
@@ -214,6 +222,14 @@ class RolloutWorker:
         if not whole_update:
             return self._receiver.receive_buffer(names, dtypes, shapes, payload, weight_version)
         return self._receiver.receive_whole(names, dtypes, shapes, payload, weight_version).as_dict()
+
+    # ---- an extension beside SGLang's names: the trainer pushes into the shared buffer ----
+
+    def share_weight_buffer(self) -> SharedWeights:
+        """The flat parameter buffer, shared once with a trainer on this GPU (CUDA IPC) or node
+        (shared memory), with the lock and version file (`WeightReceiver.share_buffer`): the
+        trainer's `weight_sync.WeightPusher` then updates the weights without calling this worker."""
+        return self._receiver.share_buffer()
 
     def pause_generation(self) -> None:
         """Blocks new generations and returns once the running one has finished."""

@@ -1,14 +1,16 @@
 """The trainer's side of the weight sync, as methods of student rank 0's Ray actor: a
 `weight_sync.WeightSender` over the student's parameters, sending by broadcast over the weight
 group (gloo / NCCL) or sharing the parameters' storages by CUDA IPC (a rollout worker on the
-same GPU)."""
+same GPU); or `weight_sync.WeightPusher`s writing into the shared buffers of rollout workers on
+the same GPU or node (`map_rollout_weights` once, then `push_weights`)."""
 from __future__ import annotations
 
 from datetime import timedelta
 from typing import Optional
 
 from .flat_parameters import flatten_parameters
-from .weight_sync import WeightSender
+from .shared_weights import SharedWeights
+from .weight_sync import UpdateMetrics, WeightPusher, WeightSender
 
 
 class WeightSource:
@@ -16,6 +18,7 @@ class WeightSource:
     `open_weight_sender`; the other methods need it."""
 
     _weight_sender: Optional[WeightSender] = None
+    _weight_pushers: tuple = ()
 
     def open_weight_sender(self, bucket_bytes: int) -> list[tuple]:
         """Plans the buckets over the model's parameters; their metadata, ``[(names, dtypes as
@@ -52,3 +55,31 @@ class WeightSource:
         """Ends a `share_weights` update once the receivers returned; its metrics."""
         metrics = self._sender().release_shared()
         return None if metrics is None else metrics.as_dict()
+
+    def map_rollout_weights(self, shared: SharedWeights) -> None:
+        """Maps a rollout worker's shared buffer (`rollout.RolloutWorker.share_weight_buffer`), once
+        a worker; raises if its layout is not the model's. FSDP2 parameters are pushed as full
+        tensors (gathered on this rank alone: a one-rank mesh; a sharded model is refused)."""
+        parameters = list(self.model.named_parameters())
+        sharded = [(name, p.device_mesh.size()) for name, p in parameters if hasattr(p, "full_tensor")]
+        if any(ranks > 1 for _, ranks in sharded):
+            name, ranks = next((name, ranks) for name, ranks in sharded if ranks > 1)
+            raise RuntimeError(f"map_rollout_weights: {name!r} is sharded over {ranks} ranks; only student rank 0 "
+                               "pushes (use the weight group)")
+        if sharded:
+            source = lambda: [(name, p.full_tensor() if hasattr(p, "full_tensor") else p)  # noqa: E731
+                              for name, p in self.model.named_parameters()]
+        else:
+            source = self.model
+        self._weight_pushers += (WeightPusher(source, shared),)
+
+    def push_weights(self, weight_version: int) -> dict:
+        """Writes the weights into every mapped rollout worker's buffer (`WeightPusher.push`, one
+        after the other): bytes, buckets (one a worker), seconds and GB/s summed over them, and
+        ``lock_wait_seconds``, the time spent waiting for their running generations."""
+        if not self._weight_pushers:
+            raise RuntimeError("push_weights: call map_rollout_weights first")
+        updates = [pusher.push(weight_version) for pusher in self._weight_pushers]
+        metrics = UpdateMetrics(weight_version, sum(update.bytes for update, _ in updates), len(updates),
+                                sum(update.seconds for update, _ in updates))
+        return dict(metrics.as_dict(), lock_wait_seconds=sum(waited for _, waited in updates))
