@@ -569,3 +569,18 @@ def _pushes_across_processes(rank, world, init_file, queue, answers):
 def test_a_push_from_another_process_makes_the_rollout_equal_to_the_trainer():
     context = multiprocessing.get_context("spawn")
     cpu_ranks(_pushes_across_processes, 2, context.SimpleQueue(), context.SimpleQueue())
+
+
+def test_the_weight_sync_bench_runs_tiny_on_the_cpu(tmp_path):
+    """`bench_e2e_throughput.py --weight-sync --tiny`: the floor, the push and its copy alone, the
+    receiver a rollout worker in a spawned process (about 15 s on 2 cores: the process's imports)."""
+    import sys
+
+    sys.path.insert(0, "benchmarks")
+    from bench_e2e_throughput import PUSH, PUSH_COPY, SYNC_FLOOR, main
+
+    rows = main(["--weight-sync", "--tiny", "--results", str(tmp_path / "rows.jsonl")])
+    assert [row["provider"] for row in rows] == [SYNC_FLOOR, PUSH, PUSH_COPY]
+    assert len({row["shape"]["bytes"] for row in rows}) == 1 and rows[0]["shape"]["bytes"] > 0
+    assert all(row["gb_per_s"] > 0 and row["share_of_floor"] > 0 for row in rows)
+    assert 0 < rows[1]["locked_ms"] <= rows[1]["ms"] and rows[1]["lock_wait_ms"] >= 0
