@@ -23,6 +23,11 @@ Three ways a bucket travels, one receiver (`WeightReceiver`) for all:
 - a plain tensor (the Ray object store, or tests in one process): `receive_buffer` with the
   packed buffer itself.
 
+And one way without a receiver's call: ``push``. The receiver shares its flat parameter buffer
+once (`WeightReceiver.share_buffer`, `shared_weights`: CUDA IPC on its GPU, shared memory on
+its node); the trainer maps it once (`WeightPusher`) and each update is the trainer's own lock,
+copy and published version.
+
 The weight group is a *stateless* process group: a ``TCPStore`` hosted by the sender, a
 ``PrefixStore`` named after the group, and a ``ProcessGroupGloo`` / ``ProcessGroupNCCL``
 constructed directly on it, its collectives called on that object. Nothing is registered in
@@ -41,6 +46,9 @@ and take the lock too; `resume` refuses while an update is incomplete (a half-up
 generates), then publishes the new ``weight_version`` and wakes the waiting generations;
 `WeightReceiver.receive_whole` does all three for a one-payload update in one call, holding the
 lock throughout. The sender has its own lock so that two updates from one trainer never interleave.
+Once the buffer is shared, the receiver's lock also takes the cross-process `WeightLock` (a
+generation for its whole run, a pause until its resume), which a push holds while it writes,
+and ``weight_version`` is the word in that lock's file.
 """
 from __future__ import annotations
 

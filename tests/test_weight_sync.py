@@ -25,7 +25,7 @@ def _perturb(model, seed):
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for parameter in model.parameters():
-            parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.01)
+            parameter.add_(torch.randn(parameter.shape, generator=generator).to(parameter.device) * 0.01)
 
 
 # ---- bucket plans and packing --------------------------------------------------------------
@@ -538,37 +538,45 @@ def test_a_push_is_refused_on_another_layout_naming_the_parameter():
         RolloutWorker(mixed, pad_token_id=0).share_weight_buffer()
 
 
-def _pushes_across_processes(rank, world, init_file, queue, answers):
+def _pushes_across_processes(rank, world, init_file, queue, answers, device="cpu"):
     """Rank 0: a rollout worker (bfloat16 on the second round) sharing its buffer; rank 1: the
     flattened float32 trainer pushing into it twice a round."""
     torch.set_num_threads(1)
     for dtype in (None, torch.bfloat16):
         if rank == 0:
-            worker = RolloutWorker(tiny_llama(2), pad_token_id=0, dtype=dtype)
+            worker = RolloutWorker(tiny_llama(2), pad_token_id=0, dtype=dtype, device=device)
             queue.put(worker.share_weight_buffer())
             for version in (1, 2):
                 expected = answers.get()
                 assert worker.generate([[1, 2, 3]]).weight_version == worker.weight_version == version
                 for name, parameter in worker.model.named_parameters():
-                    assert torch.equal(parameter, expected[name].to(parameter.dtype)), name
+                    assert torch.equal(parameter.cpu(), expected[name].to(parameter.dtype)), name
                 if dtype is None:
-                    assert torch.equal(worker.model(TOKENS).logits, expected["logits"])
+                    with torch.no_grad():
+                        assert torch.equal(worker.model(TOKENS.to(device)).logits.cpu(), expected["logits"])
                 queue.put(True)
             continue
-        trainer = _Trainer(tiny_llama(1))
+        trainer = _Trainer(tiny_llama(1).to(device))
         flatten_parameters(trainer.model)
         trainer.map_rollout_weights(queue.get())
         for version in (1, 2):
             _perturb(trainer.model, version)
             assert trainer.push_weights(version)["weight_version"] == version
             with torch.no_grad():
-                answers.put(dict(trainer.model.named_parameters(), logits=trainer.model(TOKENS).logits))
+                answers.put({**{name: p.detach().cpu() for name, p in trainer.model.named_parameters()},
+                             "logits": trainer.model(TOKENS.to(device)).logits.cpu()})
             assert queue.get()
 
 
 def test_a_push_from_another_process_makes_the_rollout_equal_to_the_trainer():
     context = multiprocessing.get_context("spawn")
     cpu_ranks(_pushes_across_processes, 2, context.SimpleQueue(), context.SimpleQueue())
+
+
+@pytest.mark.gpu
+def test_a_push_by_cuda_ipc_from_another_process_makes_the_rollout_equal_to_the_trainer():
+    context = multiprocessing.get_context("spawn")
+    spawn_ranks(_pushes_across_processes, 2, context.SimpleQueue(), context.SimpleQueue(), "cuda")
 
 
 def test_the_weight_sync_bench_runs_tiny_on_the_cpu(tmp_path):
