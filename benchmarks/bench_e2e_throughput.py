@@ -331,8 +331,9 @@ SYNC_TINY = {"tiny": (64, 128, 2, 4, 2, 512, True)}  # --weight-sync --tiny: on 
 SYNC_REPEATS = 5  # warm updates after the cold one
 ONPOLICY_ROWS = ("default", "pair", "generation", "generation-0.5b")
 # the parts of an on-policy step, in order: the generation as the driver waits for it, the whole
-# weight update (pause, flush, send, continue), the student waiting on the teacher's scores, the
-# top-k's hand-over, the student's step, the student call's dispatch; the rest is the driver's
+# weight update as the driver waits for it (a push, or pause, flush, send, continue), the student
+# waiting on the teacher's scores, the top-k's hand-over, the student's step, the student call's
+# dispatch; the rest is the driver's
 ONPOLICY_PARTS = ("generate_seconds", "sync_wall_seconds", "wait_seconds", "transfer_seconds", "student_seconds",
                   "dispatch_seconds")
 # what the on-policy step does not depend on, made cheap: the tokenizer (same vocab) trained on

@@ -12,9 +12,10 @@ off-policy step of the driver (`driver._Session.submit` / ``train``) with CE wei
 
 Weight versions: ``weight_version`` = the number of optimizer steps in the weights (student and
 rollouts start equal, at 0). Before a generation, the rollouts are synced to the student when
-they hold an older version (`sync`): rollouts on student-0's GPU (or, on CPU, node) share their
-parameter buffer once and student-0 pushes into it (lock, copy, publish the version); others
-pause -> flush -> take the broadcast -> continue. ``max_staleness`` 0
+they hold an older version (`sync_and_generate`): rollouts on student-0's GPU (or, on CPU,
+node) share their parameter buffer once and student-0 pushes into it (lock, copy, publish the
+version), the generation sent with the push and waiting on the workers for its version; others
+pause -> flush -> take the broadcast -> continue before the generation is sent. ``max_staleness`` 0
 generates round r after its previous step trained; 1 generates round r + 1 (with the weights at
 the start of round r) while round r trains. A checkpoint keeps the samples of the current and
 the pending round, so a resumed run trains on the samples an uninterrupted run would.
@@ -214,18 +215,25 @@ class OnPolicySession(_Session):
 
     # ---- weight sync and generation ----
 
-    def sync(self, weight_version: int, when: str) -> dict:
-        """The rollouts to the student's weights of ``weight_version`` trained steps, if they
-        hold another: pushed by student-0 into their shared buffers (one call; each under its
-        worker's lock), or pause -> flush -> broadcast -> continue. The update's metrics ({} if
-        none; a push's ``sync_seconds`` is student-0's lock-held copy and publication, its wait
-        for running generations ``sync_lock_wait_seconds``); ``sync_wall_seconds`` the whole of
-        it as the driver waits (the actor calls included)."""
+    def sync_and_generate(self, weight_version: int, round_index: int, prompts: PromptSource, size: int,
+                          when: str) -> tuple[tuple, dict]:
+        """Starts round ``round_index``'s generation (`generate`) on the student's weights of
+        ``weight_version`` trained steps, syncing the rollouts first if they hold another:
+        pushed by student-0 into their shared buffers (one call; each under its worker's lock;
+        the generation is sent right behind it and waits on the workers for the pushed
+        version), or pause -> flush -> broadcast -> continue, then the generation. Returns the
+        started generation and the update's metrics ({} if none; a push's ``sync_seconds`` is
+        student-0's lock-held copy and publication, its wait for running generations
+        ``sync_lock_wait_seconds``); ``sync_wall_seconds`` the whole update as the driver waits
+        (the actor calls included)."""
         if weight_version == self.rollout_version:
-            return {}
+            return self.generate(round_index, prompts, size, weight_version), {}
         started, rollouts, first = time.perf_counter(), self.rollouts, self.students[0]
         if self.transport in PUSHED:
-            metrics = self.get([self.actors.call(first, "push_weights", weight_version)], when)[0]
+            push = self.actors.call(first, "push_weights", weight_version)
+            generation = self.generate(round_index, prompts, size, weight_version)
+            metrics = self.get([push], when)[0]
+            wall = time.perf_counter() - started
         else:
             self.get(self.each(rollouts, "pause_generation"), when)
             self.get(self.each(rollouts, "flush_cache"), when)
@@ -235,18 +243,20 @@ class OnPolicySession(_Session):
                                            WEIGHT_GROUP, weight_version) for rollout in rollouts]
             metrics = self.get(calls, when)[0]
             self.get(self.each(rollouts, "continue_generation"), when)
+            wall = time.perf_counter() - started
+            generation = self.generate(round_index, prompts, size, weight_version)
         self.rollout_version = weight_version
-        return dict({f"sync_{key}": value for key, value in metrics.items() if key != "weight_version"},
-                    sync_wall_seconds=time.perf_counter() - started)
+        return generation, dict({f"sync_{key}": value for key, value in metrics.items() if key != "weight_version"},
+                                sync_wall_seconds=wall)
 
-    def generate(self, round_index: int, prompts: PromptSource, size: int) -> tuple:
+    def generate(self, round_index: int, prompts: PromptSource, size: int, weight_version: int) -> tuple:
         """Starts the generation of round ``round_index``: ``size`` prompts split over the rollout
-        workers, each sampling with its own seed."""
+        workers, each sampling with its own seed on weights of ``weight_version`` or later."""
         batch = prompts.batch(max(round_index, 0), size)
         parts = np.array_split(np.arange(size), len(self.rollouts))
         calls = [self.actors.call(rollout, "generate", [batch.prompt_ids[i] for i in part],
                                   dataclasses.replace(self.sampling, seed=sampling_seed(self.config.seed, round_index,
-                                                                                        rank)))
+                                                                                        rank)), weight_version)
                  for rank, (rollout, part) in enumerate(zip(self.rollouts, parts)) if len(part)]
         return batch, calls
 
@@ -265,8 +275,8 @@ class OnPolicySession(_Session):
         if round_index not in self.samples:
             started = self.in_flight.pop(round_index, None)
             if started is None:
-                metrics.update(self.sync(step, when))
-                started = self.generate(round_index, self.prompts, self._round_size())
+                started, synced = self.sync_and_generate(step, round_index, self.prompts, self._round_size(), when)
+                metrics.update(synced)
             waited = time.perf_counter()
             self.samples[round_index] = self.collect(started, when)
             metrics["generate_seconds"] = time.perf_counter() - waited
@@ -285,8 +295,8 @@ class OnPolicySession(_Session):
         if (not self.config.max_staleness or following >= self.config.steps or plan.round + 1 in self.in_flight
                 or plan.round + 1 in self.samples or not self.schedule.plan(following).on_policy):
             return {}
-        metrics = self.sync(step, when)
-        self.in_flight[plan.round + 1] = self.generate(plan.round + 1, self.prompts, self._round_size())
+        self.in_flight[plan.round + 1], metrics = self.sync_and_generate(step, plan.round + 1, self.prompts,
+                                                                         self._round_size(), when)
         return metrics
 
     # ---- training ----
@@ -386,9 +396,10 @@ class OnPolicySession(_Session):
         ``support=tail`` at temperature 1 trains: the student's distribution within the tail is not
         seen); tokens): the student's samples of held-out prompts (one step's worth, sampled as in
         training) scored by student-0 and teacher-0."""
-        self.sync(weight_version, "during the final evaluation")
         size = self.config.micro_batches * self.config.rows_per_micro_batch
-        samples = self.collect(self.generate(EVAL_ROUND, self.held_prompts, size), "during the final evaluation")
+        started, _ = self.sync_and_generate(weight_version, EVAL_ROUND, self.held_prompts, size,
+                                            "during the final evaluation")
+        samples = self.collect(started, "during the final evaluation")
         rows_per_call = max(1, EVAL_LOG_PROB_BYTES // (8 * self.data.vocab))
         total, binned, count = 0.0, 0.0, 0
         for batch in self.response_batches(samples, self.held_prompts):
