@@ -398,13 +398,13 @@ def _sync_receiver(name: str, device: str, inbox, outbox) -> None:
         outbox.put((result, time.perf_counter() - start))
 
 
-def _timed(function, device: str, repeats: int) -> list[float]:
-    """Seconds of ``repeats`` calls of ``function``, each between device synchronizations."""
+def _timed(function, device: str, repeats: int, *arguments) -> list[float]:
+    """Seconds of ``repeats`` calls of ``function(*arguments)``, each between device synchronizations."""
     seconds = []
     for _ in range(repeats):
         _synchronize(device)
         start = time.perf_counter()
-        function()
+        function(*arguments)
         _synchronize(device)
         seconds.append(time.perf_counter() - start)
     return seconds
@@ -433,7 +433,7 @@ def weight_sync_rows(env: dict, names: list[str], device: str = "cuda") -> list[
         shape = dict(name=f"Qwen2.5-{name.upper()}-like student, bf16", bytes=total,
                      parameters=sum(p.numel() for p in model.parameters()))
         source, target = (torch.empty(total, dtype=torch.uint8, device=device) for _ in range(2))
-        floor = _timed(lambda: target.copy_(source), device, SYNC_REPEATS + 1)
+        floor = _timed(target.copy_, device, SYNC_REPEATS + 1, source)
         del source, target
         floor_s = statistics.median(floor[1:])
         measured = {SYNC_FLOOR: (floor[0], floor_s, 1, None)}
@@ -494,8 +494,8 @@ def weight_sync_rows(env: dict, names: list[str], device: str = "cuda") -> list[
         if call("get_weight_version")[0] != version:
             raise RuntimeError(f"weight sync: the receiver holds weight_version {call('get_weight_version')[0]} "
                                f"after the push of {version}")
-        flat, mapped = flat_region([p.detach() for p in model.parameters()]), pusher._target
-        alone = _timed(lambda: mapped.copy_(flat), device, SYNC_REPEATS + 1)
+        flat, mapped = flat_region([p.detach() for p in model.parameters()]), pusher.buffer
+        alone = _timed(mapped.copy_, device, SYNC_REPEATS + 1, flat)
         pusher.close()
         inbox.put(None)
         child.join(timeout=600)

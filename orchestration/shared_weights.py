@@ -24,7 +24,7 @@ import tempfile
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
 
@@ -50,7 +50,7 @@ class WeightLock:
     """One side's handle on a weight lock file (module docstring). ``path`` None creates the
     file (version 0; ``path`` then names it for the other side), else opens ``path``."""
 
-    def __init__(self, path: str | None = None):
+    def __init__(self, path: Optional[str] = None):
         if path is None:
             self._keep, self.path = _anonymous_file(_VERSION_BYTES, "kd-weight-lock-")
         else:
@@ -65,13 +65,15 @@ class WeightLock:
     def held(self) -> Iterator[float]:
         """Holds the lock (waits for the other side's hold to end); yields the seconds waited."""
         start = time.perf_counter()
-        fcntl.flock(self._descriptor, fcntl.LOCK_EX)
+        self.acquire()
         try:
             yield time.perf_counter() - start
         finally:
-            fcntl.flock(self._descriptor, fcntl.LOCK_UN)
+            self.release()
 
     def acquire(self) -> None:
+        """Takes the lock (waits for the other side's hold); `release` lets it go. Taking it again
+        through this object while held is a no-op (one open file description)."""
         fcntl.flock(self._descriptor, fcntl.LOCK_EX)
 
     def release(self) -> None:
@@ -118,7 +120,7 @@ def file_backed_buffer(numel: int, dtype: torch.dtype) -> tuple[torch.Tensor, in
 
 
 def share_flat_buffer(flat: torch.Tensor, named: Sequence[tuple[str, torch.Tensor]], lock_path: str,
-                      path: str | None = None) -> SharedWeights:
+                      path: Optional[str] = None) -> SharedWeights:
     """``flat`` (the 1-D buffer ``named``'s tensors are views of, `flat_parameters` layout) as a
     `SharedWeights`: a CUDA buffer by CUDA IPC; a CPU buffer by ``path``, the one
     `file_backed_buffer` returned for it."""

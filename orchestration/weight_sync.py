@@ -505,6 +505,11 @@ class WeightPusher:
         self.bytes = sum(view.numel() * view.element_size() for view in self._views)
         self.last_update: Optional[UpdateMetrics] = None
 
+    @property
+    def buffer(self) -> torch.Tensor:
+        """The worker's flat buffer, mapped in this process."""
+        return self._target
+
     def _pointers(self) -> tuple[int, int]:
         return self._parameters[0].data_ptr(), self._parameters[-1].data_ptr()
 
