@@ -200,8 +200,7 @@ class OnPolicySession(_Session):
         (flattened first, so that a push is one copy), or the bucket plan and the weight group."""
         config, first = self.config, self.students[0]
         if self.transport in PUSHED:
-            if config.student_strategy == "replica":  # FSDP2 parameters are pushed a tensor at a time
-                self.get([self.actors.call(first, "flatten_weights")], "during setup")
+            self.get([self.actors.call(first, "flatten_weights")], "during setup")  # a replica: one buffer
             shares = self.get(self.each(self.rollouts, "share_weight_buffer"), "during setup")
             self.get([self.actors.call(first, "map_rollout_weights", shared) for shared in shares], "during setup")
             return

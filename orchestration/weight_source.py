@@ -50,20 +50,9 @@ class WeightSource:
 
     def map_rollout_weights(self, shared: SharedWeights) -> None:
         """Maps a rollout worker's shared buffer (`rollout.RolloutWorker.share_weight_buffer`), once
-        a worker; raises if its layout is not the model's. FSDP2 parameters are pushed as full
-        tensors (gathered on this rank alone: a one-rank mesh; a sharded model is refused)."""
-        parameters = list(self.model.named_parameters())
-        sharded = [(name, p.device_mesh.size()) for name, p in parameters if hasattr(p, "full_tensor")]
-        if any(ranks > 1 for _, ranks in sharded):
-            name, ranks = next((name, ranks) for name, ranks in sharded if ranks > 1)
-            raise RuntimeError(f"map_rollout_weights: {name!r} is sharded over {ranks} ranks; only student rank 0 "
-                               "pushes (use the weight group)")
-        if sharded:
-            source = lambda: [(name, p.full_tensor() if hasattr(p, "full_tensor") else p)  # noqa: E731
-                              for name, p in self.model.named_parameters()]
-        else:
-            source = self.model
-        self._weight_pushers += (WeightPusher(source, shared),)
+        a worker; raises if its layout is not the model's (the on-policy modes train replicas: the
+        model is whole here)."""
+        self._weight_pushers += (WeightPusher(self.model, shared),)
 
     def push_weights(self, weight_version: int) -> dict:
         """Writes the weights into every mapped rollout worker's buffer (`WeightPusher.push`, one

@@ -405,6 +405,15 @@ def test_flat_region_refuses_tensors_out_of_the_layout():
     assert flat_region([a, torch.zeros(5)]) is None  # another storage
     with pytest.raises(ValueError, match="module: expected parameters of one dtype"):
         flatten_parameters(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2).double()))
+    linear = torch.nn.Linear(2, 2)
+    with pytest.raises(ValueError, match=rf"into: expected a 1-D torch.float32 tensor of {ELEMENT_ALIGNMENT + 2} "
+                                         r"elements on cpu, got torch.float32 \(3,\) on cpu"):
+        flatten_parameters(linear, into=torch.zeros(3))
+    into = torch.full((ELEMENT_ALIGNMENT + 2,), 7.0)
+    weight, bias = linear.weight.detach().clone(), linear.bias.detach().clone()
+    assert flatten_parameters(linear, into=into) is into
+    assert torch.equal(into[:4].view(2, 2), weight) and torch.equal(into[ELEMENT_ALIGNMENT:], bias)
+    assert linear.weight.data_ptr() == into.data_ptr() and torch.equal(into[4:ELEMENT_ALIGNMENT], torch.full((ELEMENT_ALIGNMENT - 4,), 7.0))
 
 
 def test_a_flattened_trainer_updates_a_flattened_rollout_copy_in_one_cast_copy():
