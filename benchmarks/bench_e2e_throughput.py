@@ -27,13 +27,17 @@ student: ``--student 1536,28,12,2,8960 --strategies replica,fsdp2 --set activati
 On-policy parts (instead of the above; no Ray for --weight-sync):
   --weight-sync   trainer -> rollout weight sync colocated on one GPU, random-init bf16 students
       of Qwen2.5-0.5B/1.5B/7B shapes: the receiver in a second process copying straight out of
-      the trainer's parameters by CUDA IPC (the driver's colocated path), and through packed
-      512 MiB buckets; the floor is torch's device-to-device copy of the same bytes in one
-      buffer. Rows: seconds and GB/s an update (cold: the first, opening the IPC handles; warm:
-      the median of the next ones), the share of the floor's bandwidth, and the update's parts
-      (the sender's call, the receiver's call with its copy, the messages). The receiver is a
-      `RolloutWorker` taking the driver's calls (the flattened path: one call that pauses,
-      copies and continues); the messages go over a multiprocessing queue, not Ray.
+      the trainer's parameters by CUDA IPC, and through packed 512 MiB buckets; and the
+      driver's colocated path, the trainer pushing into the receiver's shared buffer (mapped
+      once; lock, one copy, publish the version, no message), with the same copy alone; the
+      floor is torch's device-to-device copy of the same bytes in one buffer. Rows: seconds and
+      GB/s an update (cold: the first, opening the IPC handles; warm: the median of the next
+      ones), the share of the floor's bandwidth, and the update's parts (IPC: the sender's
+      call, the receiver's call with its copy, the messages; push: the part under the lock and
+      the lock wait). The receiver is a `RolloutWorker` taking the driver's calls (the
+      flattened path: one call that pauses, copies and continues); the messages go over a
+      multiprocessing queue, not Ray. With --tiny: a tiny model on the CPU, the floor and the
+      push rows (a smoke test).
   --onpolicy      the on-policy rows named in --onpolicy-rows, each printed and appended to
       --results when it is done: "default" and "pair", the driver with mode=on_policy at the GPU
       default and at a 1.5B -> 0.5B-like pair (Qwen2.5 layers and hidden sizes, the driver's
@@ -45,7 +49,7 @@ On-policy parts (instead of the above; no Ray for --weight-sync):
 
 usage: python benchmarks/bench_e2e_throughput.py [--steps 20] [--tiny] [--strategies replica,fsdp2]
            [--placements colocated,fused] [--attention sdpa,flex_attention]
-       python benchmarks/bench_e2e_throughput.py --weight-sync [--sync-models 0.5b,1.5b,7b]
+       python benchmarks/bench_e2e_throughput.py --weight-sync [--sync-models 0.5b,1.5b,7b] [--tiny]
        python benchmarks/bench_e2e_throughput.py --onpolicy [--onpolicy-rows default,pair,generation,generation-0.5b]
            [--steps 8 --warmup 3]
 """
@@ -331,11 +335,13 @@ def main(argv=None):
 # Qwen2.5 shapes: (hidden, intermediate, layers, attention heads, KV heads, vocab, tied embeddings)
 QWEN_SHAPES = {"0.5b": (896, 4864, 24, 14, 2, 151_936, True), "1.5b": (1536, 8960, 28, 12, 2, 151_936, True),
                "7b": (3584, 18_944, 28, 28, 4, 152_064, False)}
+SYNC_TINY = {"tiny": (64, 128, 2, 4, 2, 512, True)}  # --weight-sync --tiny: on the CPU
 SYNC_REPEATS = 5  # warm updates after the cold one
 ONPOLICY_ROWS = ("default", "pair", "generation", "generation-0.5b")
 # the parts of an on-policy step, in order: the generation as the driver waits for it, the whole
-# weight update (pause, flush, send, continue), the student waiting on the teacher's scores, the
-# top-k's hand-over, the student's step, the student call's dispatch; the rest is the driver's
+# weight update as the driver waits for it (a push, or pause, flush, send, continue), the student
+# waiting on the teacher's scores, the top-k's hand-over, the student's step, the student call's
+# dispatch; the rest is the driver's
 ONPOLICY_PARTS = ("generate_seconds", "sync_wall_seconds", "wait_seconds", "transfer_seconds", "student_seconds",
                   "dispatch_seconds")
 # what the on-policy step does not depend on, made cheap: the tokenizer (same vocab) trained on
@@ -346,6 +352,8 @@ ONPOLICY_TINY = ("device=cpu", "tokenizer_vocab=512", "max_corpus_bytes=200000",
                  "teacher_layers=2", "student_hidden=32", "student_layers=2", "heads=4", "rows_per_micro_batch=2",
                  "micro_batches=1", "max_new_tokens=8", "k=8")
 SYNC_FLOOR = "device-to-device copy (torch)"
+PUSH = "push into the shared buffer (the trainer's update)"
+PUSH_COPY = "push: the copy alone, into the mapped buffer"
 
 
 def add_onpolicy_arguments(parser: argparse.ArgumentParser) -> None:
@@ -357,31 +365,39 @@ def add_onpolicy_arguments(parser: argparse.ArgumentParser) -> None:
                        help=f"which on-policy rows, in order (comma): {', '.join(ONPOLICY_ROWS)}")
 
 
-def qwen_like(name: str):
-    """A random-init bf16 Qwen2 causal LM of ``QWEN_SHAPES[name]`` on the current GPU."""
+def qwen_like(name: str, device: str = "cuda"):
+    """A random-init bf16 Qwen2 causal LM of ``QWEN_SHAPES[name]`` (or ``SYNC_TINY[name]``) on ``device``."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    hidden, intermediate, layers, heads, kv_heads, vocab, tied = QWEN_SHAPES[name]
+    hidden, intermediate, layers, heads, kv_heads, vocab, tied = {**QWEN_SHAPES, **SYNC_TINY}[name]
     config = Qwen2Config(hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
                          num_attention_heads=heads, num_key_value_heads=kv_heads, vocab_size=vocab,
                          tie_word_embeddings=tied, torch_dtype=torch.bfloat16)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
     try:
-        with torch.device("cuda"):
+        with torch.device(device):
             return Qwen2ForCausalLM(config).eval()
     finally:
         torch.set_default_dtype(previous)
 
 
-def _sync_receiver(name: str, inbox, outbox) -> None:
+def _synchronize(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _sync_receiver(name: str, device: str, inbox, outbox) -> None:
     """The rollout side in its own process: a `RolloutWorker` (flattened) of a model of the same
     shapes, taking the driver's calls as messages ``(method, arguments)``; answers each with
     (the call's result, its seconds)."""
     from orchestration.rollout import RolloutWorker
 
-    torch.cuda.set_device(0)
-    worker = RolloutWorker(qwen_like(name), pad_token_id=0, device="cuda")
+    if device == "cuda":
+        torch.cuda.set_device(0)
+    else:
+        torch.set_num_threads(1)
+    worker = RolloutWorker(qwen_like(name, device), pad_token_id=0, device=device)
     outbox.put("ready")
     while (message := inbox.get()) is not None:
         method, arguments = message
@@ -390,39 +406,47 @@ def _sync_receiver(name: str, inbox, outbox) -> None:
         outbox.put((result, time.perf_counter() - start))
 
 
-def weight_sync_rows(env: dict, names: list[str]) -> list[dict]:
-    """Per model: the floor (one flat device copy of the parameters' bytes) and the two CUDA IPC
-    paths of `orchestration.weight_sync` to a receiver process on the same GPU. An update's
-    seconds run from its first call (the sender's, or the receiver's pause) to the sender's
-    `release_shared` after the receiver's last answer (the receiver has published the new
-    weight_version by then); its parts: the sender's calls, the receiver's calls (its copy
-    among them), and the rest, the messages."""
+def _timed(function, device: str, repeats: int, *arguments) -> list[float]:
+    """Seconds of ``repeats`` calls of ``function(*arguments)``, each between device synchronizations."""
+    seconds = []
+    for _ in range(repeats):
+        _synchronize(device)
+        start = time.perf_counter()
+        function(*arguments)
+        _synchronize(device)
+        seconds.append(time.perf_counter() - start)
+    return seconds
+
+
+def weight_sync_rows(env: dict, names: list[str], device: str = "cuda") -> list[dict]:
+    """Per model: the floor (one flat device copy of the parameters' bytes), the two CUDA IPC
+    paths of `orchestration.weight_sync` to a receiver process on the same GPU (CUDA only), and
+    the trainer's push into the receiver's shared buffer. An IPC update's seconds run from its
+    first call (the sender's, or the receiver's pause) to the sender's `release_shared` after
+    the receiver's last answer (the receiver has published the new weight_version by then); its
+    parts: the sender's calls, the receiver's calls (its copy among them), and the rest, the
+    messages. A push's seconds are the trainer's whole `WeightPusher.push` (lock, copy, wait,
+    publish, unlock; no message), with its lock-held part and its lock wait; "the copy alone"
+    is the same copy into the mapped buffer without the lock."""
     import torch.multiprocessing as mp
 
-    from orchestration.flat_parameters import flatten_parameters
-    from orchestration.weight_sync import WeightSender
+    from orchestration.flat_parameters import flat_region, flatten_parameters
+    from orchestration.weight_sync import WeightPusher, WeightSender
 
     rows = []
     context = mp.get_context("spawn")
     for name in names:
-        model = qwen_like(name)
+        model = qwen_like(name, device)
         total = sum(p.numel() * p.element_size() for p in model.parameters())
         shape = dict(name=f"Qwen2.5-{name.upper()}-like student, bf16", bytes=total,
                      parameters=sum(p.numel() for p in model.parameters()))
-        source, target = torch.empty(total, dtype=torch.uint8, device="cuda"), torch.empty(total, dtype=torch.uint8,
-                                                                                             device="cuda")
-        floor = []
-        for _ in range(SYNC_REPEATS + 1):
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            target.copy_(source)
-            torch.cuda.synchronize()
-            floor.append(time.perf_counter() - start)
+        source, target = (torch.empty(total, dtype=torch.uint8, device=device) for _ in range(2))
+        floor = _timed(target.copy_, device, SYNC_REPEATS + 1, source)
         del source, target
         floor_s = statistics.median(floor[1:])
         measured = {SYNC_FLOOR: (floor[0], floor_s, 1, None)}
         inbox, outbox = context.Queue(), context.Queue()
-        child = context.Process(target=_sync_receiver, args=(name, inbox, outbox))
+        child = context.Process(target=_sync_receiver, args=(name, device, inbox, outbox))
         child.start()
         assert outbox.get(timeout=600) == "ready"
         flatten_parameters(model)
@@ -434,12 +458,14 @@ def weight_sync_rows(env: dict, names: list[str]) -> list[dict]:
             return outbox.get(timeout=600)
 
         for provider in ("CUDA IPC, the flattened parameters", "CUDA IPC, packed 512 MiB buckets"):
+            if device != "cuda":
+                break
             seconds, parts = [], []
             for _ in range(SYNC_REPEATS + 1):
                 version += 1
                 copy = handled = sending = 0.0
                 update_start = time.perf_counter()
-                if provider.endswith("parameters"):  # the driver's colocated sync: one call pauses, copies, continues
+                if provider.endswith("parameters"):  # one call pauses, copies, continues
                     start = time.perf_counter()
                     arguments = sender.share_tensors(version)
                     sending = time.perf_counter() - start
@@ -464,6 +490,21 @@ def weight_sync_rows(env: dict, names: list[str]) -> list[dict]:
                 parts.append((sending, handled, copy, seconds[-1] - sending - handled))
             measured[provider] = (seconds[0], statistics.median(seconds[1:]), len(sender.buckets),
                                   [statistics.median(part[i] for part in parts[1:]) for i in range(4)])
+        # the driver's colocated sync: the receiver shares its buffer once (after the rows above, whose
+        # calls would otherwise take its lock file too), the trainer maps it once and pushes by itself
+        pusher = WeightPusher(model, call("share_weight_buffer")[0])
+        pushes = []
+        for _ in range(SYNC_REPEATS + 1):
+            version += 1
+            start = time.perf_counter()
+            metrics, waited = pusher.push(version)
+            pushes.append((time.perf_counter() - start, metrics.seconds, waited))
+        if call("get_weight_version")[0] != version:
+            raise RuntimeError(f"weight sync: the receiver holds weight_version {call('get_weight_version')[0]} "
+                               f"after the push of {version}")
+        flat, mapped = flat_region([p.detach() for p in model.parameters()]), pusher.buffer
+        alone = _timed(mapped.copy_, device, SYNC_REPEATS + 1, flat)
+        pusher.close()
         inbox.put(None)
         child.join(timeout=600)
         for provider, (cold, warm, buckets, part) in measured.items():
@@ -474,8 +515,19 @@ def weight_sync_rows(env: dict, names: list[str]) -> list[dict]:
                                    warm / floor_s, None, warm_seconds=warm, cold_seconds=cold,
                                    gb_per_s=total / warm / 1e9, share_of_floor=floor_s / warm, buckets=buckets,
                                    **extra))
-        del model, sender
-        torch.cuda.empty_cache()
+        warm = statistics.median(push[0] for push in pushes[1:])
+        rows.append(result_row(env, BENCHMARK, shape, PUSH, "weight update", 1e3 * warm, SYNC_FLOOR, warm / floor_s,
+                               None, warm_seconds=warm, cold_seconds=pushes[0][0], gb_per_s=total / warm / 1e9,
+                               share_of_floor=floor_s / warm, buckets=1,
+                               locked_ms=1e3 * statistics.median(push[1] for push in pushes[1:]),
+                               lock_wait_ms=1e3 * statistics.median(push[2] for push in pushes[1:])))
+        warm = statistics.median(alone[1:])
+        rows.append(result_row(env, BENCHMARK, shape, PUSH_COPY, "weight update", 1e3 * warm, SYNC_FLOOR,
+                               warm / floor_s, None, warm_seconds=warm, cold_seconds=alone[0],
+                               gb_per_s=total / warm / 1e9, share_of_floor=floor_s / warm, buckets=1))
+        del model, sender, pusher, flat, mapped
+        if device == "cuda":
+            torch.cuda.empty_cache()
     return rows
 
 
@@ -601,6 +653,7 @@ def onpolicy_rows(env: dict, row: str, args) -> list[dict]:
 COLUMNS = {"shape": lambda row: row["shape"]["name"], "provider": "provider", "ms": "ms", "× floor": "ratio",
            "GB/s": "gb_per_s", "share of floor": "share_of_floor", "receiver copy ms": "receiver_copy_ms",
            "sender ms": "sender_ms", "receiver ms": "receiver_ms", "messages ms": "messages_ms",
+           "locked ms": "locked_ms", "lock wait ms": "lock_wait_ms",
            "cold s": "cold_seconds", "tokens/s": "tokens_per_s", "ms/token": "ms_per_token",
            "generate s": "generate_seconds", "sync s": "sync_wall_seconds", "(copy s)": "sync_seconds",
            "teacher wait s": "wait_seconds", "(teacher s)": "teacher_seconds", "transfer s": "transfer_seconds",
@@ -611,10 +664,8 @@ COLUMNS = {"shape": lambda row: row["shape"]["name"], "provider": "provider", "m
 def onpolicy_main(args, parser: argparse.ArgumentParser) -> list[dict]:
     """--weight-sync and --onpolicy: each row printed and appended to ``--results`` as soon as it
     is measured, so a run stopped part-way keeps the rows it finished."""
-    if args.weight_sync and args.tiny:
-        parser.error("--weight-sync: needs a CUDA device (no --tiny)")
     if not args.tiny and not torch.cuda.is_available():
-        sys.exit("bench_e2e_throughput: needs a CUDA device (or --onpolicy --tiny)")
+        sys.exit("bench_e2e_throughput: needs a CUDA device (or --tiny)")
     env = environment(args.commit)
     print(f"environment: {env}", flush=True)
     rows = []
@@ -626,7 +677,9 @@ def onpolicy_main(args, parser: argparse.ArgumentParser) -> list[dict]:
                                if callable(value) or any(row.get(value) is not None for row in measured)})
         sys.stdout.flush()
 
-    if args.weight_sync:
+    if args.weight_sync and args.tiny:
+        publish(weight_sync_rows(env, list(SYNC_TINY), "cpu"))
+    elif args.weight_sync:
         names = [part.strip().lower() for part in args.sync_models.split(",") if part.strip()]
         if not names or any(name not in QWEN_SHAPES for name in names):
             parser.error(f"--sync-models: expected a comma-separated list of {', '.join(QWEN_SHAPES)}, "

@@ -12,7 +12,8 @@
   verified checkpoints; `metrics`: metrics.jsonl with run segments; `progress`: bars and notes.
 - `driver`: the loop; `onpolicy`: the on-policy / GKD loop (`gkd`: the schedule, `chat_data`:
   prompts and responses, `rollout` / `rollout_actor`: the generating workers, `weight_sync` /
-  `weight_source`: the trainer -> rollout weight updates).
+  `weight_source`: the trainer -> rollout weight updates, `shared_weights`: a rollout's buffer
+  and lock shared with the trainer, `flat_parameters`: parameters as views of one buffer).
 
 It imports only the public kd_kernels API, and nothing in kd_kernels imports it back.
 """

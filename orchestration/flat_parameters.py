@@ -32,10 +32,12 @@ def flat_offsets(numels: Sequence[int]) -> tuple[tuple[int, ...], int]:
     return tuple(offsets), end
 
 
-def flatten_parameters(module: torch.nn.Module) -> torch.Tensor:
-    """Moves ``module``'s parameters into one flat buffer (module docstring) and returns it.
-    Raises if the parameters do not share one dtype and device, or if one is not a plain
-    tensor (e.g. an FSDP2 ``DTensor`` shard)."""
+def flatten_parameters(module: torch.nn.Module, into: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Moves ``module``'s parameters into one flat buffer (module docstring) and returns it:
+    a new one, or ``into`` (1-D, of the parameters' dtype and device and `flat_offsets`' total
+    size; e.g. memory shared with another process), whose padding is left as it is. Raises if
+    the parameters do not share one dtype and device, if one is not a plain tensor (e.g. an
+    FSDP2 ``DTensor`` shard), or if ``into`` does not fit them."""
     parameters = [parameter for _, parameter in module.named_parameters()]
     if not parameters:
         raise ValueError("module: has no parameters to flatten")
@@ -46,7 +48,14 @@ def flatten_parameters(module: torch.nn.Module) -> torch.Tensor:
         raise ValueError("module: expected plain tensor parameters, got "
                          f"{sorted({type(parameter.data).__name__ for parameter in parameters})}")
     offsets, total = flat_offsets([parameter.numel() for parameter in parameters])
-    buffer = torch.zeros(total, dtype=parameters[0].dtype, device=parameters[0].device)
+    if into is None:
+        buffer = torch.zeros(total, dtype=parameters[0].dtype, device=parameters[0].device)
+    elif (into.dim() != 1 or into.numel() != total or into.dtype != parameters[0].dtype
+          or into.device != parameters[0].device):
+        raise ValueError(f"into: expected a 1-D {parameters[0].dtype} tensor of {total} elements on "
+                         f"{parameters[0].device}, got {into.dtype} {tuple(into.shape)} on {into.device}")
+    else:
+        buffer = into
     with torch.no_grad():
         for parameter, offset in zip(parameters, offsets):
             view = buffer[offset:offset + parameter.numel()].view(parameter.shape)

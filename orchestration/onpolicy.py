@@ -12,7 +12,10 @@ off-policy step of the driver (`driver._Session.submit` / ``train``) with CE wei
 
 Weight versions: ``weight_version`` = the number of optimizer steps in the weights (student and
 rollouts start equal, at 0). Before a generation, the rollouts are synced to the student when
-they hold an older version: pause -> flush -> send -> continue (`sync`). ``max_staleness`` 0
+they hold an older version (`sync_and_generate`): rollouts on student-0's GPU (or, on CPU,
+node) share their parameter buffer once and student-0 pushes into it (lock, copy, publish the
+version), the generation sent with the push and waiting on the workers for its version; others
+pause -> flush -> take the broadcast -> continue before the generation is sent. ``max_staleness`` 0
 generates round r after its previous step trained; 1 generates round r + 1 (with the weights at
 the start of round r) while round r trains. A checkpoint keeps the samples of the current and
 the pending round, so a resumed run trains on the samples an uninterrupted run would.
@@ -42,6 +45,7 @@ from .process_group import free_port
 from .rollout import SamplingParams
 
 WEIGHT_GROUP = "kd-weights"
+PUSHED = ("cuda_ipc", "shared_memory")  # the transports where student-0 pushes into the rollouts' shared buffers
 _SAMPLING_STREAM = 3  # the rollouts' sampling seeds, distinct from other (seed, step) streams
 EVAL_ROUND = -1  # the round index of the final evaluation's samples
 EVAL_LOG_PROB_BYTES = 512 * 2**20  # a side's float64 [rows, V] log-probs the final evaluation holds at once
@@ -143,13 +147,15 @@ class OnPolicySession(_Session):
         with self.report.phase(f"starting {len(self.rollouts)} rollout workers"):
             pids = self.get(self.each(self.rollouts, "pid"), "during setup")
             gpus = self.get(self.each(self.rollouts + self.students[:1], "gpu"), "during setup")
+            nodes = self.get(self.each(self.rollouts + self.students[:1], "node"), "during setup")
         path = os.path.join(config.output_dir, "workers.json")
         with open(path) as handle:
             workers = json.load(handle)
         workers.update({name: dict(pid=pid, gpu=gpu) for name, pid, gpu in zip(self.rollouts, pids, gpus)})
         with open(path, "w") as handle:
             json.dump(workers, handle, indent=1)
-        self._connect_weights(device, gpus[:-1], gpus[-1])
+        self.transport = self.weight_transport(device, gpus, nodes)
+        self._connect_weights()
 
     def _prompt_sources(self) -> ChatEncoder:
         """Training and held-out prompts (the last 5 % of the records, one at least); the encoder."""
@@ -173,25 +179,33 @@ class OnPolicySession(_Session):
         self.held_prompts = PromptSource(records[-held:], encoder, config.max_prompt_tokens, config.seed + 1)
         return encoder
 
-    def _connect_weights(self, device: str, rollout_gpus: list, student_gpu: Optional[str]) -> None:
-        """The bucket plan on student-0, and the transport: gloo on CPU, CUDA IPC when every
-        rollout worker shares student-0's GPU, else an NCCL weight group."""
-        config, first = self.config, self.students[0]
-        self.buckets = self.get([self.actors.call(first, "open_weight_sender", config.weight_sync_bucket_mb << 20)],
-                                "during setup")[0]
-        shared = [gpu == student_gpu for gpu in rollout_gpus]
+    def weight_transport(self, device: str, gpus: list, nodes: list) -> str:
+        """How the weights go from student-0 (the last of ``gpus`` and ``nodes``) to the rollout
+        workers: pushed into their shared buffers when they all share its GPU ("cuda_ipc") or, on
+        CPU, its node ("shared_memory"); else broadcast over a weight group ("nccl" across GPUs,
+        "gloo" across CPU nodes). Raises when only some share student-0's GPU."""
+        places, student = (gpus[:-1], gpus[-1]) if device == "cuda" else (nodes[:-1], nodes[-1])
+        shared = [place == student for place in places]
+        if all(shared):
+            return "cuda_ipc" if device == "cuda" else "shared_memory"
         if device != "cuda":
-            self.transport = "gloo"
-        elif all(shared):
-            self.transport = "cuda_ipc"
-            if config.student_strategy == "replica":  # FSDP2 shards are not one buffer; they go per tensor
-                self.get([self.actors.call(first, "flatten_weights")], "during setup")
-            return
-        elif not any(shared):
-            self.transport = "nccl"
-        else:
+            return "gloo"
+        if any(shared):
             raise UsageError("rollout_workers: some rollout workers share student-0's GPU and some do not; NCCL "
                              "cannot join two ranks of one GPU (use rollout_workers = student_workers)")
+        return "nccl"
+
+    def _connect_weights(self) -> None:
+        """The transport's setup: each rollout worker's buffer shared and mapped by student-0
+        (flattened first, so that a push is one copy), or the bucket plan and the weight group."""
+        config, first = self.config, self.students[0]
+        if self.transport in PUSHED:
+            self.get([self.actors.call(first, "flatten_weights")], "during setup")  # a replica: one buffer
+            shares = self.get(self.each(self.rollouts, "share_weight_buffer"), "during setup")
+            self.get([self.actors.call(first, "map_rollout_weights", shared) for shared in shares], "during setup")
+            return
+        self.buckets = self.get([self.actors.call(first, "open_weight_sender", config.weight_sync_bucket_mb << 20)],
+                                "during setup")[0]
         port, world = free_port(), 1 + len(self.rollouts)
         calls = [self.actors.call(first, "init_weight_group", "127.0.0.1", port, world, WEIGHT_GROUP, self.transport)]
         calls += [self.actors.call(rollout, "init_weights_update_group", "127.0.0.1", port, rank + 1, world,
@@ -200,20 +214,25 @@ class OnPolicySession(_Session):
 
     # ---- weight sync and generation ----
 
-    def sync(self, weight_version: int, when: str) -> dict:
-        """The rollouts to the student's weights of ``weight_version`` trained steps, if they
-        hold another: pause -> flush -> send -> continue (by CUDA IPC, one call a rollout that
-        does all of it under its lock). The update's metrics ({} if none); ``sync_wall_seconds``
-        the whole of it as the driver waits (the actor calls included)."""
+    def sync_and_generate(self, weight_version: int, round_index: int, prompts: PromptSource, size: int,
+                          when: str) -> tuple[tuple, dict]:
+        """Starts round ``round_index``'s generation (`generate`) on the student's weights of
+        ``weight_version`` trained steps, syncing the rollouts first if they hold another:
+        pushed by student-0 into their shared buffers (one call; each under its worker's lock;
+        the generation is sent right behind it and waits on the workers for the pushed
+        version), or pause -> flush -> broadcast -> continue, then the generation. Returns the
+        started generation and the update's metrics ({} if none; a push's ``sync_seconds`` is
+        student-0's lock-held copy and publication, its wait for running generations
+        ``sync_lock_wait_seconds``); ``sync_wall_seconds`` the whole update as the driver waits
+        (the actor calls included)."""
         if weight_version == self.rollout_version:
-            return {}
+            return self.generate(round_index, prompts, size, weight_version), {}
         started, rollouts, first = time.perf_counter(), self.rollouts, self.students[0]
-        if self.transport == "cuda_ipc":
-            names, dtypes, shapes, handles, _ = self.get([self.actors.call(first, "share_weights", weight_version)],
-                                                         when)[0]
-            self.get([self.actors.call(rollout, "update_weights_from_tensor", names, dtypes, shapes, handles,
-                                       weight_version, True) for rollout in rollouts], when)
-            metrics = self.get([self.actors.call(first, "release_shared_weights")], when)[0]
+        if self.transport in PUSHED:
+            push = self.actors.call(first, "push_weights", weight_version)
+            generation = self.generate(round_index, prompts, size, weight_version)
+            metrics = self.get([push], when)[0]
+            wall = time.perf_counter() - started
         else:
             self.get(self.each(rollouts, "pause_generation"), when)
             self.get(self.each(rollouts, "flush_cache"), when)
@@ -223,18 +242,20 @@ class OnPolicySession(_Session):
                                            WEIGHT_GROUP, weight_version) for rollout in rollouts]
             metrics = self.get(calls, when)[0]
             self.get(self.each(rollouts, "continue_generation"), when)
+            wall = time.perf_counter() - started
+            generation = self.generate(round_index, prompts, size, weight_version)
         self.rollout_version = weight_version
-        return dict({f"sync_{key}": value for key, value in metrics.items() if key != "weight_version"},
-                    sync_wall_seconds=time.perf_counter() - started)
+        return generation, dict({f"sync_{key}": value for key, value in metrics.items() if key != "weight_version"},
+                                sync_wall_seconds=wall)
 
-    def generate(self, round_index: int, prompts: PromptSource, size: int) -> tuple:
+    def generate(self, round_index: int, prompts: PromptSource, size: int, weight_version: int) -> tuple:
         """Starts the generation of round ``round_index``: ``size`` prompts split over the rollout
-        workers, each sampling with its own seed."""
+        workers, each sampling with its own seed on weights of ``weight_version`` or later."""
         batch = prompts.batch(max(round_index, 0), size)
         parts = np.array_split(np.arange(size), len(self.rollouts))
         calls = [self.actors.call(rollout, "generate", [batch.prompt_ids[i] for i in part],
                                   dataclasses.replace(self.sampling, seed=sampling_seed(self.config.seed, round_index,
-                                                                                        rank)))
+                                                                                        rank)), weight_version)
                  for rank, (rollout, part) in enumerate(zip(self.rollouts, parts)) if len(part)]
         return batch, calls
 
@@ -253,8 +274,8 @@ class OnPolicySession(_Session):
         if round_index not in self.samples:
             started = self.in_flight.pop(round_index, None)
             if started is None:
-                metrics.update(self.sync(step, when))
-                started = self.generate(round_index, self.prompts, self._round_size())
+                started, synced = self.sync_and_generate(step, round_index, self.prompts, self._round_size(), when)
+                metrics.update(synced)
             waited = time.perf_counter()
             self.samples[round_index] = self.collect(started, when)
             metrics["generate_seconds"] = time.perf_counter() - waited
@@ -273,8 +294,8 @@ class OnPolicySession(_Session):
         if (not self.config.max_staleness or following >= self.config.steps or plan.round + 1 in self.in_flight
                 or plan.round + 1 in self.samples or not self.schedule.plan(following).on_policy):
             return {}
-        metrics = self.sync(step, when)
-        self.in_flight[plan.round + 1] = self.generate(plan.round + 1, self.prompts, self._round_size())
+        self.in_flight[plan.round + 1], metrics = self.sync_and_generate(step, plan.round + 1, self.prompts,
+                                                                         self._round_size(), when)
         return metrics
 
     # ---- training ----
@@ -374,9 +395,10 @@ class OnPolicySession(_Session):
         ``support=tail`` at temperature 1 trains: the student's distribution within the tail is not
         seen); tokens): the student's samples of held-out prompts (one step's worth, sampled as in
         training) scored by student-0 and teacher-0."""
-        self.sync(weight_version, "during the final evaluation")
         size = self.config.micro_batches * self.config.rows_per_micro_batch
-        samples = self.collect(self.generate(EVAL_ROUND, self.held_prompts, size), "during the final evaluation")
+        started, _ = self.sync_and_generate(weight_version, EVAL_ROUND, self.held_prompts, size,
+                                            "during the final evaluation")
+        samples = self.collect(started, "during the final evaluation")
         rows_per_call = max(1, EVAL_LOG_PROB_BYTES // (8 * self.data.vocab))
         total, binned, count = 0.0, 0.0, 0
         for batch in self.response_batches(samples, self.held_prompts):

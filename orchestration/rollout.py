@@ -19,6 +19,13 @@ worker's place through an adapter:
 - ``pause_generation()`` → ``flush_cache()`` → updates → ``continue_generation()``;
 - ``destroy_weights_update_group(group_name)``.
 
+One method is an extension beside SGLang's names: ``share_weight_buffer()`` hands the worker's
+flat parameter buffer (CUDA IPC on its GPU, shared memory on CPU) and its lock-and-version file
+(`shared_weights`) to a trainer on the same GPU or node once; from then on the trainer's
+`weight_sync.WeightPusher` updates the weights by itself (lock, one copy, publish the version),
+and a generation reads the version it runs with under that lock. The calls above keep working
+beside it (they take the same lock).
+
 Generation is Hugging Face ``generate`` (KV-cached, batched with left padding and an attention
 mask). A generation and an update never overlap (`weight_sync.WeightReceiver`): a generation
 requested during an update waits for ``continue_generation`` and runs on the whole new model.
@@ -33,6 +40,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence, Union
 import torch
 
 from .flat_parameters import flatten_parameters
+from .shared_weights import SharedWeights
 from .weight_sync import UpdateMetrics, WeightReceiver
 
 
@@ -140,11 +148,16 @@ class RolloutWorker:
         return self._receiver.weight_version
 
     @torch.no_grad()
-    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams = SamplingParams()) -> Rollout:
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams = SamplingParams(),
+                 min_weight_version: int = 0) -> Rollout:
         """Completions of ``prompts`` (token id lists, each non-empty), batched. Waits while the
-        worker is paused; the weights cannot change while it runs."""
+        worker is paused, and until its weights are of ``min_weight_version`` or later (so a
+        push and the generation that needs it can be sent together); the weights cannot change
+        while it runs."""
         if not prompts or any(len(prompt) == 0 for prompt in prompts):
             raise ValueError("prompts: expected a non-empty list of non-empty token id lists")
+        if not isinstance(min_weight_version, int) or isinstance(min_weight_version, bool) or min_weight_version < 0:
+            raise ValueError(f"min_weight_version: expected an int >= 0, got {min_weight_version!r}")
         width = max(len(prompt) for prompt in prompts)
         input_ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)
         attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
@@ -162,7 +175,7 @@ class RolloutWorker:
                            top_k=sampling.top_k)
         else:
             options.update(do_sample=False)
-        with self._receiver.generation() as weight_version:
+        with self._receiver.generation(min_weight_version) as weight_version:
             start = time.perf_counter()
             with self._seeded(sampling.seed):
                 output = self.model.generate(input_ids=input_ids.to(self.device),
@@ -214,6 +227,14 @@ class RolloutWorker:
         if not whole_update:
             return self._receiver.receive_buffer(names, dtypes, shapes, payload, weight_version)
         return self._receiver.receive_whole(names, dtypes, shapes, payload, weight_version).as_dict()
+
+    # ---- an extension beside SGLang's names: the trainer pushes into the shared buffer ----
+
+    def share_weight_buffer(self) -> SharedWeights:
+        """The flat parameter buffer, shared once with a trainer on this GPU (CUDA IPC) or node
+        (shared memory), with the lock and version file (`WeightReceiver.share_buffer`): the
+        trainer's `weight_sync.WeightPusher` then updates the weights without calling this worker."""
+        return self._receiver.share_buffer()
 
     def pause_generation(self) -> None:
         """Blocks new generations and returns once the running one has finished."""

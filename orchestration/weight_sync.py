@@ -23,6 +23,11 @@ Three ways a bucket travels, one receiver (`WeightReceiver`) for all:
 - a plain tensor (the Ray object store, or tests in one process): `receive_buffer` with the
   packed buffer itself.
 
+And one way without a receiver's call: ``push``. The receiver shares its flat parameter buffer
+once (`WeightReceiver.share_buffer`, `shared_weights`: CUDA IPC on its GPU, shared memory on
+its node); the trainer maps it once (`WeightPusher`) and each update is the trainer's own lock,
+copy and published version.
+
 The weight group is a *stateless* process group: a ``TCPStore`` hosted by the sender, a
 ``PrefixStore`` named after the group, and a ``ProcessGroupGloo`` / ``ProcessGroupNCCL``
 constructed directly on it, its collectives called on that object. Nothing is registered in
@@ -41,6 +46,9 @@ and take the lock too; `resume` refuses while an update is incomplete (a half-up
 generates), then publishes the new ``weight_version`` and wakes the waiting generations;
 `WeightReceiver.receive_whole` does all three for a one-payload update in one call, holding the
 lock throughout. The sender has its own lock so that two updates from one trainer never interleave.
+Once the buffer is shared, the receiver's lock also takes the cross-process `WeightLock` (a
+generation for its whole run, a pause until its resume), which a push holds while it writes,
+and ``weight_version`` is the word in that lock's file.
 """
 from __future__ import annotations
 
@@ -53,10 +61,12 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, Union
 
 import torch
 
-from .flat_parameters import flat_region
+from .flat_parameters import flat_offsets, flat_region, flatten_parameters
+from .shared_weights import SharedWeights, WeightLock, file_backed_buffer, map_shared, share_flat_buffer
 
 ALIGNMENT = 64  # bytes: every tensor of a bucket starts at a multiple of this
 DEFAULT_BUCKET_BYTES = 512 * 2**20
+PUSH_POLL_SECONDS = 2e-4  # a generation waiting for a pushed weight_version reads the lock file this often
 
 NamedTensors = Callable[[], Iterable[tuple[str, torch.Tensor]]]
 
@@ -78,11 +88,15 @@ def _aligned(offset: int) -> int:
     return -(-offset // ALIGNMENT) * ALIGNMENT
 
 
-def _nbytes(dtype: torch.dtype, shape: Sequence[int]) -> int:
+def _numel(shape: Sequence[int]) -> int:
     numel = 1
     for size in shape:
         numel *= int(size)
-    return numel * dtype.itemsize
+    return numel
+
+
+def _nbytes(dtype: torch.dtype, shape: Sequence[int]) -> int:
+    return _numel(shape) * dtype.itemsize
 
 
 def bucket_layout(dtypes: Sequence[Union[str, torch.dtype]], shapes: Sequence[Sequence[int]]
@@ -452,6 +466,98 @@ class WeightSender:
             return self._finish(weight_version, total, time.perf_counter() - start)
 
 
+# ---- pusher: the trainer writes into a rollout worker's shared buffer ------------------------
+
+class WeightPusher:
+    """Trainer rank 0's side of a rollout worker's shared buffer (`WeightReceiver.share_buffer`):
+    maps it once, then each `push` is the trainer's own work, no message to the worker: take the
+    worker's lock (waits for a running generation; new ones wait), copy the source into the
+    buffer, wait for the copy, publish ``weight_version``, let go of the lock.
+
+    ``source``: a module (its ``named_parameters()``) or a callable returning ``(name, tensor)``
+    pairs (full tensors, e.g. FSDP2's gathered ones), the worker's names and shapes in its order
+    (dtypes may differ: the copy casts). A module whose parameters are one flat buffer
+    (`flat_parameters`) is pushed with one copy of that buffer; otherwise one copy a tensor into
+    its view of the shared buffer. Raises on a layout mismatch, naming the first one."""
+
+    def __init__(self, source: Union[torch.nn.Module, NamedTensors], shared: SharedWeights):
+        self._parameters: Optional[list[torch.Tensor]] = None
+        if isinstance(source, torch.nn.Module):
+            named = [(name, parameter) for name, parameter in source.named_parameters()]
+            self._named_tensors: NamedTensors = lambda: named
+            self._parameters = [parameter for _, parameter in named]
+        else:
+            self._named_tensors = source
+        check_layout([(name, tuple(tensor.shape)) for name, tensor in self._named_tensors()], shared)
+        self.shared = shared
+        self._target = map_shared(shared)
+        offsets, total = flat_offsets([_numel(shape) for shape in shared.shapes])
+        if total != self._target.numel():
+            raise ValueError(f"shared: the buffer holds {self._target.numel()} elements, its layout {total}")
+        self._views = [self._target[offset:offset + _numel(shape)].view(shape)
+                       for offset, shape in zip(offsets, shared.shapes)]
+        # a flat source: pushed as one copy while its first and last parameters are still where they were
+        self._flat = None if self._parameters is None else flat_region([p.detach() for p in self._parameters])
+        if self._flat is not None and self._flat.numel() != total:
+            self._flat = None
+        self._flat_at = None if self._flat is None else self._pointers()
+        self._lock = WeightLock(shared.lock_path)
+        self.bytes = sum(view.numel() * view.element_size() for view in self._views)
+        self.last_update: Optional[UpdateMetrics] = None
+
+    @property
+    def buffer(self) -> torch.Tensor:
+        """The worker's flat buffer, mapped in this process."""
+        return self._target
+
+    def _pointers(self) -> tuple[int, int]:
+        return self._parameters[0].data_ptr(), self._parameters[-1].data_ptr()
+
+    def push(self, weight_version: int) -> tuple[UpdateMetrics, float]:
+        """The update to ``weight_version`` (above); its metrics (bytes written, 1 bucket, the
+        seconds from holding the lock to the published version) and the seconds waited for the
+        lock. Raises unless ``weight_version`` is above the worker's."""
+        with self._lock.held() as waited:
+            published = self._lock.version()
+            if not isinstance(weight_version, int) or weight_version <= published:
+                raise ValueError(f"weight_version: expected an int > {published} (the rollout worker's), "
+                                 f"got {weight_version!r}")
+            start = time.perf_counter()
+            with torch.no_grad():
+                if self._flat is not None and self._pointers() == self._flat_at:
+                    self._target.copy_(self._flat)
+                else:
+                    sources = [tensor.detach() for _, tensor in self._named_tensors()]
+                    if len(sources) != len(self._views):
+                        raise RuntimeError(f"source: {len(sources)} tensors now, {len(self._views)} mapped")
+                    if all(s.dtype == v.dtype and s.device == v.device for s, v in zip(sources, self._views)):
+                        torch._foreach_copy_(self._views, sources)
+                    else:
+                        for view, tensor in zip(self._views, sources):
+                            view.copy_(tensor)
+            if self._target.is_cuda:
+                torch.cuda.current_stream(self._target.device).synchronize()
+            self._lock.publish(weight_version)
+            seconds = time.perf_counter() - start
+        self.last_update = UpdateMetrics(weight_version, self.bytes, 1, seconds)
+        return self.last_update, waited
+
+    def close(self) -> None:
+        self._lock.close()
+        self._views, self._target, self._flat = [], None, None
+
+
+def check_layout(named_shapes: Sequence[tuple[str, tuple[int, ...]]], shared: SharedWeights) -> None:
+    """Raises ValueError naming the first tensor whose name or shape differs from ``shared``'s."""
+    for index, ((name, shape), theirs, their_shape) in enumerate(zip(named_shapes, shared.names, shared.shapes)):
+        if name != theirs:
+            raise ValueError(f"shared: tensor {index} is {name!r} here, {theirs!r} in the rollout worker")
+        if tuple(shape) != tuple(their_shape):
+            raise ValueError(f"shared: {name!r} is {tuple(shape)} here, {tuple(their_shape)} in the rollout worker")
+    if len(named_shapes) != len(shared.names):
+        raise ValueError(f"shared: {len(named_shapes)} tensors here, {len(shared.names)} in the rollout worker")
+
+
 # ---- receiver -----------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -479,6 +585,7 @@ class WeightReceiver:
     cover every parameter exactly once."""
 
     def __init__(self, model: torch.nn.Module):
+        self._model = model
         self._parameters = dict(model.named_parameters())
         self._flat = flat_region(list(self._parameters.values()))  # set when the model is flattened
         self._mapped_flat: Optional[torch.Tensor] = None  # the region of ``_mapped``, if one
@@ -491,26 +598,97 @@ class WeightReceiver:
         self._pending: Optional[_PendingUpdate] = None
         self._group: Optional[WeightGroup] = None
         self._mapped: list[torch.Tensor] = []  # the last list payload's tensors (receive_buffer)
-        self.weight_version = 0
+        self._weight_version = 0
+        self._lock: Optional[WeightLock] = None  # the cross-process lock, once the buffer is shared
+        self._shared: Optional[SharedWeights] = None
+        self._buffer_file: Optional[int] = None  # the descriptor keeping a CPU shared buffer's file
         self.last_update: Optional[UpdateMetrics] = None
+
+    @property
+    def weight_version(self) -> int:
+        """The weights' version: once the buffer is shared, the one last published in the lock file
+        (by a `WeightPusher` or by this receiver's own updates)."""
+        return self._weight_version if self._lock is None else self._lock.version()
+
+    @weight_version.setter
+    def weight_version(self, value: int) -> None:
+        self._weight_version = value
+        if self._lock is not None:
+            self._lock.publish(value)
 
     # -- generation side --
     @contextmanager
-    def generation(self) -> Iterator[int]:
-        """Holds the lock for a generation: waits while paused; yields the weight_version."""
+    def generation(self, min_weight_version: int = 0) -> Iterator[int]:
+        """Holds the lock for a generation: waits while paused, and once the buffer is shared for
+        a running push; then, until the weights' version reaches ``min_weight_version`` (an
+        in-process update's `resume` wakes it; a push's publication is polled for every
+        `PUSH_POLL_SECONDS`, neither lock held in between); yields the weight_version (read
+        under the lock). A shared CUDA buffer: the device's current stream is waited for before
+        the lock is let go."""
         with self._condition:
-            while self._paused:
-                self._condition.wait()
-            yield self.weight_version
+            while True:
+                while self._paused:
+                    self._condition.wait()
+                if self._lock is None:
+                    if self._weight_version >= min_weight_version:
+                        yield self._weight_version
+                        return
+                    self._condition.wait()
+                    continue
+                self._lock.acquire()
+                version = self._lock.version()
+                if version >= min_weight_version:
+                    try:
+                        yield version
+                    finally:
+                        if self._flat.is_cuda:  # a push may write the weights once the lock is let go
+                            torch.cuda.current_stream(self._flat.device).synchronize()
+                        self._lock.release()
+                    return
+                self._lock.release()
+                self._condition.wait(PUSH_POLL_SECONDS)
 
     @property
     def paused(self) -> bool:
         return self._paused
 
+    def _set_paused(self, paused: bool) -> None:
+        """Paused: also holds the cross-process lock (once shared), so a push waits for the update."""
+        if self._lock is not None and paused != self._paused:
+            self._lock.acquire() if paused else self._lock.release()
+        self._paused = paused
+        if not paused:
+            self._condition.notify_all()
+
     def pause(self) -> None:
-        """Blocks new generations; returns once the running one (if any) has finished."""
+        """Blocks new generations (and pushes); returns once the running generation (if any), or
+        push, has finished."""
         with self._condition:
-            self._paused = True
+            self._set_paused(True)
+
+    def share_buffer(self) -> SharedWeights:
+        """The flat parameter buffer and the lock, shared once (`shared_weights`): a
+        `WeightPusher` in another process (or this one) maps them and updates the weights by
+        itself. A CPU model's buffer moves into shared memory first. Later calls return the same.
+        Raises unless the model is flattened (`flat_parameters`), or while paused."""
+        with self._condition:
+            if self._shared is not None:
+                return self._shared
+            if self._flat is None:
+                raise RuntimeError("share_buffer: the model's parameters are not one flat buffer (flat_parameters: "
+                                   "one dtype and device)")
+            if self._paused:
+                raise RuntimeError("share_buffer: the worker is paused; continue_generation first")
+            path = None
+            if not self._flat.is_cuda:
+                buffer, self._buffer_file, path = file_backed_buffer(self._flat.numel(), self._flat.dtype)
+                flatten_parameters(self._model, into=buffer)
+                self._flat = buffer
+            lock = WeightLock()
+            lock.publish(self._weight_version)
+            self._shared = share_flat_buffer(self._flat, list(self._parameters.items()), lock.path, path)
+            self._lock = lock
+            return self._shared
 
     def resume(self) -> Optional[UpdateMetrics]:
         """Ends the pause. An update received during it becomes the model's ``weight_version``
@@ -530,8 +708,7 @@ class WeightReceiver:
                                    "stays paused")
             metrics = UpdateMetrics(pending.weight_version, pending.bytes, pending.buckets, pending.seconds)
             self.weight_version, self.last_update, self._pending = pending.weight_version, metrics, None
-        self._paused = False
-        self._condition.notify_all()
+        self._set_paused(False)
         return metrics
 
     # -- update side --
@@ -591,15 +768,14 @@ class WeightReceiver:
             if self._paused:
                 raise RuntimeError("receive_whole: the worker is paused (pause_generation was called): update with "
                                    "the bucket calls, then continue_generation")
-            self._paused = True
+            self._set_paused(True)
             try:
                 self._receive_buffer_locked(names, dtypes, shapes, payload, weight_version)
             except ValueError:  # the checks' refusals, all before the first write
                 if self._pending is not None and not self._pending.received:
                     self._pending = None
                 if self._pending is None:
-                    self._paused = False
-                    self._condition.notify_all()
+                    self._set_paused(False)
                 raise
             return self._resume_locked()
 

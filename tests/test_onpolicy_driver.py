@@ -1,8 +1,8 @@
-"""The on-policy / GKD driver (orchestration/onpolicy.py) end to end on CPU with gloo: lmbda 0
-trains exactly as mode=off_policy, a resume mid-round equals an uninterrupted run (samples, GKD
-choices, weight versions, parameters), a dead rollout worker is named, the CLI prints the
-teacher's reverse KL. The parts (weight sync, rollout worker, schedule, chat data) have their own
-tests."""
+"""The on-policy / GKD driver (orchestration/onpolicy.py) end to end on CPU, the weights pushed
+into the rollouts' shared memory or broadcast over gloo: lmbda 0 trains exactly as
+mode=off_policy, a resume mid-round equals an uninterrupted run (samples, GKD choices, weight
+versions, parameters), a dead rollout worker is named, the CLI prints the teacher's reverse KL.
+The parts (weight sync, rollout worker, schedule, chat data) have their own tests."""
 import json
 import math
 import os
@@ -71,15 +71,17 @@ def test_lmbda_zero_trains_exactly_as_off_policy(ray_cluster, tmp_path):
 
 
 @pytest.mark.slow
-def test_a_gkd_run_resumed_mid_round_equals_an_uninterrupted_one(ray_cluster, tmp_path):
+def test_a_gkd_run_resumed_mid_round_equals_an_uninterrupted_one(ray_cluster, tmp_path, monkeypatch):
     """Rounds of two steps, one round of staleness: resumed from the checkpoint of step 2 (the
     first step of round 1, saved with round 2 generating; the run's later checkpoints removed, as
     a stop there leaves it), the resume trains step 3 on the kept samples of round 1 and round 2
     on the samples generated before the checkpoint, as the uninterrupted run does. Also the
     end-to-end checks of a GKD run (finite losses, weight versions, sync metrics). Two tiny
-    driver runs."""
+    driver runs: the first pushes the weights into the rollout's shared memory, the resumed one
+    broadcasts them over gloo (bit-equal results: both transports are exact copies)."""
     from helpers import stopped_copy
     from orchestration.driver import run
+    from orchestration.onpolicy import OnPolicySession
 
     options = dict(mode="gkd", lmbda=0.5, steps_per_generation=2, max_staleness=1, seed=2, checkpoint_every=3)
     schedule = GkdSchedule("gkd", 0.5, 0.0, 2, 1, 2)
@@ -98,11 +100,15 @@ def test_a_gkd_run_resumed_mid_round_equals_an_uninterrupted_one(ray_cluster, tm
     synced = [row for row in rows if "sync_bytes" in row]
     assert synced and all(row["sync_buckets"] >= 1 and row["sync_bytes"] > 0 and row["sync_gb_per_s"] > 0
                           for row in synced)
-    assert whole["weight_version"] == 6 and whole["weight_sync"] == "gloo"
+    assert whole["weight_version"] == 6 and whole["weight_sync"] == "shared_memory"
+    assert all(row["sync_buckets"] == 1 and row["sync_lock_wait_seconds"] >= 0 for row in synced)
     assert math.isfinite(whole["teacher_reverse_kl"]) and whole["teacher_reverse_kl"] >= 0
 
     stopped_copy(tmp_path / "whole", tmp_path / "resumed", 2)
+    # the resumed run broadcasts over a gloo weight group, as rollouts on another node take the weights
+    monkeypatch.setattr(OnPolicySession, "weight_transport", lambda self, device, gpus, nodes: "gloo")
     resumed = run(_tiny(tmp_path, "resumed", resume=True, **options), progress=False, return_parameters=True)
+    assert resumed["weight_sync"] == "gloo"
     again = _rows(resumed)
     assert [row["step"] for row in again] == list(range(6))
     for key in ("loss", "on_policy", "tokens"):
@@ -180,7 +186,7 @@ def test_the_onpolicy_throughput_bench_runs_tiny_on_the_cpu_row_by_row(ray_clust
     assert all(row["tokens_per_s"] > 0 for row in rows)
     driver = rows[-1]
     assert all(driver[part] >= 0 for part in ONPOLICY_PARTS) and driver["generate_seconds"] > 0
-    assert driver["sync_wall_seconds"] > 0 and driver["sync_transport"] == "gloo"  # steps 1 and 2 synced
+    assert driver["sync_wall_seconds"] > 0 and driver["sync_transport"] == "shared_memory"  # steps 1 and 2 synced
     assert 0 <= driver["rest_seconds"] < driver["step_mean_seconds"]
     assert 0 < driver["loop_seconds"] < driver["run_seconds"] and driver["response_tokens"] > 0
     assert driver["shape"]["setup"] and driver["shape"]["max_new_tokens"] == TINY["max_new_tokens"]

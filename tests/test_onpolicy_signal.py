@@ -118,8 +118,8 @@ def test_an_on_policy_steps_loss_is_the_full_vocab_divergence_at_the_response_po
     monkeypatch.setattr(onpolicy, "EVAL_LOG_PROB_BYTES", 8 * VOCAB * 3)
     workers = {"student-0": student, "teacher-0": teacher}
     driver = SimpleNamespace(config=config, pad_id=0, data=SimpleNamespace(vocab=VOCAB), held_prompts=prompts,
-                             students=["student-0"], teachers=["teacher-0"], sync=lambda *args: None,
-                             generate=lambda *args: None, collect=lambda *args: samples, get=lambda calls, when: calls,
+                             students=["student-0"], teachers=["teacher-0"], sync_and_generate=lambda *args: (None, {}),
+                             collect=lambda *args: samples, get=lambda calls, when: calls,
                              actors=SimpleNamespace(call=lambda worker, method, *args: getattr(workers[worker],
                                                                                                 method)(*args)))
     driver.response_batches = lambda *args: OnPolicySession.response_batches(driver, *args)

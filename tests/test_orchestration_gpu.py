@@ -98,9 +98,9 @@ def test_disaggregated_nccl_equals_the_object_store(ray_cluster, tmp_path):
 
 
 def test_a_colocated_gkd_run_syncs_the_rollout_worker_by_cuda_ipc(ray_cluster, tmp_path):
-    """mode=gkd on one GPU: the rollout worker shares the student's GPU, so the weights travel as
-    CUDA IPC handles of the student's parameters; every on-policy step's samples come from the
-    weights of that step (max_staleness 0) and each sync moves the whole fp32 student."""
+    """mode=gkd on one GPU: the rollout worker shares the student's GPU, so student-0 pushes into
+    its buffer mapped by CUDA IPC; every on-policy step's samples come from the weights of that
+    step (max_staleness 0) and each sync writes the whole model into the bf16 rollout copy."""
     from orchestration.driver import run
 
     summary = run(_small(tmp_path, "gkd", placement="colocated", mode="gkd", lmbda=0.5, max_new_tokens=16,
@@ -113,6 +113,7 @@ def test_a_colocated_gkd_run_syncs_the_rollout_worker_by_cuda_ipc(ray_cluster, t
     assert on_policy and all(row["weight_version"] == row["step"] for row in on_policy)
     synced = [row for row in rows if "sync_bytes" in row]
     assert synced and len({row["sync_bytes"] for row in synced}) == 1 and synced[0]["sync_gb_per_s"] > 0
+    assert all(row["sync_buckets"] == 1 and row["sync_lock_wait_seconds"] >= 0 for row in synced)
     assert summary["teacher_reverse_kl"] >= 0
 
 

@@ -7,11 +7,14 @@ import pytest
 import torch
 
 from helpers import tiny_llama
+from orchestration.flat_parameters import flat_region, flatten_parameters
 from orchestration.rollout import RolloutWorker, SamplingParams, response_mask
-from orchestration.weight_sync import WeightSender
+from orchestration.shared_weights import WeightLock, map_shared
+from orchestration.weight_sync import WeightPusher, WeightSender
 
 PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12], [13]]
 GREEDY = SamplingParams(max_new_tokens=6, temperature=0.0)
+TOKENS = torch.tensor([[3, 17, 42, 5, 88, 1, 9, 60]])
 
 
 @torch.no_grad()
@@ -209,3 +212,119 @@ def test_the_models_own_generation_config_does_not_change_the_samples():
     model.generation_config.top_k, model.generation_config.temperature = 1, 0.1
     reference = RolloutWorker(tiny_llama(3), pad_token_id=0).generate(PROMPTS, sampled)
     assert torch.equal(worker.generate(PROMPTS, sampled).response_ids, reference.response_ids)
+
+
+def test_a_push_waits_for_the_running_generation_and_a_generation_waits_for_a_push():
+    """The trainer's push (`WeightPusher`) and a generation exclude each other through the shared
+    lock file: a push waits while a generation holds it; a generation requested while a push
+    holds it (here half of the new weights written) waits and runs on the whole new model, with
+    the version the push published."""
+    trainer = tiny_llama(1)
+    flatten_parameters(trainer)
+    worker = RolloutWorker(tiny_llama(2), pad_token_id=0)
+    shared = worker.share_weight_buffer()
+    pusher = WeightPusher(trainer, shared)
+    expected = RolloutWorker(tiny_llama(1), pad_token_id=0).generate(PROMPTS, GREEDY).responses()
+    before = worker.generate(PROMPTS, GREEDY).responses()
+    assert before != expected
+
+    # a running generation (holding the lock as `generate` does) holds the push back
+    holding, release, pushed = threading.Event(), threading.Event(), threading.Event()
+
+    def hold_a_generation():
+        with worker._receiver.generation() as version:
+            assert version == 0
+            holding.set()
+            release.wait()
+
+    holder = threading.Thread(target=hold_a_generation)
+    holder.start()
+    holding.wait()
+    pusher_thread = threading.Thread(target=lambda: (pusher.push(1), pushed.set()))
+    pusher_thread.start()
+    assert not pushed.wait(0.3) and worker.weight_version == 0  # still waiting for the generation
+    release.set()
+    holder.join()
+    pusher_thread.join()
+    assert pushed.is_set() and worker.weight_version == 1
+    assert worker.generate(PROMPTS, GREEDY).responses() == expected
+
+    # a push in progress (the trainer's lock held, half of the next weights written) holds a generation back
+    _perturb_all(trainer)
+    following = RolloutWorker(_copy_of(trainer), pad_token_id=0).generate(PROMPTS, GREEDY).responses()
+    target, source, results = map_shared(shared), flat_region([p.detach() for p in trainer.parameters()]), {}
+    trainers_lock = WeightLock(shared.lock_path)  # the trainer's own open file: excludes within one process too
+    with trainers_lock.held():
+        half = target.numel() // 2
+        target[:half].copy_(source[:half])
+        generator = threading.Thread(target=lambda: results.update(rollout=worker.generate(PROMPTS, GREEDY)))
+        generator.start()
+        generator.join(0.3)
+        assert generator.is_alive()  # waiting for the lock
+        target[half:].copy_(source[half:])
+        trainers_lock.publish(2)
+    generator.join()
+    assert results["rollout"].weight_version == 2 and results["rollout"].responses() == following
+    assert following != expected
+
+
+def _perturb_all(model):
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.mul_(-1.5)
+
+
+def _copy_of(model):
+    copy = tiny_llama(0)
+    copy.load_state_dict(model.state_dict())
+    return copy
+
+
+def test_the_in_process_update_takes_the_shared_lock_too():
+    """Once shared, `pause_generation` holds the lock file until `continue_generation`: a push
+    waits for the update, and the update's version is the one published."""
+    trainer = tiny_llama(1)
+    worker = RolloutWorker(tiny_llama(2), pad_token_id=0)
+    pusher = WeightPusher(trainer, worker.share_weight_buffer())
+    sender = WeightSender(tiny_llama(3), bucket_bytes=1 << 20)
+    worker.pause_generation()
+    pushed = threading.Event()
+    pusher_thread = threading.Thread(target=lambda: (pusher.push(2), pushed.set()))
+    pusher_thread.start()
+    for index in range(len(sender.buckets)):
+        bucket = sender.buckets[index]
+        worker.update_weights_from_tensor(bucket.names, bucket.dtypes, bucket.shapes, sender.pack(index), 1)
+    assert not pushed.wait(0.3)
+    assert worker.continue_generation()["weight_version"] == 1
+    pusher_thread.join()
+    assert pushed.is_set() and worker.weight_version == 2
+    assert torch.equal(worker.model(TOKENS).logits, trainer(TOKENS).logits)
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["pushed", "in_process_update"])
+def test_a_generation_waits_for_its_min_weight_version(shared):
+    """`generate(..., min_weight_version)` sent before the update it needs waits for it: polled
+    from the lock file for a push, woken by `continue_generation` for an in-process update."""
+    trainer = tiny_llama(1)
+    flatten_parameters(trainer)
+    worker = RolloutWorker(tiny_llama(2), pad_token_id=0)
+    expected = RolloutWorker(tiny_llama(1), pad_token_id=0).generate(PROMPTS, GREEDY).responses()
+    with pytest.raises(ValueError, match="min_weight_version: expected an int >= 0, got -1"):
+        worker.generate(PROMPTS, GREEDY, -1)
+    pusher = WeightPusher(trainer, worker.share_weight_buffer()) if shared else None
+    assert worker.generate(PROMPTS, GREEDY, 0).weight_version == 0  # reached already: no wait
+    results = {}
+    generator = threading.Thread(target=lambda: results.update(rollout=worker.generate(PROMPTS, GREEDY, 1)))
+    generator.start()
+    generator.join(0.3)
+    assert generator.is_alive()  # waiting for version 1
+    if shared:
+        pusher.push(1)
+    else:
+        sender = WeightSender(trainer, bucket_bytes=1 << 20)
+        worker.pause_generation()
+        for index, bucket in enumerate(sender.buckets):
+            worker.update_weights_from_tensor(bucket.names, bucket.dtypes, bucket.shapes, sender.pack(index), 1)
+        worker.continue_generation()
+    generator.join()
+    assert results["rollout"].weight_version == 1 and results["rollout"].responses() == expected

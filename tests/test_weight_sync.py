@@ -1,6 +1,7 @@
-"""Trainer → rollout weight sync: bucket plans, packing, the receiver's guards, and the sync over a
+"""Trainer → rollout weight sync: bucket plans, packing, the receiver's guards, the sync over a
 stateless gloo group between a trainer that has its own data-parallel group and a rollout worker
-(3 processes); CUDA IPC and NCCL on GPUs."""
+(3 processes), the trainer's pushes into a rollout's shared buffer (one process and two); CUDA
+IPC and NCCL on GPUs."""
 import multiprocessing
 
 import pytest
@@ -9,8 +10,9 @@ import torch
 from helpers import HAS_CUDA, cpu_ranks, free_port, spawn_ranks, tiny_llama
 from orchestration.flat_parameters import ELEMENT_ALIGNMENT, flat_offsets, flat_region, flatten_parameters
 from orchestration.rollout import RolloutWorker
-from orchestration.weight_sync import (ALIGNMENT, MappedTensors, WeightSender, as_dtype, bucket_layout, bucket_views,
-                                       pack_bucket, plan_buckets)
+from orchestration.weight_source import WeightSource
+from orchestration.weight_sync import (ALIGNMENT, MappedTensors, WeightPusher, WeightSender, as_dtype, bucket_layout,
+                                       bucket_views, pack_bucket, plan_buckets)
 
 TOKENS = torch.tensor([[3, 17, 42, 5, 88, 1, 9, 60]])
 
@@ -23,7 +25,7 @@ def _perturb(model, seed):
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for parameter in model.parameters():
-            parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.01)
+            parameter.add_(torch.randn(parameter.shape, generator=generator).to(parameter.device) * 0.01)
 
 
 # ---- bucket plans and packing --------------------------------------------------------------
@@ -403,6 +405,16 @@ def test_flat_region_refuses_tensors_out_of_the_layout():
     assert flat_region([a, torch.zeros(5)]) is None  # another storage
     with pytest.raises(ValueError, match="module: expected parameters of one dtype"):
         flatten_parameters(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2).double()))
+    linear = torch.nn.Linear(2, 2)
+    with pytest.raises(ValueError, match=rf"into: expected a 1-D torch.float32 tensor of {ELEMENT_ALIGNMENT + 2} "
+                                         r"elements on cpu, got torch.float32 \(3,\) on cpu"):
+        flatten_parameters(linear, into=torch.zeros(3))
+    into = torch.full((ELEMENT_ALIGNMENT + 2,), 7.0)
+    weight, bias = linear.weight.detach().clone(), linear.bias.detach().clone()
+    assert flatten_parameters(linear, into=into) is into
+    assert torch.equal(into[:4].view(2, 2), weight) and torch.equal(into[ELEMENT_ALIGNMENT:], bias)
+    assert linear.weight.data_ptr() == into.data_ptr()
+    assert torch.equal(into[4:ELEMENT_ALIGNMENT], torch.full((ELEMENT_ALIGNMENT - 4,), 7.0))  # padding untouched
 
 
 def test_a_flattened_trainer_updates_a_flattened_rollout_copy_in_one_cast_copy():
@@ -477,3 +489,116 @@ def test_a_whole_update_in_one_call_gives_bit_equal_logits_and_refuses_without_t
     assert worker._receiver.paused and worker.weight_version == 4
     worker.update_weights_from_tensor(names[1:], dtypes[1:], shapes[1:], handles[1:], 5)
     assert worker.continue_generation()["weight_version"] == worker.weight_version == 5
+
+
+# ---- the trainer pushes into a rollout worker's shared buffer ----------------------------------
+
+class _Trainer(WeightSource):
+    def __init__(self, model):
+        self.model = model
+
+
+def test_a_push_makes_the_rollout_equal_to_the_trainer_in_one_process():
+    """A flattened float32 trainer into a float32 rollout copy (logits bit for bit) and into a
+    bfloat16 one (its parameters the trainer's ``.to(bfloat16)``), one copy each; a trainer that is
+    not flattened, a copy a tensor. The version a push publishes is the next generation's."""
+    flat = tiny_llama(1)
+    flatten_parameters(flat)
+    unflattened = tiny_llama(3)
+    for trainer, dtype, copies in ((flat, None, 1), (flat, torch.bfloat16, 1), (unflattened, None, 1)):
+        worker = RolloutWorker(tiny_llama(2), pad_token_id=0, dtype=dtype)
+        source = _Trainer(trainer)
+        with pytest.raises(RuntimeError, match="push_weights: call map_rollout_weights first"):
+            source.push_weights(1)
+        source.map_rollout_weights(worker.share_weight_buffer())
+        assert worker.share_weight_buffer() is worker.share_weight_buffer()  # shared once
+        for version in (1, 2):
+            _perturb(trainer, version)
+            with _CopyCount() as counted:
+                metrics = source.push_weights(version)
+            assert counted.copies == copies  # one copy_, or one _foreach_copy_ of every tensor
+            assert metrics["weight_version"] == worker.weight_version == version and metrics["buckets"] == 1
+            assert metrics["bytes"] == sum(p.numel() * p.element_size() for p in worker.model.parameters())
+            assert metrics["seconds"] > 0 and metrics["lock_wait_seconds"] >= 0
+            for (name, mine), theirs in zip(worker.model.named_parameters(), trainer.parameters()):
+                assert torch.equal(mine, theirs.detach().to(mine.dtype)), name
+            if dtype is None:
+                assert torch.equal(worker.model(TOKENS).logits, trainer(TOKENS).logits)
+            assert worker.generate([[1, 2, 3]]).weight_version == version
+        with pytest.raises(ValueError, match="weight_version: expected an int > 2 \\(the rollout worker's\\), got 2"):
+            source.push_weights(2)
+
+
+def test_a_push_is_refused_on_another_layout_naming_the_parameter():
+    worker = RolloutWorker(tiny_llama(2), pad_token_id=0)
+    shared = worker.share_weight_buffer()
+    other = tiny_llama(1, hidden=64)
+    with pytest.raises(ValueError, match=r"shared: 'model.embed_tokens.weight' is \(96, 64\) here, \(96, 32\) in the "
+                                         r"rollout worker"):
+        WeightPusher(other, shared)
+    renamed = [(f"x.{name}", tensor) for name, tensor in tiny_llama(1).named_parameters()]
+    with pytest.raises(ValueError, match="shared: tensor 0 is 'x.model.embed_tokens.weight' here, "
+                                         "'model.embed_tokens.weight' in the rollout worker"):
+        WeightPusher(lambda: renamed, shared)
+    with pytest.raises(ValueError, match=f"shared: {len(renamed) - 1} tensors here, {len(renamed)} in the rollout"):
+        WeightPusher(lambda: list(tiny_llama(1).named_parameters())[:-1], shared)
+    with pytest.raises(RuntimeError, match="share_buffer: the model's parameters are not one flat buffer"):
+        mixed = tiny_llama(2)
+        mixed.lm_head.to(torch.float64)
+        RolloutWorker(mixed, pad_token_id=0).share_weight_buffer()
+
+
+def _pushes_across_processes(rank, world, init_file, queue, answers, device="cpu"):
+    """Rank 0: a rollout worker (bfloat16 on the second round) sharing its buffer; rank 1: the
+    flattened float32 trainer pushing into it twice a round."""
+    torch.set_num_threads(1)
+    for dtype in (None, torch.bfloat16):
+        if rank == 0:
+            worker = RolloutWorker(tiny_llama(2), pad_token_id=0, dtype=dtype, device=device)
+            queue.put(worker.share_weight_buffer())
+            for version in (1, 2):
+                expected = answers.get()
+                assert worker.generate([[1, 2, 3]]).weight_version == worker.weight_version == version
+                for name, parameter in worker.model.named_parameters():
+                    assert torch.equal(parameter.cpu(), expected[name].to(parameter.dtype)), name
+                if dtype is None:
+                    with torch.no_grad():
+                        assert torch.equal(worker.model(TOKENS.to(device)).logits.cpu(), expected["logits"])
+                queue.put(True)
+            continue
+        trainer = _Trainer(tiny_llama(1).to(device))
+        flatten_parameters(trainer.model)
+        trainer.map_rollout_weights(queue.get())
+        for version in (1, 2):
+            _perturb(trainer.model, version)
+            assert trainer.push_weights(version)["weight_version"] == version
+            with torch.no_grad():
+                answers.put({**{name: p.detach().cpu() for name, p in trainer.model.named_parameters()},
+                             "logits": trainer.model(TOKENS.to(device)).logits.cpu()})
+            assert queue.get()
+
+
+def test_a_push_from_another_process_makes_the_rollout_equal_to_the_trainer():
+    context = multiprocessing.get_context("spawn")
+    cpu_ranks(_pushes_across_processes, 2, context.SimpleQueue(), context.SimpleQueue())
+
+
+@pytest.mark.gpu
+def test_a_push_by_cuda_ipc_from_another_process_makes_the_rollout_equal_to_the_trainer():
+    context = multiprocessing.get_context("spawn")
+    spawn_ranks(_pushes_across_processes, 2, context.SimpleQueue(), context.SimpleQueue(), "cuda")
+
+
+def test_the_weight_sync_bench_runs_tiny_on_the_cpu(tmp_path):
+    """`bench_e2e_throughput.py --weight-sync --tiny`: the floor, the push and its copy alone, the
+    receiver a rollout worker in a spawned process (about 15 s on 2 cores: the process's imports)."""
+    import sys
+
+    sys.path.insert(0, "benchmarks")
+    from bench_e2e_throughput import PUSH, PUSH_COPY, SYNC_FLOOR, main
+
+    rows = main(["--weight-sync", "--tiny", "--results", str(tmp_path / "rows.jsonl")])
+    assert [row["provider"] for row in rows] == [SYNC_FLOOR, PUSH, PUSH_COPY]
+    assert len({row["shape"]["bytes"] for row in rows}) == 1 and rows[0]["shape"]["bytes"] > 0
+    assert all(row["gb_per_s"] > 0 and row["share_of_floor"] > 0 for row in rows)
+    assert 0 < rows[1]["locked_ms"] <= rows[1]["ms"] and rows[1]["lock_wait_ms"] >= 0
