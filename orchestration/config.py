@@ -147,6 +147,11 @@ def _flex_attention(values: dict) -> Optional[str]:
     return None
 
 
+def fused_allowed(values: dict) -> bool:
+    """Whether placement auto may choose fused: off-policy training from a live teacher."""
+    return values["mode"] == "off_policy" and not values["teacher_cache"]
+
+
 def _fused(values: dict) -> Optional[str]:
     """placement fused: off-policy from a live teacher, each micro-batch scored in its student's process."""
     if values["placement"] != "fused":
@@ -268,7 +273,7 @@ def check_machine(values: dict, bad: set, sources: Optional[dict] = None) -> lis
         else:
             try:
                 resolve_layout(values["placement"], values["transfer"], device, gpus, values["teacher_workers"],
-                               values["student_workers"])
+                               values["student_workers"], fused_allowed=fused_allowed(values))
             except ValueError as error:
                 problems.append(str(error))
         if "attention" not in bad and values["attention"] == "flex_attention" and device == "cpu":

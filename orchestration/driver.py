@@ -20,7 +20,7 @@ from .actors import Actors, Call
 from .checkpoint_tokenizer import checkpoint_tokenizer
 from .cluster import connect
 from .comm_plan import CommPlan
-from .config import check_machine
+from .config import check_machine, fused_allowed
 from .data import IGNORE_INDEX, Dataset, prepare_data
 from .errors import Interrupted, UsageError
 from .metrics import should_evaluate
@@ -62,7 +62,8 @@ def run(config, progress: bool = True, return_parameters: bool = False) -> dict:
     device = device_type(config.device)
     # a teacher cache is read on the CPU: its entries go through the object store
     layout = resolve_layout(config.placement, "object_store" if config.teacher_cache else config.transfer, device,
-                            gpu_count() if device == "cuda" else 0, config.teacher_workers, config.student_workers)
+                            gpu_count() if device == "cuda" else 0, config.teacher_workers, config.student_workers,
+                            fused_allowed=fused_allowed(vars(config)))
     plan = CommPlan(config.teacher_workers, config.student_workers, config.micro_batches)
     data = _dataset(config, report, tokenizer, pre_tokenized)
     sampler = sampler_class(config)(config.seed, len(data.train_tokens), config.micro_batches,

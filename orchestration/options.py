@@ -220,8 +220,9 @@ OPTIONS: tuple[Option, ...] = tuple([
             "normalized by the step's global token count)", dict(minimum=1)),
            ("placement", str, "auto", "on GPUs, teacher and student workers share each GPU (colocated) or get their "
             "own (disaggregated; auto picks it when there are teacher_workers + student_workers GPUs); fused: each "
-            "teacher / student pair in one process (one GPU each, or on the CPU; off_policy, teacher_workers == "
-            "student_workers; never auto)", dict(choices=("auto", "colocated", "disaggregated", "fused"))),
+            "teacher / student pair in one process (one GPU each, or on the CPU; off_policy from a live teacher, "
+            "teacher_workers == student_workers; auto picks it on GPUs for such runs when the pairs fit the GPUs)",
+            dict(choices=("auto", "colocated", "disaggregated", "fused"))),
            ("transfer", str, "auto", "how teacher top-k reaches the student (auto: CUDA IPC when colocated, NCCL "
             "when disaggregated, in process when fused, else the object store)",
             dict(choices=("auto", "object_store", "cuda_ipc", "nccl", "in_process"))),

@@ -53,14 +53,19 @@ def device_type(device: str) -> str:
     return device
 
 
-def resolve_layout(placement: str, transfer: str, device: str, gpus: int, teachers: int, students: int) -> Layout:
+def resolve_layout(placement: str, transfer: str, device: str, gpus: int, teachers: int, students: int,
+                   fused_allowed: bool = False) -> Layout:
     """The layout for the requested placement / transfer ("auto" or a name) on this machine.
 
-    GPU: colocated (a teacher and a student worker on each GPU, CUDA IPC) when teacher_workers
-    == student_workers fit the GPUs, else disaggregated (one GPU per worker, NCCL); colocated
-    needs half the GPUs. CPU: the object store. ``fused`` (asked for, never auto): each
-    teacher / student pair in one process (one actor, one GPU), top-k handed over in process;
-    on CPU too. Raises ValueError for requests the machine cannot honour, naming the option."""
+    GPU, when teacher_workers == student_workers fit the GPUs: fused (each teacher / student
+    pair in one process on its GPU, top-k handed over in process) when ``fused_allowed`` (the
+    run is off-policy from a live teacher) and the transfer is auto or in_process, else
+    colocated (a teacher and a student worker on each GPU, CUDA IPC); otherwise disaggregated
+    (one GPU per worker, NCCL). CPU: colocated by the object store (fused only when asked for).
+    Raises ValueError for requests the machine cannot honour, naming the option."""
+    if placement == "auto" and device == "cuda" and fused_allowed and transfer in ("auto", "in_process") \
+            and teachers == students <= gpus:
+        placement = "fused"
     if placement == "fused":
         return _fused_layout(transfer, device, gpus, teachers, students)
     if transfer == "in_process":
