@@ -183,9 +183,10 @@ def test_fused_layouts_on_gpus():
 
     assert resolve_layout("fused", "auto", "cuda", 2, 2, 2) == resolve_layout("fused", "in_process", "cuda", 2, 2, 2)
     assert resolve_layout("fused", "auto", "cuda", 2, 2, 2).gpus_per_student == 1.0
-    assert resolve_layout("auto", "auto", "cuda", 2, 2, 2).placement == "colocated"  # not off-policy from a live teacher
-    assert resolve_layout("auto", "auto", "cuda", 2, 2, 2, fused_allowed=True) == resolve_layout("fused", "auto", "cuda",
-                                                                                                 2, 2, 2)
+    # auto: fused for off-policy runs from a live teacher (fused_allowed), else colocated
+    assert resolve_layout("auto", "auto", "cuda", 2, 2, 2).placement == "colocated"
+    assert resolve_layout("auto", "auto", "cuda", 2, 2, 2, fused_allowed=True) == \
+        resolve_layout("fused", "auto", "cuda", 2, 2, 2)
     assert resolve_layout("auto", "cuda_ipc", "cuda", 2, 2, 2, fused_allowed=True).placement == "colocated"
     assert resolve_layout("auto", "auto", "cuda", 4, 1, 3, fused_allowed=True).placement == "disaggregated"
     assert resolve_layout("auto", "auto", "cpu", 0, 1, 1, fused_allowed=True).placement == "colocated"

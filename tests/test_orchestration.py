@@ -243,7 +243,7 @@ def test_two_teacher_and_two_student_workers_resume_exactly(ray_cluster, tmp_pat
     assert resumed["last_step"] == 3
     for vector in resumed["student_parameters"]:
         assert torch.equal(vector, vectors[0]), "the resumed run differs from the uninterrupted one"
-    monkeypatch.setattr(driver, "resolve_layout", lambda *args: Layout("disaggregated", "nccl", 0.0, 0.0))
+    monkeypatch.setattr(driver, "resolve_layout", lambda *args, **options: Layout("disaggregated", "nccl", 0.0, 0.0))
     by_group = driver.run(_tiny(tmp_path, "group_12", **dict(layout, teacher_workers=1, checkpoint_every=0)),
                           progress=False, return_parameters=True)
     assert by_group["transfer"] == "nccl"
@@ -278,7 +278,7 @@ def test_process_group_transfer_trains_like_the_object_store(ray_cluster, tmp_pa
     layout = dict(teacher_workers=teachers, student_workers=students, micro_batches=2, steps=4, checkpoint_every=0)
     by_store = driver.run(_tiny(tmp_path, f"store_{teachers}{students}", **layout), progress=False,
                           return_parameters=True)
-    monkeypatch.setattr(driver, "resolve_layout", lambda *args: Layout("disaggregated", "nccl", 0.0, 0.0))
+    monkeypatch.setattr(driver, "resolve_layout", lambda *args, **options: Layout("disaggregated", "nccl", 0.0, 0.0))
     by_group = driver.run(_tiny(tmp_path, f"group_{teachers}{students}", **layout), progress=False,
                           return_parameters=True)
     assert by_group["transfer"] == "nccl"
