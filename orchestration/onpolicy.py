@@ -14,8 +14,8 @@ Weight versions: ``weight_version`` = the number of optimizer steps in the weigh
 rollouts start equal, at 0). Before a generation, the rollouts are synced to the student when
 they hold an older version (`sync_and_generate`): rollouts on student-0's GPU (or, on CPU,
 node) share their parameter buffer once and student-0 pushes into it (lock, copy, publish the
-version), the generation sent with the push and waiting on the workers for its version; others
-pause -> flush -> take the broadcast -> continue before the generation is sent. ``max_staleness`` 0
+version); others pause -> flush -> take the broadcast -> continue; the generation is sent after
+the update returned. ``max_staleness`` 0
 generates round r after its previous step trained; 1 generates round r + 1 (with the weights at
 the start of round r) while round r trains. A checkpoint keeps the samples of the current and
 the pending round, so a resumed run trains on the samples an uninterrupted run would.
@@ -218,9 +218,8 @@ class OnPolicySession(_Session):
                           when: str) -> tuple[tuple, dict]:
         """Starts round ``round_index``'s generation (`generate`) on the student's weights of
         ``weight_version`` trained steps, syncing the rollouts first if they hold another:
-        pushed by student-0 into their shared buffers (one call; each under its worker's lock;
-        the generation is sent right behind it and waits on the workers for the pushed
-        version), or pause -> flush -> broadcast -> continue, then the generation. Returns the
+        pushed by student-0 into their shared buffers (one call; each under its worker's lock),
+        or pause -> flush -> broadcast -> continue; then the generation. Returns the
         started generation and the update's metrics ({} if none; a push's ``sync_seconds`` is
         student-0's lock-held copy and publication, its wait for running generations
         ``sync_lock_wait_seconds``); ``sync_wall_seconds`` the whole update as the driver waits
@@ -229,10 +228,10 @@ class OnPolicySession(_Session):
             return self.generate(round_index, prompts, size, weight_version), {}
         started, rollouts, first = time.perf_counter(), self.rollouts, self.students[0]
         if self.transport in PUSHED:
-            push = self.actors.call(first, "push_weights", weight_version)
-            generation = self.generate(round_index, prompts, size, weight_version)
-            metrics = self.get([push], when)[0]
+            # the push returns before the generation goes out: a refused push never leaves a generation waiting
+            metrics = self.get([self.actors.call(first, "push_weights", weight_version)], when)[0]
             wall = time.perf_counter() - started
+            generation = self.generate(round_index, prompts, size, weight_version)
         else:
             self.get(self.each(rollouts, "pause_generation"), when)
             self.get(self.each(rollouts, "flush_cache"), when)

@@ -496,7 +496,7 @@ class WeightPusher:
             raise ValueError(f"shared: the buffer holds {self._target.numel()} elements, its layout {total}")
         self._views = [self._target[offset:offset + _numel(shape)].view(shape)
                        for offset, shape in zip(offsets, shared.shapes)]
-        # a flat source: pushed as one copy while its first and last parameters are still where they were
+        # a flat source: pushed as one copy; every push checks that no parameter has moved since
         self._flat = None if self._parameters is None else flat_region([p.detach() for p in self._parameters])
         if self._flat is not None and self._flat.numel() != total:
             self._flat = None
@@ -510,8 +510,11 @@ class WeightPusher:
         """The worker's flat buffer, mapped in this process."""
         return self._target
 
-    def _pointers(self) -> tuple[int, int]:
-        return self._parameters[0].data_ptr(), self._parameters[-1].data_ptr()
+    def _pointers(self) -> tuple[int, ...]:
+        """Each parameter's address relative to the flat buffer's (a storage moved as a whole, e.g.
+        into shared memory, keeps them; a parameter rebound elsewhere does not)."""
+        base = self._flat.data_ptr()
+        return tuple(parameter.data_ptr() - base for parameter in self._parameters)
 
     def push(self, weight_version: int) -> tuple[UpdateMetrics, float]:
         """The update to ``weight_version`` (above); its metrics (bytes written, 1 bucket, the
@@ -519,12 +522,15 @@ class WeightPusher:
         lock. Raises unless ``weight_version`` is above the worker's."""
         with self._lock.held() as waited:
             published = self._lock.version()
-            if not isinstance(weight_version, int) or weight_version <= published:
+            if not isinstance(weight_version, int) or isinstance(weight_version, bool) or weight_version <= published:
                 raise ValueError(f"weight_version: expected an int > {published} (the rollout worker's), "
                                  f"got {weight_version!r}")
             start = time.perf_counter()
             with torch.no_grad():
-                if self._flat is not None and self._pointers() == self._flat_at:
+                if self._flat is not None:
+                    if self._pointers() != self._flat_at:
+                        raise RuntimeError("source: a parameter no longer lies where it did in the flat buffer "
+                                           "mapped (rebound since); map the rollout worker's buffer again")
                     self._target.copy_(self._flat)
                 else:
                     sources = [tensor.detach() for _, tensor in self._named_tensors()]
