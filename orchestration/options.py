@@ -218,10 +218,10 @@ OPTIONS: tuple[Option, ...] = tuple([
             "must divide the other, and both must divide micro_batches)", dict(minimum=1)),
            ("student_workers", int, 1, "student data-parallel workers (gradients summed with gloo / NCCL; the loss is "
             "normalized by the step's global token count)", dict(minimum=1)),
-           ("placement", str, "auto", "on GPUs, teacher and student workers share each GPU (colocated) or get their "
-            "own (disaggregated; auto picks it when there are teacher_workers + student_workers GPUs); fused: each "
-            "teacher / student pair in one process (one GPU each, or on the CPU; off_policy from a live teacher, "
-            "teacher_workers == student_workers; auto picks it on GPUs for such runs when the pairs fit the GPUs)",
+           ("placement", str, "auto", "on GPUs: fused (each teacher / student pair in one process, one GPU a pair; "
+            "off_policy from a live teacher, teacher_workers == student_workers; also on the CPU when asked for), "
+            "colocated (a teacher and a student worker sharing each GPU) or disaggregated (a GPU each). auto: fused "
+            "or, for the other modes, colocated when teacher_workers == student_workers <= GPUs, else disaggregated",
             dict(choices=("auto", "colocated", "disaggregated", "fused"))),
            ("transfer", str, "auto", "how teacher top-k reaches the student (auto: CUDA IPC when colocated, NCCL "
             "when disaggregated, in process when fused, else the object store)",

@@ -298,14 +298,14 @@ FLEX_MASK_CHUNK_ELEMENTS = 1 << 26  # query-by-key pairs evaluated at once while
 
 
 def _flex_block_mask(document_ids: torch.Tensor):
-    """The `attention_mask` contract as a flex_attention BlockMask, built from the tiles'
-    classes directly (`BlockMask.from_kv_blocks`): each ``[BLOCK, BLOCK]`` tile is skipped (no
-    allowed pair), full (every pair allowed, a whole tile inside the row: no mask_mod call) or
-    partial (the mask_mod decides), which is what ``create_block_mask`` computes, without its
-    vmap over the mask_mod. The pairs are evaluated in chunks of query tiles of at most
-    `FLEX_MASK_CHUNK_ELEMENTS` pairs. The mask_mod is the one function of the document ids that
-    every batch uses, so the compiled flex_attention kernel sees a new tensor of the same shape,
-    not a new graph."""
+    """The `attention_mask` contract as a flex_attention BlockMask, built from the tiles' classes
+    directly (`BlockMask.from_kv_blocks`): each ``[BLOCK, BLOCK]`` tile is skipped (no allowed
+    pair), full (every pair allowed, a whole tile inside the row: no mask_mod call) or partial
+    (the mask_mod decides), which is what ``create_block_mask`` computes, without its vmap over
+    the mask_mod. The pairs are evaluated in chunks of query tiles of at most
+    `FLEX_MASK_CHUNK_ELEMENTS` pairs (one query tile a chunk at least). The mask_mod is the one
+    function of the document ids that every batch uses, so the compiled flex_attention kernel
+    sees a new tensor of the same shape, not a new graph."""
     from torch.nn.attention.flex_attention import BlockMask
 
     def same_document_causal(batch, head, query, key):

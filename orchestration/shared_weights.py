@@ -40,7 +40,9 @@ def _anonymous_file(nbytes: int, prefix: str) -> tuple[int, str]:
         os.posix_fallocate(descriptor, 0, nbytes)
     except OSError as error:
         os.close(descriptor)
-        raise OSError(f"{SHARED_DIRECTORY}: could not allocate {nbytes} bytes for shared weights ({error})") from error
+        raise OSError(f"{SHARED_DIRECTORY}: could not allocate {nbytes} bytes for shared weights ({error}); a "
+                      "container's /dev/shm is often 64 MiB: give it room for the student (e.g. docker run "
+                      "--shm-size)") from error
     finally:
         os.unlink(path)
     return descriptor, f"/proc/{os.getpid()}/fd/{descriptor}"

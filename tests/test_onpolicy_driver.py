@@ -101,7 +101,7 @@ def test_a_gkd_run_resumed_mid_round_equals_an_uninterrupted_one(ray_cluster, tm
     assert synced and all(row["sync_buckets"] >= 1 and row["sync_bytes"] > 0 and row["sync_gb_per_s"] > 0
                           for row in synced)
     assert whole["weight_version"] == 6 and whole["weight_sync"] == "shared_memory"
-    assert all(row["sync_buckets"] == 1 and row["sync_lock_wait_seconds"] >= 0 for row in synced)
+    assert all(row["sync_buckets"] == 1 and "sync_lock_wait_seconds" in row for row in synced)
     assert math.isfinite(whole["teacher_reverse_kl"]) and whole["teacher_reverse_kl"] >= 0
 
     stopped_copy(tmp_path / "whole", tmp_path / "resumed", 2)

@@ -113,7 +113,7 @@ def test_a_colocated_gkd_run_syncs_the_rollout_worker_by_cuda_ipc(ray_cluster, t
     assert on_policy and all(row["weight_version"] == row["step"] for row in on_policy)
     synced = [row for row in rows if "sync_bytes" in row]
     assert synced and len({row["sync_bytes"] for row in synced}) == 1 and synced[0]["sync_gb_per_s"] > 0
-    assert all(row["sync_buckets"] == 1 and row["sync_lock_wait_seconds"] >= 0 for row in synced)
+    assert all(row["sync_buckets"] == 1 and "sync_lock_wait_seconds" in row for row in synced)
     assert summary["teacher_reverse_kl"] >= 0
 
 
