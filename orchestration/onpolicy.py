@@ -225,13 +225,13 @@ class OnPolicySession(_Session):
         ``sync_lock_wait_seconds``); ``sync_wall_seconds`` the whole update as the driver waits
         (the actor calls included)."""
         if weight_version == self.rollout_version:
-            return self.generate(round_index, prompts, size, weight_version), {}
+            return self.generate(round_index, prompts, size), {}
         started, rollouts, first = time.perf_counter(), self.rollouts, self.students[0]
         if self.transport in PUSHED:
             # the push returns before the generation goes out: a refused push never leaves a generation waiting
             metrics = self.get([self.actors.call(first, "push_weights", weight_version)], when)[0]
             wall = time.perf_counter() - started
-            generation = self.generate(round_index, prompts, size, weight_version)
+            generation = self.generate(round_index, prompts, size)
         else:
             self.get(self.each(rollouts, "pause_generation"), when)
             self.get(self.each(rollouts, "flush_cache"), when)
@@ -242,19 +242,19 @@ class OnPolicySession(_Session):
             metrics = self.get(calls, when)[0]
             self.get(self.each(rollouts, "continue_generation"), when)
             wall = time.perf_counter() - started
-            generation = self.generate(round_index, prompts, size, weight_version)
+            generation = self.generate(round_index, prompts, size)
         self.rollout_version = weight_version
         return generation, dict({f"sync_{key}": value for key, value in metrics.items() if key != "weight_version"},
                                 sync_wall_seconds=wall)
 
-    def generate(self, round_index: int, prompts: PromptSource, size: int, weight_version: int) -> tuple:
+    def generate(self, round_index: int, prompts: PromptSource, size: int) -> tuple:
         """Starts the generation of round ``round_index``: ``size`` prompts split over the rollout
-        workers, each sampling with its own seed on weights of ``weight_version`` or later."""
+        workers, each sampling with its own seed."""
         batch = prompts.batch(max(round_index, 0), size)
         parts = np.array_split(np.arange(size), len(self.rollouts))
         calls = [self.actors.call(rollout, "generate", [batch.prompt_ids[i] for i in part],
                                   dataclasses.replace(self.sampling, seed=sampling_seed(self.config.seed, round_index,
-                                                                                        rank)), weight_version)
+                                                                                        rank)))
                  for rank, (rollout, part) in enumerate(zip(self.rollouts, parts)) if len(part)]
         return batch, calls
 

@@ -148,16 +148,11 @@ class RolloutWorker:
         return self._receiver.weight_version
 
     @torch.no_grad()
-    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams = SamplingParams(),
-                 min_weight_version: int = 0) -> Rollout:
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams = SamplingParams()) -> Rollout:
         """Completions of ``prompts`` (token id lists, each non-empty), batched. Waits while the
-        worker is paused, and until its weights are of ``min_weight_version`` or later (so a
-        push and the generation that needs it can be sent together); the weights cannot change
-        while it runs."""
+        worker is paused or a push writes its weights; the weights cannot change while it runs."""
         if not prompts or any(len(prompt) == 0 for prompt in prompts):
             raise ValueError("prompts: expected a non-empty list of non-empty token id lists")
-        if not isinstance(min_weight_version, int) or isinstance(min_weight_version, bool) or min_weight_version < 0:
-            raise ValueError(f"min_weight_version: expected an int >= 0, got {min_weight_version!r}")
         width = max(len(prompt) for prompt in prompts)
         input_ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)
         attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
@@ -175,7 +170,7 @@ class RolloutWorker:
                            top_k=sampling.top_k)
         else:
             options.update(do_sample=False)
-        with self._receiver.generation(min_weight_version) as weight_version:
+        with self._receiver.generation() as weight_version:
             start = time.perf_counter()
             with self._seeded(sampling.seed):
                 output = self.model.generate(input_ids=input_ids.to(self.device),

@@ -29,5 +29,5 @@ class RolloutActor(RolloutWorker, Worker):
                          dtype=torch.bfloat16 if pick_device(config).type == "cuda" else None)
 
     @ray.method(concurrency_group="generation")
-    def generate(self, prompts, sampling, min_weight_version: int = 0):
-        return super().generate(prompts, sampling, min_weight_version)
+    def generate(self, prompts, sampling):
+        return super().generate(prompts, sampling)

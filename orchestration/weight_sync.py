@@ -66,7 +66,6 @@ from .shared_weights import SharedWeights, WeightLock, file_backed_buffer, map_s
 
 ALIGNMENT = 64  # bytes: every tensor of a bucket starts at a multiple of this
 DEFAULT_BUCKET_BYTES = 512 * 2**20
-PUSH_POLL_SECONDS = 2e-4  # a generation waiting for a pushed weight_version reads the lock file this often
 
 NamedTensors = Callable[[], Iterable[tuple[str, torch.Tensor]]]
 
@@ -624,35 +623,23 @@ class WeightReceiver:
 
     # -- generation side --
     @contextmanager
-    def generation(self, min_weight_version: int = 0) -> Iterator[int]:
+    def generation(self) -> Iterator[int]:
         """Holds the lock for a generation: waits while paused, and once the buffer is shared for
-        a running push; then, until the weights' version reaches ``min_weight_version`` (an
-        in-process update's `resume` wakes it; a push's publication is polled for every
-        `PUSH_POLL_SECONDS`, neither lock held in between); yields the weight_version (read
-        under the lock). A shared CUDA buffer: the device's current stream is waited for before
-        the lock is let go."""
+        a running push; yields the weight_version (read under the lock). A shared CUDA buffer:
+        the device's current stream is waited for before the lock is let go."""
         with self._condition:
-            while True:
-                while self._paused:
-                    self._condition.wait()
-                if self._lock is None:
-                    if self._weight_version >= min_weight_version:
-                        yield self._weight_version
-                        return
-                    self._condition.wait()
-                    continue
-                self._lock.acquire()
-                version = self._lock.version()
-                if version >= min_weight_version:
-                    try:
-                        yield version
-                    finally:
-                        if self._flat.is_cuda:  # a push may write the weights once the lock is let go
-                            torch.cuda.current_stream(self._flat.device).synchronize()
-                        self._lock.release()
-                    return
+            while self._paused:
+                self._condition.wait()
+            if self._lock is None:
+                yield self._weight_version
+                return
+            self._lock.acquire()
+            try:
+                yield self._lock.version()
+            finally:
+                if self._flat.is_cuda:  # a push may write the weights once the lock is let go
+                    torch.cuda.current_stream(self._flat.device).synchronize()
                 self._lock.release()
-                self._condition.wait(PUSH_POLL_SECONDS)
 
     @property
     def paused(self) -> bool:

@@ -300,31 +300,3 @@ def test_the_in_process_update_takes_the_shared_lock_too():
     assert pushed.is_set() and worker.weight_version == 2
     assert torch.equal(worker.model(TOKENS).logits, trainer(TOKENS).logits)
 
-
-@pytest.mark.parametrize("shared", [True, False], ids=["pushed", "in_process_update"])
-def test_a_generation_waits_for_its_min_weight_version(shared):
-    """`generate(..., min_weight_version)` sent before the update it needs waits for it: polled
-    from the lock file for a push, woken by `continue_generation` for an in-process update."""
-    trainer = tiny_llama(1)
-    flatten_parameters(trainer)
-    worker = RolloutWorker(tiny_llama(2), pad_token_id=0)
-    expected = RolloutWorker(tiny_llama(1), pad_token_id=0).generate(PROMPTS, GREEDY).responses()
-    with pytest.raises(ValueError, match="min_weight_version: expected an int >= 0, got -1"):
-        worker.generate(PROMPTS, GREEDY, -1)
-    pusher = WeightPusher(trainer, worker.share_weight_buffer()) if shared else None
-    assert worker.generate(PROMPTS, GREEDY, 0).weight_version == 0  # reached already: no wait
-    results = {}
-    generator = threading.Thread(target=lambda: results.update(rollout=worker.generate(PROMPTS, GREEDY, 1)))
-    generator.start()
-    generator.join(0.3)
-    assert generator.is_alive()  # waiting for version 1
-    if shared:
-        pusher.push(1)
-    else:
-        sender = WeightSender(trainer, bucket_bytes=1 << 20)
-        worker.pause_generation()
-        for index, bucket in enumerate(sender.buckets):
-            worker.update_weights_from_tensor(bucket.names, bucket.dtypes, bucket.shapes, sender.pack(index), 1)
-        worker.continue_generation()
-    generator.join()
-    assert results["rollout"].weight_version == 1 and results["rollout"].responses() == expected
