@@ -399,7 +399,8 @@ def onpolicy_rows(args, env: dict) -> list[dict]:
         measured = dict(held_out_ce=summary["student_held_out_ce"], teacher_held_out_ce=summary["teacher_held_out_ce"],
                         teacher_reverse_kl=summary["teacher_reverse_kl"],
                         teacher_reverse_kl_top_k=summary["teacher_reverse_kl_top_k"], mode=config.mode,
-                        lmbda=config.lmbda, run_seconds=time.perf_counter() - started)
+                        lmbda={"off_policy": 0.0, "on_policy": 1.0}.get(config.mode, config.lmbda),
+                        run_seconds=time.perf_counter() - started)
         if key == "ce":
             floor = measured["held_out_ce"]
         trained = os.path.join(config.output_dir, "tokenizer")
