@@ -63,3 +63,35 @@ def test_compiled_decoder_layers_train_like_eager_ones_under_fsdp2_and_checkpoin
     got, expected = compiled["student_parameters"][0], eager["student_parameters"][0]
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
     assert compiled["student_held_out_ce"] == pytest.approx(eager["student_held_out_ce"], rel=1e-5)
+
+
+def test_bench_e2e_throughput_adds_compiled_rows(monkeypatch, tmp_path):
+    """``--compile``: the kd_kernels loop on packed rows with compiled layers (its graphs made in
+    the warm-up), and each driver row again with compile=true; ``--compile-only`` keeps only
+    those. The driver is stubbed (its compiled run is the test above) and the loop compiles with
+    aot_eager (see `recording_ray`)."""
+    import sys
+
+    sys.path.insert(0, "benchmarks")
+    import bench_e2e_throughput as bench
+    from orchestration import compilation
+
+    monkeypatch.setattr(compilation, "BACKEND", "aot_eager")
+    driven = []
+
+    def driver(placement, strategy, paths, data, args, attention="sdpa", compiled=False):
+        driven.append(compiled)
+        return dict(provider=f"driver {placement} ({strategy}{', compiled' if compiled else ''})", ms=1.0,
+                    tokens_per_s=1.0, peak_mib=1.0)
+
+    monkeypatch.setattr(bench, "driver", driver)
+    common = ["--tiny", "--placements", "fused", "--output-dir", str(tmp_path / "bench"),
+              "--results", str(tmp_path / "rows.jsonl")]
+    rows = bench.main(common + ["--compile", "--compile-only"])
+    assert [row["provider"] for row in rows] == ["single process, kd_kernels, packed, compiled",
+                                                 "driver fused (replica, compiled)"]
+    assert rows[0]["tokens_per_s"] > 0 and rows[0]["first_step_s"] > 0 and driven == [True]
+    driven.clear()
+    rows = bench.main(common + ["--compile", "--skip-single"])
+    assert [row["provider"] for row in rows] == ["driver fused (replica)", "driver fused (replica, compiled)"]
+    assert driven == [False, True]
