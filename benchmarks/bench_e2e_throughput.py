@@ -17,10 +17,19 @@ peak memory, GPU allocated on CUDA, resident set on CPU):
       packed with an EOS between them, position ids per document, the block-diagonal mask;
       once per --attention entry: sdpa (a dense mask, the unnamed row) or flex_attention (a
       block mask that skips the tiles across documents; CUDA only)
+  single process, kd_kernels, packed[, ATTENTION], compiled   (--compile) the kd_kernels loop on
+      packed rows with each decoder layer of both models compiled as the driver's compile=true
+      does (`compilation.compile_decoder_layers`); the full-logits loop stays eager
   driver PLACEMENT (STRATEGY[, ATTENTION]) orchestrate.py's driver on one GPU: colocated (a
       teacher and a student actor, top-k by CUDA IPC) and fused (both workers in one actor,
       one process, top-k handed over in process); one row per --placements, --strategies
       (replica, fsdp2) and --attention entry; a run that runs out of memory is a row saying so.
+  driver PLACEMENT (STRATEGY[, ATTENTION], compiled)   (--compile) each driver row again with
+      --set compile=true
+Compiled rows compile in their first step (the forward, then the backward at its first call),
+and each shape compiles once (static shapes), so the warm-up steps hold the compilation: a
+single-process row whose timed steps compile is refused; first_step_s says what it cost.
+--compile-only: only the compiled rows (with --skip-single: the compiled driver rows alone).
 ``--tiny``: small shapes on the CPU (a smoke test). Compare the strategies on a 1.5B-like
 student: ``--student 1536,28,12,2,8960 --strategies replica,fsdp2 --set activation_checkpointing=true``.
 
@@ -48,7 +57,7 @@ On-policy parts (instead of the above; no Ray for --weight-sync):
       bare KV-cached loop. With --tiny: tiny shapes on the CPU (a smoke test).
 
 usage: python benchmarks/bench_e2e_throughput.py [--steps 20] [--tiny] [--strategies replica,fsdp2]
-           [--placements colocated,fused] [--attention sdpa,flex_attention]
+           [--placements colocated,fused] [--attention sdpa,flex_attention] [--compile [--compile-only]]
        python benchmarks/bench_e2e_throughput.py --weight-sync [--sync-models 0.5b,1.5b,7b] [--tiny]
        python benchmarks/bench_e2e_throughput.py --onpolicy [--onpolicy-rows default,pair,generation,generation-0.5b]
            [--steps 8 --warmup 3]
@@ -73,6 +82,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import kd_kernels as kd  # noqa: E402
 from harness import add_results_arguments, append_rows, environment, print_table, result_row  # noqa: E402
+from orchestration.compilation import compile_decoder_layers  # noqa: E402
 from orchestration.config import load_config  # noqa: E402
 from orchestration.driver import run  # noqa: E402
 from orchestration.models import build_model  # noqa: E402
@@ -133,11 +143,20 @@ def _attention_suffix(attention: str) -> str:
     return "" if attention == "sdpa" else f", {attention}"
 
 
-def single_process(kind: str, paths: tuple, args, device: torch.device, packed=None, attention: str = "sdpa") -> dict:
+def _compiled_graphs() -> int:
+    """Graphs dynamo has compiled in this process so far."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
+def single_process(kind: str, paths: tuple, args, device: torch.device, packed=None, attention: str = "sdpa",
+                   compiled: bool = False) -> dict:
     """One process: the teacher scores, the student trains; ``kind`` "full" (logits) or "kd_kernels".
     ``packed`` (`packing.PackedRows`): its rows in order, with the driver's position ids and
     block-diagonal mask for the models' ``attention`` implementation, instead of random causal
-    rows."""
+    rows. ``compiled``: both models' decoder layers compiled as the driver compiles them;
+    raises RuntimeError when a timed step compiled a graph (raise --warmup)."""
     from transformers import AutoModelForCausalLM
 
     from orchestration.workers import layout_of
@@ -147,10 +166,13 @@ def single_process(kind: str, paths: tuple, args, device: torch.device, packed=N
     loaded = dict(attn_implementation=attention)
     teacher = AutoModelForCausalLM.from_pretrained(paths[0], dtype=dtype, **loaded).to(device).eval()
     student = AutoModelForCausalLM.from_pretrained(paths[1], dtype=torch.float32, **loaded).to(device)
+    if compiled:
+        for model in (teacher, student):
+            compile_decoder_layers(model)
     optimizer = torch.optim.AdamW(student.parameters(), lr=1e-4, fused=cuda)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    times, vocab = [], args.vocab
+    times, vocab, graphs = [], args.vocab, None
     for step in range(args.steps):
         if packed is None:
             tokens = torch.randint(3, vocab, (args.rows, args.row_tokens), device=device)
@@ -187,18 +209,26 @@ def single_process(kind: str, paths: tuple, args, device: torch.device, packed=N
         optimizer.step()
         if cuda:
             torch.cuda.synchronize()
+        if step == 0:
+            first_step_s = time.perf_counter() - start
+        if step == args.warmup - 1:
+            graphs = _compiled_graphs()
         if step >= args.warmup:
             times.append(time.perf_counter() - start)
-    seconds = statistics.median(times)
     name = ((FLOOR if kind == "full" else "single process, kd_kernels")
-            + ("" if packed is None else ", packed" + _attention_suffix(attention)))
+            + ("" if packed is None else ", packed" + _attention_suffix(attention)) + (", compiled" if compiled else ""))
+    if compiled and _compiled_graphs() != graphs:
+        raise RuntimeError(f"{name}: graphs compiled after the warm-up: raise --warmup (got {args.warmup})")
+    seconds = statistics.median(times)
+    extra = dict(first_step_s=first_step_s) if compiled else {}
     return dict(provider=name, ms=1e3 * seconds, tokens_per_s=args.rows * args.row_tokens / seconds,
-                peak_mib=_peak_mib(device))
+                peak_mib=_peak_mib(device), **extra)
 
 
 def release_memory(device: torch.device) -> None:
     """Hands this process's cached CUDA blocks back: the driver's workers, other processes on the
     same GPU, cannot use what a finished row's caching allocator still holds."""
+    torch._dynamo.reset()  # the compiled rows' graphs hold their models' guards
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -210,15 +240,17 @@ def release_memory(device: torch.device) -> None:
 DRIVER_PARTS = ("teacher", "wait", "transfer", "student", "dispatch")
 
 
-def driver(placement: str, strategy: str, paths: tuple, data: str, args, attention: str = "sdpa") -> dict:
-    name = f"driver {placement} ({strategy}{_attention_suffix(attention)})"
-    config = load_config(None, [f"output_dir={args.output_dir}/{placement}_{strategy}", f"steps={args.steps}",
+def driver(placement: str, strategy: str, paths: tuple, data: str, args, attention: str = "sdpa",
+           compiled: bool = False) -> dict:
+    name = f"driver {placement} ({strategy}{_attention_suffix(attention)}{', compiled' if compiled else ''})"
+    run_name = f"{placement}_{strategy}{'_compiled' if compiled else ''}"
+    config = load_config(None, [f"output_dir={args.output_dir}/{run_name}", f"steps={args.steps}",
                                 f"teacher_path={paths[0]}", f"student_path={paths[1]}", f"data_path={data}",
                                 f"row_tokens={args.row_tokens}", f"rows_per_micro_batch={args.rows}",
                                 "micro_batches=1", f"k={args.k}", f"student_strategy={strategy}",
                                 "checkpoint_every=0", "overwrite=true", "ce_weight=0.5", "kd_weight=0.5",
                                 f"attention={attention}", f"device={args.device}", f"placement={placement}",
-                                *args.set])
+                                *args.set, f"compile={str(compiled).lower()}"])
     try:
         summary = run(config, progress=False)
     except Exception as error:  # noqa: BLE001 - out of memory is a result of this comparison
@@ -228,7 +260,8 @@ def driver(placement: str, strategy: str, paths: tuple, data: str, args, attenti
         print(f"{name}: out of memory: {where}", file=sys.stderr)
         return dict(provider=name, ms=None, tokens_per_s=None, peak_mib=None, note=f"out of memory: {where}")
     with open(summary["metrics"]) as handle:
-        records = [json.loads(line) for line in handle][args.warmup:]
+        records = [json.loads(line) for line in handle]
+    first_step_s, records = records[0]["step_seconds"], records[args.warmup:]
     peaks = {worker: values.get("cuda_max_allocated_mib", values["peak_rss_mib"])
              for worker, values in summary["memory"].items()}
     with open(os.path.join(config.output_dir, "workers.json")) as handle:
@@ -238,7 +271,7 @@ def driver(placement: str, strategy: str, paths: tuple, data: str, args, attenti
     parts = {f"{part}_ms": 1e3 * statistics.median(r[f"{part}_seconds"] for r in records) for part in DRIVER_PARTS}
     return dict(provider=name, ms=1e3 * seconds, tokens_per_s=statistics.median(r["tokens_per_s"] for r in records),
                 peak_mib=sum(by_process.values()), **{f"{worker}_peak_mib": peak for worker, peak in peaks.items()},
-                **parts)
+                **parts, **(dict(first_step_s=first_step_s) if compiled else {}))
 
 
 def main(argv=None):
@@ -257,6 +290,9 @@ def main(argv=None):
     parser.add_argument("--placements", default="colocated,fused",
                         help="driver rows: colocated, fused or both (comma), each with every strategy")
     parser.add_argument("--skip-single", action="store_true", help="only the driver rows")
+    parser.add_argument("--compile", action="store_true", help="also the compiled rows: the kd_kernels loop on "
+                        "packed rows and each driver row with compiled decoder layers")
+    parser.add_argument("--compile-only", action="store_true", help="with --compile: only the compiled rows")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU (smoke test)")
     parser.add_argument("--output-dir", default="runs/bench_e2e_throughput", help="checkpoints, data and runs")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a driver option")
@@ -272,6 +308,8 @@ def main(argv=None):
     args.device = "cpu" if args.tiny else "cuda"
     if args.steps <= args.warmup:
         parser.error(f"--steps: expected more than --warmup ({args.warmup}), got {args.steps}")
+    if args.compile_only and not args.compile:
+        parser.error("--compile-only: needs --compile")
     for option, allowed in (("placements", ("colocated", "fused")), ("strategies", ("replica", "fsdp2"))):
         if unknown := [name for name in getattr(args, option).split(",") if name not in allowed]:
             parser.error(f"--{option}: expected {' and/or '.join(allowed)} (comma), got {unknown}")
@@ -312,17 +350,23 @@ def main(argv=None):
                                 "× floor (time)": "ratio", "peak MiB": "peak_mib"})
         sys.stdout.flush()
 
+    variants = [True] if args.compile_only else [False, True] if args.compile else [False]
     if not args.skip_single:
         packed = PackedRows(load_token_documents(data), args.row_tokens, eos_id=1, pad_id=0, seed=0)
-        runs = [("full", None, "sdpa"), ("kd_kernels", None, "sdpa")]
-        runs += [(kind, packed, attention) for attention in attentions for kind in ("full", "kd_kernels")]
-        for kind, packed_rows, attention in runs:
-            publish(single_process(kind, paths, args, device, packed_rows, attention))
+        runs = [] if args.compile_only else [("full", None, "sdpa", False), ("kd_kernels", None, "sdpa", False)]
+        for attention in attentions:
+            if not args.compile_only:
+                runs += [("full", packed, attention, False), ("kd_kernels", packed, attention, False)]
+            if args.compile:
+                runs.append(("kd_kernels", packed, attention, True))
+        for kind, packed_rows, attention, compiled in runs:
+            publish(single_process(kind, paths, args, device, packed_rows, attention, compiled))
             release_memory(device)
     for attention in attentions:
         for placement in args.placements.split(","):
             for strategy in args.strategies.split(","):
-                publish(driver(placement, strategy, paths, data, args, attention))
+                for compiled in variants:
+                    publish(driver(placement, strategy, paths, data, args, attention, compiled))
     print()
     print_table(rows, {"row": "provider", "tokens/s": "tokens_per_s", "step ms": "ms", "× floor (time)": "ratio",
                        "peak MiB": "peak_mib"})

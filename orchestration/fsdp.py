@@ -70,7 +70,7 @@ def decoder_layers(causal_lm) -> list:
     layers = [module for module in causal_lm.modules() if any(base.__name__ in names for base in type(module).__mro__)]
     if not layers:
         raise TypeError(f"model: {type(causal_lm).__name__} names no decoder layer class in _no_split_modules "
-                        f"({sorted(names)}); FSDP2 needs one unit per layer")
+                        f"({sorted(names)}); FSDP2 and compile work layer by layer")
     return layers
 
 

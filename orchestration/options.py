@@ -286,6 +286,9 @@ OPTIONS: tuple[Option, ...] = tuple([
             "state (tiny models); fsdp2: the student sharded over the student workers (FSDP2, bf16 compute with "
             "float32 master weights on GPUs)", dict(choices=("replica", "fsdp2"))),
            ("activation_checkpointing", bool, False, "recompute each student decoder layer in the backward"),
+           ("compile", bool, False, "torch.compile each decoder layer of the student and of the teacher (inductor, "
+            "in place: checkpoints and exports unchanged; not the on-policy rollout copy); the first step pays the "
+            "compilation, and each new shape (a held-out chunk) again"),
            ("weight_decay", float, 0.01, "AdamW weight decay of the student's matrices (none on norms and biases)",
             dict(minimum=0)),
            ("adam_beta1", float, 0.9, "AdamW beta1", dict(minimum=0)),

@@ -18,6 +18,7 @@ import torch
 import kd_kernels as kd
 
 from . import checkpoint, fsdp
+from .compilation import compile_decoder_layers, static_shapes
 from .distillation import DistillationStudent
 from .hf_models import final_hidden_states
 from .models import autocast, build_model, held_out_sums, lm_head_inputs, pick_device
@@ -61,6 +62,8 @@ class StudentWorker(Worker, WeightSource):
                                  group=self.gradient_group, compute_dtype=compute_dtype,
                                  activation_checkpointing=config.activation_checkpointing)
         self.model = self.student.causal_lm
+        if config.compile:  # after fully_shard and activation checkpointing (docs/DECISIONS.md)
+            compile_decoder_layers(self.model, static=static_shapes(config.mode))
         self.optimizer = fsdp.build_optimizer(self.student, lr=config.lr, weight_decay=config.weight_decay,
                                               betas=(config.adam_beta1, config.adam_beta2))
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_factor(config.warmup_steps, config.steps))

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 import kd_kernels as kd
 
+from .compilation import compile_decoder_layers, static_shapes
 from .data import IGNORE_INDEX
 from .hf_models import final_hidden_states
 from .models import autocast, build_model, held_out_sums, lm_head_inputs, pick_device, scoring_dtype
@@ -31,6 +32,8 @@ class TeacherWorker(Worker):
         self.transfer = transfer_for(transfer)
         self.model = build_model(config.teacher_path, config.teacher_hidden, config.teacher_layers, config, vocab,
                                  config.seed, dtype=scoring_dtype(self.device)).to(self.device)
+        if config.compile:
+            compile_decoder_layers(self.model, static=static_shapes(config.mode))
         self._pretraining = None
 
     def pretrain(self, steps: int) -> float:
@@ -54,7 +57,8 @@ class TeacherWorker(Worker):
             tokens, targets = (part.to(self.device) for part in self.micro_batch(pick))
             positions, mask = self.row_layout(pick, self.device, self.config.attention, share=False)
             with autocast(self.device):
-                logits = self.model(input_ids=tokens, position_ids=positions, attention_mask=mask).logits
+                logits = self.model(input_ids=tokens, position_ids=positions, attention_mask=mask,
+                                    use_cache=False).logits
             logits = logits[..., :self.vocab]
             loss = F.cross_entropy(logits.float().reshape(-1, self.vocab), targets.reshape(-1),
                                    ignore_index=IGNORE_INDEX)

@@ -78,7 +78,7 @@ class Worker:
         ``self.vocab``) at the flat rows ``rows`` ``[R]`` of ``tokens`` ``[B, T]``, on the CPU."""
         self.model.eval()
         self.model.to(self.device)  # an offloaded teacher comes back for it
-        logits = self.model(input_ids=tokens.to(self.device)).logits
+        logits = self.model(input_ids=tokens.to(self.device), use_cache=False).logits
         picked = logits.reshape(-1, logits.shape[-1])[rows.to(self.device), :self.vocab]
         return torch.log_softmax(picked.float(), dim=-1).cpu()
 

@@ -1,0 +1,97 @@
+"""compile=true: the student's and the teacher's decoder layers run through torch.compile in
+the workers, and the run trains as the eager one does."""
+import json
+import os
+
+import pytest
+import torch
+
+from test_orchestration import _tiny
+
+
+@pytest.fixture
+def recording_ray(tmp_path):
+    """A local Ray whose worker processes compile with a recording ``aot_eager`` backend
+    (`compilation.BACKEND`, set by a worker setup hook). Each graph the backend receives
+    appends a line to the returned file: the widest last dimension of its 3-D inputs (the
+    hidden states ``[B, T, H]``: H tells the teacher's layers from the student's).
+
+    aot_eager, not inductor: it runs dynamo and AOT autograd (the joint forward / backward
+    graph, functionalization, the checkpoint traced into the graph) as inductor does but
+    executes the graph's own ATen ops instead of generating C++ kernels, which on two CPU cores
+    would take minutes per graph; inductor's code generation is the GPU test's part."""
+    import ray
+
+    path = str(tmp_path / "graphs.jsonl")
+
+    def setup():  # defined here: Ray sends the function itself to the workers
+        from torch._dynamo.backends.debugging import aot_eager
+
+        from orchestration import compilation
+
+        def recording(graph, example_inputs):
+            widths = [x.shape[-1] for x in example_inputs if isinstance(x, torch.Tensor) and x.dim() == 3]
+            with open(path, "a") as handle:
+                handle.write(json.dumps(dict(hidden=max(widths, default=0))) + "\n")
+            return aot_eager(graph, example_inputs)
+
+        compilation.BACKEND = recording
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False,
+             runtime_env={"worker_process_setup_hook": setup})
+    yield path
+    ray.shutdown()
+
+
+def test_compiled_decoder_layers_train_like_eager_ones_under_fsdp2_and_checkpointing(recording_ray, tmp_path):
+    """A fused FSDP2 student with activation checkpointing: the same run eager and compiled ends
+    with equal parameters and held-out CE (to float32 rounding: AOT autograd's decompositions
+    may reorder a sum; on this CPU they come out equal), and graphs were compiled for both
+    models' layers (teacher hidden 32, student 16): a run whose layers stayed eager records
+    nothing and fails. About 30 s: two driver runs, the compiled one tracing its graphs."""
+    from orchestration.driver import run
+
+    options = dict(placement="fused", student_strategy="fsdp2", activation_checkpointing=True, steps=2,
+                   teacher_pretrain_steps=1, micro_batches=1, checkpoint_every=0, teacher_layers=2, student_layers=2)
+    eager = run(_tiny(tmp_path, "eager", **options), progress=False, return_parameters=True)
+    assert not os.path.exists(recording_ray)  # compile=false compiles nothing
+    compiled = run(_tiny(tmp_path, "compiled", compile=True, **options), progress=False, return_parameters=True)
+    graphs = [json.loads(line) for line in open(recording_ray)]
+    assert {graph["hidden"] for graph in graphs} == {32, 16}, graphs
+    # one graph a grad mode and shape, shared by both layers of a model: not one a layer
+    assert len(graphs) <= 8, graphs
+    got, expected = compiled["student_parameters"][0], eager["student_parameters"][0]
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    assert compiled["student_held_out_ce"] == pytest.approx(eager["student_held_out_ce"], rel=1e-5)
+
+
+def test_bench_e2e_throughput_adds_compiled_rows(monkeypatch, tmp_path):
+    """``--compile``: the kd_kernels loop on packed rows with compiled layers (its graphs made in
+    the warm-up), and each driver row again with compile=true; ``--compile-only`` keeps only
+    those. The driver is stubbed (its compiled run is the test above) and the loop compiles with
+    aot_eager (see `recording_ray`)."""
+    import sys
+
+    sys.path.insert(0, "benchmarks")
+    import bench_e2e_throughput as bench
+    from orchestration import compilation
+
+    monkeypatch.setattr(compilation, "BACKEND", "aot_eager")
+    driven = []
+
+    def driver(placement, strategy, paths, data, args, attention="sdpa", compiled=False):
+        driven.append(compiled)
+        return dict(provider=f"driver {placement} ({strategy}{', compiled' if compiled else ''})", ms=1.0,
+                    tokens_per_s=1.0, peak_mib=1.0)
+
+    monkeypatch.setattr(bench, "driver", driver)
+    common = ["--tiny", "--placements", "fused", "--output-dir", str(tmp_path / "bench"),
+              "--results", str(tmp_path / "rows.jsonl")]
+    rows = bench.main(common + ["--compile", "--compile-only"])
+    assert [row["provider"] for row in rows] == ["single process, kd_kernels, packed, compiled",
+                                                 "driver fused (replica, compiled)"]
+    assert rows[0]["tokens_per_s"] > 0 and rows[0]["first_step_s"] > 0 and driven == [True]
+    driven.clear()
+    rows = bench.main(common + ["--compile", "--skip-single"])
+    assert [row["provider"] for row in rows] == ["driver fused (replica)", "driver fused (replica, compiled)"]
+    assert driven == [False, True]
