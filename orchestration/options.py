@@ -89,6 +89,8 @@ class Option:
         option's type. Raises ValueError(what is expected) when it is not one."""
         if from_text is not None and self.kind is str:
             value = from_text  # "a: b" stays text, not a YAML mapping
+        if self.kind is str and isinstance(value, bool) and self.choices and "true" in self.choices:
+            value = str(value).lower()  # YAML's true / false for a choice that names them
         if self.nullable and (value is None or (isinstance(value, str) and value.strip().lower() in
                                                 ("", "null", "none", "~"))):
             return None
@@ -286,9 +288,11 @@ OPTIONS: tuple[Option, ...] = tuple([
             "state (tiny models); fsdp2: the student sharded over the student workers (FSDP2, bf16 compute with "
             "float32 master weights on GPUs)", dict(choices=("replica", "fsdp2"))),
            ("activation_checkpointing", bool, False, "recompute each student decoder layer in the backward"),
-           ("compile", bool, False, "torch.compile each decoder layer of the student and of the teacher (inductor, "
+           ("compile", str, "auto", "torch.compile each decoder layer of the student and of the teacher (inductor, "
             "in place: checkpoints and exports unchanged; not the on-policy rollout copy); the first step pays the "
-            "compilation, and each new shape (a held-out chunk) again"),
+            "compilation, and each new shape (a held-out chunk) again. auto: on GPUs for off-policy and cache runs "
+            "(faster there, benchmarks/RESULTS.md), eager on the CPU and on-policy",
+            dict(choices=("auto", "true", "false"))),
            ("weight_decay", float, 0.01, "AdamW weight decay of the student's matrices (none on norms and biases)",
             dict(minimum=0)),
            ("adam_beta1", float, 0.9, "AdamW beta1", dict(minimum=0)),

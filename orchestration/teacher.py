@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 import kd_kernels as kd
 
-from .compilation import compile_decoder_layers, static_shapes
+from .compilation import compile_decoder_layers, compiles, static_shapes
 from .data import IGNORE_INDEX
 from .hf_models import final_hidden_states
 from .models import autocast, build_model, held_out_sums, lm_head_inputs, pick_device, scoring_dtype
@@ -32,7 +32,7 @@ class TeacherWorker(Worker):
         self.transfer = transfer_for(transfer)
         self.model = build_model(config.teacher_path, config.teacher_hidden, config.teacher_layers, config, vocab,
                                  config.seed, dtype=scoring_dtype(self.device)).to(self.device)
-        if config.compile:
+        if compiles(config.compile, config.mode, self.device):
             compile_decoder_layers(self.model, static=static_shapes(config.mode))
         self._pretraining = None
 
