@@ -17,9 +17,9 @@ peak memory, GPU allocated on CUDA, resident set on CPU):
       packed with an EOS between them, position ids per document, the block-diagonal mask;
       once per --attention entry: sdpa (a dense mask, the unnamed row) or flex_attention (a
       block mask that skips the tiles across documents; CUDA only)
-  single process, kd_kernels, packed[, ATTENTION], compiled   (--compile) the kd_kernels loop on
-      packed rows with each decoder layer of both models compiled as the driver's compile=true
-      does (`compilation.compile_decoder_layers`); the full-logits loop stays eager
+  single process, ..., packed[, ATTENTION], compiled   (--compile) each loop on packed rows with
+      each decoder layer of both models compiled as the driver's compile=true does
+      (`compilation.compile_decoder_layers`); the eager full-logits loop stays the floor
   driver PLACEMENT (STRATEGY[, ATTENTION]) orchestrate.py's driver on one GPU: colocated (a
       teacher and a student actor, top-k by CUDA IPC) and fused (both workers in one actor,
       one process, top-k handed over in process); one row per --placements, --strategies
@@ -310,6 +310,10 @@ def main(argv=None):
         parser.error(f"--steps: expected more than --warmup ({args.warmup}), got {args.steps}")
     if args.compile_only and not args.compile:
         parser.error("--compile-only: needs --compile")
+    if args.compile and args.warmup < 1:
+        parser.error(f"--warmup: --compile compiles in the warm-up steps, expected at least 1, got {args.warmup}")
+    if any(setting.split("=", 1)[0].strip() == "compile" for setting in args.set):
+        parser.error("--set compile=...: each driver row sets compile itself (false; true for --compile's rows)")
     for option, allowed in (("placements", ("colocated", "fused")), ("strategies", ("replica", "fsdp2"))):
         if unknown := [name for name in getattr(args, option).split(",") if name not in allowed]:
             parser.error(f"--{option}: expected {' and/or '.join(allowed)} (comma), got {unknown}")
@@ -358,7 +362,7 @@ def main(argv=None):
             if not args.compile_only:
                 runs += [("full", packed, attention, False), ("kd_kernels", packed, attention, False)]
             if args.compile:
-                runs.append(("kd_kernels", packed, attention, True))
+                runs += [("full", packed, attention, True), ("kd_kernels", packed, attention, True)]
         for kind, packed_rows, attention, compiled in runs:
             publish(single_process(kind, paths, args, device, packed_rows, attention, compiled))
             release_memory(device)

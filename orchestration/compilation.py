@@ -1,5 +1,5 @@
 """``torch.compile`` of a model's decoder layers (the driver's ``compile`` option: "true",
-"false", or "auto": compiled on CUDA where every micro-batch has one shape, `compiles`).
+"false", or "auto": compiled on CUDA in off-policy runs, `compiles`).
 
 Each decoder layer (`fsdp.decoder_layers`) is compiled in place with ``nn.Module.compile``:
 the module stays the same object, so state_dict keys, checkpoints, ``save_pretrained``,
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from .fsdp import decoder_layers
+from .fsdp import decoder_layers, names_decoder_layers
 
 # The torch.compile backend. A module constant, not an option: tests swap in a cheaper backend
 # ("aot_eager" or a recording callable) in the worker processes.
@@ -28,7 +28,8 @@ BACKEND = "inductor"
 
 
 # Graphs dynamo keeps per code object before it runs a new shape eagerly: every decoder layer of
-# both models shares its forward's code, and a run makes one graph per (model, grad mode, shape)
+# both models shares its forward's code, and a run makes one graph per (model, grad mode, shape),
+# plus one a layer for each no_grad shape of an FSDP2 student with activation checkpointing
 RECOMPILE_LIMIT = 32
 
 # the modes whose micro-batches change width: on-policy rounds are padded to their longest sequence
@@ -40,15 +41,16 @@ def static_shapes(mode: str) -> bool:
     return mode not in VARIABLE_WIDTH_MODES
 
 
-def compiles(setting: str, mode: str, device: torch.device) -> bool:
-    """Whether a worker of a run of driver ``mode`` on ``device`` compiles its decoder layers
-    under the ``compile`` option ``setting``: "true" / "false", or "auto": on CUDA devices where
-    every micro-batch has one shape (`static_shapes`), the measured winner there; eager on the
-    CPU (compilation costs minutes and gains little) and on-policy (unmeasured)."""
+def compiles(setting: str, mode: str, device: torch.device, causal_lm) -> bool:
+    """Whether a worker of a run of driver ``mode`` on ``device`` compiles the decoder layers of
+    ``causal_lm`` under the ``compile`` option ``setting``: "true" / "false", or "auto": off-policy
+    runs on CUDA devices (where it was measured the faster) of a model that names its decoder
+    layers (`fsdp.decoder_layers`); eager on the CPU (compilation costs minutes there), in
+    on-policy and cache runs (not measured compiled) and for a model that names none."""
     if setting not in ("auto", "true", "false"):
         raise ValueError(f"compile: expected one of 'auto', 'true', 'false', got {setting!r}")
     if setting == "auto":
-        return device.type == "cuda" and static_shapes(mode)
+        return device.type == "cuda" and mode == "off_policy" and names_decoder_layers(causal_lm)
     return setting == "true"
 
 
@@ -57,12 +59,13 @@ def compile_decoder_layers(causal_lm, *, static: bool = True) -> list:
     ``torch.compile`` (`BACKEND`; ``static``: ``dynamic=False``, else torch's automatic dynamic
     shapes); returns the layers. Call it after FSDP2's ``fully_shard`` and activation
     checkpointing are applied. Raises dynamo's recompile limit of this process to at least
-    `RECOMPILE_LIMIT`. Raises TypeError when the model names no decoder layer class
+    `RECOMPILE_LIMIT` and two graphs a layer more. Raises TypeError when the model names no decoder layer class
     (`fsdp.decoder_layers`)."""
     import torch._dynamo
 
     layers = decoder_layers(causal_lm)
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
+                                               RECOMPILE_LIMIT + 2 * len(layers))
     for layer in layers:
         layer.compile(backend=BACKEND, dynamic=False if static else None)
     return layers

@@ -63,14 +63,25 @@ def _group_size(group) -> int:
     return dist.get_world_size(group) if dist.is_initialized() else 1
 
 
-def decoder_layers(causal_lm) -> list:
-    """The decoder layers of a Hugging Face model: modules whose class is in ``_no_split_modules``."""
+def _named_layers(causal_lm) -> list:
     names = set(getattr(causal_lm, "_no_split_modules", None) or ())
     # by the class or a base (fully_shard subclasses each unit it wraps)
-    layers = [module for module in causal_lm.modules() if any(base.__name__ in names for base in type(module).__mro__)]
+    return [module for module in causal_lm.modules() if any(base.__name__ in names for base in type(module).__mro__)]
+
+
+def names_decoder_layers(causal_lm) -> bool:
+    """Whether the Hugging Face model names its decoder layer class (`decoder_layers` finds some)."""
+    return bool(_named_layers(causal_lm))
+
+
+def decoder_layers(causal_lm) -> list:
+    """The decoder layers of a Hugging Face model: modules whose class is in ``_no_split_modules``."""
+    layers = _named_layers(causal_lm)
     if not layers:
+        names = sorted(getattr(causal_lm, "_no_split_modules", None) or ())
         raise TypeError(f"model: {type(causal_lm).__name__} names no decoder layer class in _no_split_modules "
-                        f"({sorted(names)}); FSDP2 and compile work layer by layer")
+                        f"({names}); FSDP2 and compile=true work layer by layer (student_strategy=replica and "
+                        f"compile=false run it whole)")
     return layers
 
 

@@ -49,18 +49,19 @@ def recording_ray(tmp_path):
     ray.shutdown()
 
 
+@pytest.mark.slow
 def test_compiled_decoder_layers_train_like_eager_ones_under_fsdp2_and_checkpointing(recording_ray, tmp_path):
     """A fused FSDP2 student with activation checkpointing: the same run eager and compiled ends
     with equal parameters and held-out CE (to float32 rounding: AOT autograd's decompositions
     may reorder a sum; on this CPU they come out equal), and graphs were compiled for both
     models' layers (teacher hidden 32, student 16): a run whose layers stayed eager records
-    nothing and fails. About 30 s: two driver runs, the compiled one tracing its graphs."""
+    nothing and fails. Two driver runs, the compiled one tracing its graphs."""
     from orchestration.driver import run
 
     options = dict(placement="fused", student_strategy="fsdp2", activation_checkpointing=True, steps=2,
                    teacher_pretrain_steps=1, micro_batches=1, checkpoint_every=0, teacher_layers=2, student_layers=2)
     eager = run(_tiny(tmp_path, "eager", **options), progress=False, return_parameters=True)
-    assert not os.path.exists(recording_ray)  # compile=false compiles nothing
+    assert not os.path.exists(recording_ray)  # compile=auto compiles nothing on the CPU
     compiled = run(_tiny(tmp_path, "compiled", compile="true", **options), progress=False, return_parameters=True)
     graphs = [json.loads(line) for line in open(recording_ray)]
     assert {graph["hidden"] for graph in graphs} == {32, 16}, graphs
@@ -75,8 +76,8 @@ def test_compiled_decoder_layers_train_like_eager_ones_under_fsdp2_and_checkpoin
 
 
 def test_bench_e2e_throughput_adds_compiled_rows(monkeypatch, tmp_path):
-    """``--compile``: the kd_kernels loop on packed rows with compiled layers (its graphs made in
-    the warm-up), and each driver row again with compile=true; ``--compile-only`` keeps only
+    """``--compile``: each loop on packed rows with compiled layers (their graphs made in the
+    warm-up), and each driver row again with compile=true; ``--compile-only`` keeps only
     those. The driver is stubbed (its compiled run is the test above) and the loop compiles with
     aot_eager (see `recording_ray`)."""
     import sys
@@ -96,22 +97,33 @@ def test_bench_e2e_throughput_adds_compiled_rows(monkeypatch, tmp_path):
     monkeypatch.setattr(bench, "driver", driver)
     common = ["--tiny", "--placements", "fused", "--output-dir", str(tmp_path / "bench"),
               "--results", str(tmp_path / "rows.jsonl")]
+    graphs = bench._compiled_graphs()
     rows = bench.main(common + ["--compile", "--compile-only"])
-    assert [row["provider"] for row in rows] == ["single process, kd_kernels, packed, compiled",
+    assert bench._compiled_graphs() > graphs  # the loop's layers went through dynamo
+    assert [row["provider"] for row in rows] == ["single process, full logits (PyTorch), packed, compiled",
+                                                 "single process, kd_kernels, packed, compiled",
                                                  "driver fused (replica, compiled)"]
-    assert rows[0]["tokens_per_s"] > 0 and rows[0]["first_step_s"] > 0 and driven == [True]
+    assert all(row["tokens_per_s"] > 0 and row["first_step_s"] > 0 for row in rows[:2]) and driven == [True]
     driven.clear()
     rows = bench.main(common + ["--compile", "--skip-single"])
     assert [row["provider"] for row in rows] == ["driver fused (replica)", "driver fused (replica, compiled)"]
     assert driven == [False, True]
 
 
-@pytest.mark.parametrize("setting, mode, device, expected", [
-    ("auto", "off_policy", "cuda", True), ("auto", "cache", "cuda", True), ("auto", "on_policy", "cuda", False),
-    ("auto", "gkd", "cuda", False), ("auto", "off_policy", "cpu", False), ("true", "on_policy", "cpu", True),
-    ("false", "off_policy", "cuda", False)])
-def test_compile_auto_compiles_on_gpus_where_every_micro_batch_has_one_shape(setting, mode, device, expected):
-    assert compiles(setting, mode, torch.device(device)) is expected
+@pytest.mark.parametrize("setting, mode, device, named, expected", [
+    ("auto", "off_policy", "cuda", True, True), ("auto", "cache", "cuda", True, False),
+    ("auto", "on_policy", "cuda", True, False), ("auto", "gkd", "cuda", True, False),
+    ("auto", "off_policy", "cpu", True, False), ("auto", "off_policy", "cuda", False, False),
+    ("true", "on_policy", "cpu", True, True), ("false", "off_policy", "cuda", True, False)])
+def test_compile_auto_compiles_off_policy_gpu_runs_of_models_that_name_their_layers(setting, mode, device, named,
+                                                                                    expected):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1))
+    if not named:
+        model._no_split_modules = []
+    assert compiles(setting, mode, torch.device(device), model) is expected
 
 
 def test_compile_takes_yaml_booleans_and_refuses_other_values(tmp_path):
@@ -124,4 +136,4 @@ def test_compile_takes_yaml_booleans_and_refuses_other_values(tmp_path):
     with pytest.raises(UsageError, match="compile.*'auto', 'true', 'false'"):
         load_config(None, ["device=cpu", "compile=yes"])
     with pytest.raises(ValueError, match="compile: expected one of"):
-        compiles("yes", "off_policy", torch.device("cpu"))
+        compiles("yes", "off_policy", torch.device("cpu"), None)
