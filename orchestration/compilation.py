@@ -1,5 +1,5 @@
 """``torch.compile`` of a model's decoder layers (the driver's ``compile`` option: "true",
-"false", or "auto": compiled on CUDA in off-policy runs, `compiles`).
+"false", or "auto": compiled on CUDA in off-policy runs of a replica student, `compiles`).
 
 Each decoder layer (`fsdp.decoder_layers`) is compiled in place with ``nn.Module.compile``:
 the module stays the same object, so state_dict keys, checkpoints, ``save_pretrained``,
@@ -41,17 +41,19 @@ def static_shapes(mode: str) -> bool:
     return mode not in VARIABLE_WIDTH_MODES
 
 
-def compiles(setting: str, mode: str, device: torch.device, causal_lm) -> bool:
-    """Whether a worker of a run of driver ``mode`` on ``device`` compiles the decoder layers of
-    ``causal_lm`` under the ``compile`` option ``setting``: "true" / "false", or "auto": off-policy
-    runs on CUDA devices (where it was measured the faster) of a model that names its decoder
-    layers (`fsdp.decoder_layers`); eager on the CPU (compilation costs minutes there), in
-    on-policy and cache runs (not measured compiled) and for a model that names none."""
-    if setting not in ("auto", "true", "false"):
-        raise ValueError(f"compile: expected one of 'auto', 'true', 'false', got {setting!r}")
-    if setting == "auto":
-        return device.type == "cuda" and mode == "off_policy" and names_decoder_layers(causal_lm)
-    return setting == "true"
+def compiles(config, device: torch.device, causal_lm) -> bool:
+    """Whether a worker of the run ``config`` on ``device`` compiles the decoder layers of
+    ``causal_lm`` under ``config.compile``: "true" / "false", or "auto": off-policy runs of a
+    replica student on CUDA devices (where it was measured the faster) of a model that names its
+    decoder layers (`fsdp.decoder_layers`); eager on the CPU (compilation costs minutes there),
+    in on-policy and cache runs and with an FSDP2 student (none measured compiled on a GPU) and
+    for a model that names none."""
+    if config.compile not in ("auto", "true", "false"):
+        raise ValueError(f"compile: expected one of 'auto', 'true', 'false', got {config.compile!r}")
+    if config.compile == "auto":
+        return (device.type == "cuda" and config.mode == "off_policy" and config.student_strategy == "replica"
+                and names_decoder_layers(causal_lm))
+    return config.compile == "true"
 
 
 def compile_decoder_layers(causal_lm, *, static: bool = True) -> list:

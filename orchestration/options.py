@@ -290,9 +290,9 @@ OPTIONS: tuple[Option, ...] = tuple([
            ("activation_checkpointing", bool, False, "recompute each student decoder layer in the backward"),
            ("compile", str, "auto", "torch.compile each decoder layer of the student and of the teacher (inductor, "
             "in place: checkpoints and exports unchanged; not the on-policy rollout copy); the first step pays the "
-            "compilation, and each new shape (a held-out chunk) again. auto: off-policy runs on GPUs (measured faster, "
-            "benchmarks/RESULTS.md) of models that name their decoder layers; eager on the CPU, on-policy and in "
-            "cache runs",
+            "compilation, and each new shape (a held-out chunk) again. auto: off-policy runs on GPUs with a replica "
+            "student (measured faster, benchmarks/RESULTS.md) of models that name their decoder layers; eager on "
+            "the CPU, on-policy, in cache runs and with fsdp2",
             dict(choices=("auto", "true", "false"))),
            ("weight_decay", float, 0.01, "AdamW weight decay of the student's matrices (none on norms and biases)",
             dict(minimum=0)),

@@ -32,7 +32,7 @@ class TeacherWorker(Worker):
         self.transfer = transfer_for(transfer)
         self.model = build_model(config.teacher_path, config.teacher_hidden, config.teacher_layers, config, vocab,
                                  config.seed, dtype=scoring_dtype(self.device)).to(self.device)
-        if compiles(config.compile, config.mode, self.device, self.model):
+        if compiles(config, self.device, self.model):
             compile_decoder_layers(self.model, static=static_shapes(config.mode))
         self._pretraining = None
 

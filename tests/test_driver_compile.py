@@ -2,6 +2,7 @@
 the workers, and the run trains as the eager one does."""
 import json
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -110,20 +111,23 @@ def test_bench_e2e_throughput_adds_compiled_rows(monkeypatch, tmp_path):
     assert driven == [False, True]
 
 
-@pytest.mark.parametrize("setting, mode, device, named, expected", [
-    ("auto", "off_policy", "cuda", True, True), ("auto", "cache", "cuda", True, False),
-    ("auto", "on_policy", "cuda", True, False), ("auto", "gkd", "cuda", True, False),
-    ("auto", "off_policy", "cpu", True, False), ("auto", "off_policy", "cuda", False, False),
-    ("true", "on_policy", "cpu", True, True), ("false", "off_policy", "cuda", True, False)])
-def test_compile_auto_compiles_off_policy_gpu_runs_of_models_that_name_their_layers(setting, mode, device, named,
-                                                                                    expected):
+@pytest.mark.parametrize("setting, mode, device, named, strategy, expected", [
+    ("auto", "off_policy", "cuda", True, "replica", True), ("auto", "cache", "cuda", True, "replica", False),
+    ("auto", "on_policy", "cuda", True, "replica", False), ("auto", "gkd", "cuda", True, "replica", False),
+    ("auto", "off_policy", "cpu", True, "replica", False), ("auto", "off_policy", "cuda", False, "replica", False),
+    ("auto", "off_policy", "cuda", True, "fsdp2", False), ("true", "on_policy", "cpu", True, "fsdp2", True),
+    ("false", "off_policy", "cuda", True, "replica", False)])
+def test_compile_auto_compiles_off_policy_gpu_runs_of_replicas_that_name_their_layers(setting, mode, device, named,
+                                                                                      strategy, expected):
+
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     model = Qwen2ForCausalLM(Qwen2Config(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                                          num_attention_heads=2, num_key_value_heads=1))
     if not named:
         model._no_split_modules = []
-    assert compiles(setting, mode, torch.device(device), model) is expected
+    config = SimpleNamespace(compile=setting, mode=mode, student_strategy=strategy)
+    assert compiles(config, torch.device(device), model) is expected
 
 
 def test_compile_takes_yaml_booleans_and_refuses_other_values(tmp_path):
@@ -136,4 +140,4 @@ def test_compile_takes_yaml_booleans_and_refuses_other_values(tmp_path):
     with pytest.raises(UsageError, match="compile.*'auto', 'true', 'false'"):
         load_config(None, ["device=cpu", "compile=yes"])
     with pytest.raises(ValueError, match="compile: expected one of"):
-        compiles("yes", "off_policy", torch.device("cpu"), None)
+        compiles(SimpleNamespace(compile="yes"), torch.device("cpu"), None)

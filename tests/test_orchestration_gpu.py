@@ -141,14 +141,14 @@ def test_flex_attention_trains_packed_documents_like_sdpa(ray_cluster, tmp_path)
 
 @pytest.mark.parametrize("strategy", ["replica", "fsdp2"])
 def test_fused_run_with_compiled_layers_trains(ray_cluster, tmp_path, strategy):
-    """compile=auto, the GPU default off-policy: inductor compiles both models' decoder layers in
-    the fused worker (the teacher's pretraining and scoring, the student's forward and
-    backward; under FSDP2 with activation checkpointing too); the student's loss is finite at
-    every step and falls."""
+    """compile=true (auto's choice for replicas off-policy): inductor compiles both models'
+    decoder layers in the fused worker (the teacher's pretraining and scoring, the student's
+    forward and backward; under FSDP2 with activation checkpointing too); the student's loss is
+    finite at every step and falls."""
     from orchestration.driver import run
 
     options = dict(student_strategy="fsdp2", activation_checkpointing=True) if strategy == "fsdp2" else {}
-    summary = run(_small(tmp_path, "compiled", placement="fused", attention="sdpa", compile="auto", steps=12,
+    summary = run(_small(tmp_path, "compiled", placement="fused", attention="sdpa", compile="true", steps=12,
                          **options), progress=False)
     losses = _losses(summary)
     assert losses.shape == (12,) and torch.isfinite(losses).all()
