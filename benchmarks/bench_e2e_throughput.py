@@ -216,7 +216,8 @@ def single_process(kind: str, paths: tuple, args, device: torch.device, packed=N
         if step >= args.warmup:
             times.append(time.perf_counter() - start)
     name = ((FLOOR if kind == "full" else "single process, kd_kernels")
-            + ("" if packed is None else ", packed" + _attention_suffix(attention)) + (", compiled" if compiled else ""))
+            + ("" if packed is None else ", packed" + _attention_suffix(attention))
+            + (", compiled" if compiled else ""))
     if compiled and _compiled_graphs() != graphs:
         raise RuntimeError(f"{name}: graphs compiled after the warm-up: raise --warmup (got {args.warmup})")
     seconds = statistics.median(times)

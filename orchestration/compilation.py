@@ -61,8 +61,8 @@ def compile_decoder_layers(causal_lm, *, static: bool = True) -> list:
     ``torch.compile`` (`BACKEND`; ``static``: ``dynamic=False``, else torch's automatic dynamic
     shapes); returns the layers. Call it after FSDP2's ``fully_shard`` and activation
     checkpointing are applied. Raises dynamo's recompile limit of this process to at least
-    `RECOMPILE_LIMIT` and two graphs a layer more. Raises TypeError when the model names no decoder layer class
-    (`fsdp.decoder_layers`)."""
+    `RECOMPILE_LIMIT` plus two graphs a layer. Raises TypeError when the model names no decoder
+    layer class (`fsdp.decoder_layers`)."""
     import torch._dynamo
 
     layers = decoder_layers(causal_lm)

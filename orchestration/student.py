@@ -62,7 +62,8 @@ class StudentWorker(Worker, WeightSource):
                                  group=self.gradient_group, compute_dtype=compute_dtype,
                                  activation_checkpointing=config.activation_checkpointing)
         self.model = self.student.causal_lm
-        if compiles(config, self.device, self.model):  # after fully_shard and activation checkpointing (docs/DECISIONS.md)
+        # after fully_shard and activation checkpointing (docs/DECISIONS.md)
+        if compiles(config, self.device, self.model):
             compile_decoder_layers(self.model, static=static_shapes(config.mode))
         self.optimizer = fsdp.build_optimizer(self.student, lr=config.lr, weight_decay=config.weight_decay,
                                               betas=(config.adam_beta1, config.adam_beta2))
