@@ -61,11 +61,17 @@ def compile_decoder_layers(causal_lm, *, static: bool = True) -> list:
     ``torch.compile`` (`BACKEND`; ``static``: ``dynamic=False``, else torch's automatic dynamic
     shapes); returns the layers. Call it after FSDP2's ``fully_shard`` and activation
     checkpointing are applied. Raises dynamo's recompile limit of this process to at least
-    `RECOMPILE_LIMIT` plus two graphs a layer. Raises TypeError when the model names no decoder
+    `RECOMPILE_LIMIT` plus two graphs a layer, and lets dynamo trace a checkpointed layer whose
+    forward sets and restores outside state (see the body). Raises TypeError when the model names no decoder
     layer class (`fsdp.decoder_layers`)."""
     import torch._dynamo
 
     layers = decoder_layers(causal_lm)
+    # a layer forward that sets and resets state outside itself (transformers >= 5.25 routes
+    # attention through the `kernels` hub's context variable) cannot be traced inside an
+    # activation checkpoint unless the recompute may skip replaying it; the state comes back
+    # to its value before the forward, so there is nothing to replay
+    torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
                                                RECOMPILE_LIMIT + 2 * len(layers))
     for layer in layers:
