@@ -114,48 +114,43 @@ def test_fused_actors_route_calls_by_worker_name_and_name_the_worker_that_raised
         actors.kill_all()
 
 
-@pytest.mark.parametrize("workers", [1, pytest.param(2, marks=pytest.mark.slow)])  # 2: six worker processes
-def test_fused_trains_exactly_like_the_two_actor_placement(ray_cluster, tmp_path, workers):
-    """One pair on packed documents (its teacher and student share each micro-batch's mask),
-    two pairs on text rows."""
+def test_fused_trains_exactly_like_the_two_actor_placement(ray_cluster, tmp_path):
+    """One pair on packed documents (its teacher and student share each micro-batch's mask); two
+    pairs on text rows: test_orchestration.py's two-teacher test."""
     import numpy as np
 
     from orchestration.driver import run
     from orchestration.packing import from_lists, save_token_documents
 
-    layout = dict(teacher_workers=workers, student_workers=workers, micro_batches=2, **FEW)
-    if workers == 1:
-        generator = np.random.default_rng(0)
-        documents = [generator.integers(3, 300, int(generator.integers(5, 50))) for _ in range(60)]
-        layout["data_path"] = save_token_documents(str(tmp_path / "documents.npy"), from_lists(documents))
-    apart = run(_tiny(tmp_path, f"apart{workers}", **layout), progress=False, return_parameters=True)
-    fused = run(_tiny(tmp_path, f"fused{workers}", placement="fused", **layout), progress=False,
-                return_parameters=True)
+    generator = np.random.default_rng(0)
+    documents = [generator.integers(3, 300, int(generator.integers(5, 50))) for _ in range(60)]
+    layout = dict(micro_batches=2, data_path=save_token_documents(str(tmp_path / "documents.npy"),
+                                                                  from_lists(documents)), **FEW)
+    apart = run(_tiny(tmp_path, "apart", **layout), progress=False, return_parameters=True)
+    fused = run(_tiny(tmp_path, "fused", placement="fused", **layout), progress=False, return_parameters=True)
     assert (fused["placement"], fused["transfer"]) == ("fused", "in_process")
     assert apart["placement"] == "colocated"
-    assert len(fused["student_parameters"]) == workers
-    for got, expected in zip(fused["student_parameters"], apart["student_parameters"]):
-        assert torch.equal(got, expected)
-    workers_json = json.load(open(tmp_path / f"fused{workers}" / "workers.json"))
-    assert sorted(workers_json) == sorted([f"teacher-{r}" for r in range(workers)] +
-                                          [f"student-{r}" for r in range(workers)])
-    for rank in range(workers):  # one process a pair
-        assert workers_json[f"teacher-{rank}"]["pid"] == workers_json[f"student-{rank}"]["pid"]
+    assert torch.equal(fused["student_parameters"][0], apart["student_parameters"][0])
+    check_one_process_a_pair(tmp_path / "fused", 1)
 
 
-@pytest.mark.slow  # four driver runs: whole, stopped, resumed, and one that dies
-def test_fused_fsdp2_resumes_exactly_and_a_death_names_both_workers_of_the_process(ray_cluster, tmp_path):
+def check_one_process_a_pair(output_dir, pairs: int) -> None:
+    """The run's workers.json names teacher-r and student-r for each pair r, both in one process."""
+    workers = json.load(open(output_dir / "workers.json"))
+    assert sorted(workers) == sorted([f"teacher-{r}" for r in range(pairs)] + [f"student-{r}" for r in range(pairs)])
+    for rank in range(pairs):
+        assert workers[f"teacher-{rank}"]["pid"] == workers[f"student-{rank}"]["pid"]
+
+
+def test_a_fused_fsdp2_death_names_both_workers_of_the_process(ray_cluster, tmp_path):
+    """(A fused FSDP2 run's resume on two ranks: test_driver_scale.py.)"""
     from orchestration.driver import run
     from orchestration.errors import WorkerDied
 
-    sharded = dict(placement="fused", student_strategy="fsdp2", **FEW)
-    whole = run(_tiny(tmp_path, "whole", **sharded), progress=False, return_parameters=True)
-    run(_tiny(tmp_path, "resumed", stop_after=1, **sharded), progress=False)
-    resumed = run(_tiny(tmp_path, "resumed", resume=True, **sharded), progress=False, return_parameters=True)
-    assert resumed["last_step"] == 3 and torch.equal(resumed["student_parameters"][0], whole["student_parameters"][0])
     with pytest.raises(WorkerDied, match=r"^workers teacher-0, student-0 died at step 2; last good checkpoint: "
                                          r".*step_0000001$"):
-        run(_tiny(tmp_path, "dies", fail_student_at_step=2, **sharded), progress=False)
+        run(_tiny(tmp_path, "dies", fail_student_at_step=2, placement="fused", student_strategy="fsdp2", **FEW),
+            progress=False)
 
 
 @pytest.mark.parametrize("overrides, message", [

@@ -21,17 +21,22 @@ def _tiny(tmp_path, name, **overrides):
     return tiny_config(tmp_path, name, **{**SCALE, **overrides})
 
 
-@pytest.mark.slow  # three driver runs: 1 rank, 2 ranks, 2 ranks resumed from the sharded checkpoint of step 1
+@pytest.mark.slow  # four driver runs: 1 pair, 2 pairs, 2 pairs stopped after step 1 and resumed
 def test_fsdp2_two_workers_train_like_one_and_resume_exactly(ray_cluster, tmp_path):
+    """FSDP2 students in fused pairs (the GPU default placement; one process a pair): two ranks
+    train as one does; stop_after=1 leaves a sharded checkpoint from which two ranks end equal
+    to the uninterrupted run."""
     from orchestration.driver import run
 
-    one = run(_tiny(tmp_path, "one", eval_every=2), progress=False, return_parameters=True)
-    two = run(_tiny(tmp_path, "two", student_workers=2), progress=False, return_parameters=True)
+    fused = dict(placement="fused")
+    pairs = dict(fused, teacher_workers=2, student_workers=2)
+    one = run(_tiny(tmp_path, "one", eval_every=2, **fused), progress=False, return_parameters=True)
+    two = run(_tiny(tmp_path, "two", **pairs), progress=False, return_parameters=True)
     assert len(two["student_parameters"]) == 2 and torch.equal(*two["student_parameters"])  # gathered on each rank
     torch.testing.assert_close(two["student_parameters"][0], one["student_parameters"][0], rtol=1e-5, atol=1e-6)
-    stopped_copy(tmp_path / "two", tmp_path / "resumed", 1)
-    resumed = run(_tiny(tmp_path, "resumed", student_workers=2, resume=True), progress=False,
-                  return_parameters=True)
+    stopped = run(_tiny(tmp_path, "resumed", stop_after=1, **pairs), progress=False)
+    assert stopped["last_step"] == 1
+    resumed = run(_tiny(tmp_path, "resumed", resume=True, **pairs), progress=False, return_parameters=True)
     assert resumed["last_step"] == 3
     assert torch.equal(resumed["student_parameters"][0], two["student_parameters"][0])
     rows = [json.loads(line) for line in open(one["metrics"])]
@@ -58,7 +63,8 @@ def test_epochs_set_the_steps_and_a_resume_across_an_epoch_boundary_is_exact(ray
 
     data = _documents(tmp_path / "docs.jsonl")
     # 4 rows a step (2 micro-batches of 2) over the ~13 packed training rows: passes end inside steps
-    epochs = dict(data_path=data, epochs=2, steps=1, student_strategy="replica", checkpoint_every=2)
+    epochs = dict(data_path=data, epochs=2, steps=1, student_strategy="replica", checkpoint_every=2,
+                  placement="fused")
     whole = run(_tiny(tmp_path, "whole", **epochs), progress=False, return_parameters=True)
     assert whole["steps"] == -(-2 * whole["train_rows"] // 4) == whole["last_step"] + 1
     assert whole["train_rows"] % 4  # the first pass ends inside a step
@@ -77,7 +83,7 @@ def test_hf_checkpoints_and_pre_tokenized_data_train_and_export(ray_cluster, tmp
     student = save_checkpoint(tmp_path / "student", "qwen2", seed=1)
     data = _documents(tmp_path / "docs.jsonl")
     config = _tiny(tmp_path, "hf", teacher_path=teacher, student_path=student, data_path=data, export=True,
-                   student_workers=2, steps=3)
+                   placement="fused", teacher_workers=2, student_workers=2, steps=3)
     summary = run(config, progress=False, return_parameters=True)
     assert summary["vocab"] == VOCAB and summary["train_rows"] > 0
     rows = [json.loads(line) for line in open(summary["metrics"])]

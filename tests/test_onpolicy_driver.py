@@ -58,10 +58,10 @@ def _rows(summary):
 def test_lmbda_zero_trains_exactly_as_off_policy(ray_cluster, tmp_path):
     """Every GKD round off-policy: the dataset steps are the off-policy driver's steps, with
     sft_alpha as their CE weight, so the losses match step by step and the weights bit for bit.
-    Two tiny driver runs, about 40 s on 2 cores."""
+    Two tiny driver runs (the off-policy one fused: one process), about 40 s on 2 cores."""
     from orchestration.driver import run
 
-    off = run(_tiny(tmp_path, "off", ce_weight=0.25), progress=False, return_parameters=True)
+    off = run(_tiny(tmp_path, "off", ce_weight=0.25, placement="fused"), progress=False, return_parameters=True)
     gkd = run(_tiny(tmp_path, "gkd", mode="gkd", lmbda=0.0, sft_alpha=0.25, ce_weight=0.9), progress=False,
               return_parameters=True)
     assert [row["loss"] for row in _rows(gkd)] == [row["loss"] for row in _rows(off)]

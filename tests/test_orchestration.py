@@ -223,22 +223,32 @@ def test_a_failed_call_names_the_worker_that_died_not_the_one_waiting_on_it(ray_
         actors.kill_all()
 
 
-def test_two_teacher_and_two_student_workers_resume_exactly(ray_cluster, tmp_path, monkeypatch):
-    """Resumed from the uninterrupted run's checkpoint of step 1 (its later ones removed: the
-    state a run stopped there leaves; a stopped run's own: test_driver_resume.py's Ctrl-C test).
-    The same run's object-store training is also the reference of the process-group transfer
-    with one teacher and two students (the teachers' count does not change what they send;
-    two teachers and one student: the test below)."""
+def test_two_teacher_and_two_student_workers_fused_or_apart_and_resumed_train_alike(ray_cluster, tmp_path,
+                                                                                   monkeypatch):
+    """Two teacher and two student workers: apart (colocated, the object store), in two fused
+    pairs (one process a pair), the fused pairs resumed from their checkpoint of step 1 (its
+    later ones removed: the state a run stopped there leaves; a stopped run's own:
+    test_driver_resume.py's Ctrl-C test), and one teacher sending to the two students over the
+    process-group transfer (the teachers' count does not change what they send; two teachers
+    and one student: the test below) all end with the same parameters."""
     from helpers import stopped_copy
     from orchestration import driver
     from orchestration.placement import Layout
+    from test_driver_fused import check_one_process_a_pair
 
     layout = dict(teacher_workers=2, student_workers=2, micro_batches=2, steps=4, checkpoint_every=2)
     whole = driver.run(_tiny(tmp_path, "dp_whole", **layout), progress=False, return_parameters=True)
     vectors = whole["student_parameters"]
+    assert whole["placement"] == "colocated" and len(vectors) == 2
     assert torch.equal(vectors[0], vectors[1]), "data-parallel replicas differ"
-    stopped_copy(tmp_path / "dp_whole", tmp_path / "dp_resumed", 1)
-    resumed = driver.run(_tiny(tmp_path, "dp_resumed", resume=True, **layout), progress=False,
+    fused = driver.run(_tiny(tmp_path, "dp_fused", placement="fused", **layout), progress=False,
+                       return_parameters=True)
+    assert fused["placement"] == "fused" and len(fused["student_parameters"]) == 2
+    for vector in fused["student_parameters"]:
+        assert torch.equal(vector, vectors[0]), "the fused pairs differ from the workers apart"
+    check_one_process_a_pair(tmp_path / "dp_fused", 2)
+    stopped_copy(tmp_path / "dp_fused", tmp_path / "dp_resumed", 1)
+    resumed = driver.run(_tiny(tmp_path, "dp_resumed", placement="fused", resume=True, **layout), progress=False,
                          return_parameters=True)
     assert resumed["last_step"] == 3
     for vector in resumed["student_parameters"]:
