@@ -3,7 +3,6 @@ out, pre-tokenized packed data, held-out evaluation, and joining a Ray cluster."
 import json
 
 import pytest
-import ray
 import torch
 
 from helpers import stopped_copy
