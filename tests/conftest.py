@@ -5,8 +5,14 @@ is set here, at collection time, whenever no CUDA device is present.
 """
 import os
 
-import pytest
-import torch
+# pytest-xdist workers (-n N): the cores shared out among them (with -n 2 on CI's 2 cores, one
+# thread each instead of four threads spinning on two cores); set before torch and numpy load
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
+    os.environ.setdefault("OMP_NUM_THREADS",
+                          str(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")

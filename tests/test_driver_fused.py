@@ -116,7 +116,7 @@ def test_fused_actors_route_calls_by_worker_name_and_name_the_worker_that_raised
 
 def test_fused_trains_exactly_like_the_two_actor_placement(ray_cluster, tmp_path):
     """One pair on packed documents (its teacher and student share each micro-batch's mask); two
-    pairs on text rows: test_orchestration.py's two-teacher test."""
+    pairs (FSDP2, resumed), and a fused pair's death: test_orchestration.py."""
     import numpy as np
 
     from orchestration.driver import run
@@ -140,17 +140,6 @@ def check_one_process_a_pair(output_dir, pairs: int) -> None:
     assert sorted(workers) == sorted([f"teacher-{r}" for r in range(pairs)] + [f"student-{r}" for r in range(pairs)])
     for rank in range(pairs):
         assert workers[f"teacher-{rank}"]["pid"] == workers[f"student-{rank}"]["pid"]
-
-
-def test_a_fused_fsdp2_death_names_both_workers_of_the_process(ray_cluster, tmp_path):
-    """(A fused FSDP2 run's resume on two ranks: test_driver_scale.py.)"""
-    from orchestration.driver import run
-    from orchestration.errors import WorkerDied
-
-    with pytest.raises(WorkerDied, match=r"^workers teacher-0, student-0 died at step 2; last good checkpoint: "
-                                         r".*step_0000001$"):
-        run(_tiny(tmp_path, "dies", fail_student_at_step=2, placement="fused", student_strategy="fsdp2", **FEW),
-            progress=False)
 
 
 @pytest.mark.parametrize("overrides, message", [

@@ -2,6 +2,7 @@
 layouts, exact resume (past a corrupt checkpoint), a dead worker, several workers and the
 process-group transfer (CPU, tiny sizes). Options: test_driver_config.py; checkpoints,
 metrics, Ctrl-C and a killed teacher: test_driver_resume.py."""
+import json
 import math
 import os
 
@@ -146,19 +147,21 @@ def _tiny(tmp_path, name, **overrides):
 def test_a_dead_worker_is_named_and_a_resume_past_a_corrupt_checkpoint_equals_an_uninterrupted_run(
         ray_cluster, tmp_path, capsys):
     """The student's process exits at step 4 (checkpoints of steps 1 and 3): the run stops naming
-    it and the last checkpoint. That checkpoint truncated as a kill during a plain write would
-    leave it, and a staging directory left by a kill during a save: the resume names the corrupt
-    one, restores step 1, and ends equal to an uninterrupted run, with each step once in
-    metrics.jsonl."""
+    both workers of the fused pair's process and the last checkpoint (one worker of its own
+    process: the Ctrl-C test's killed teacher). That checkpoint truncated as a kill during a
+    plain write would leave it, and a staging directory left by a kill during a save: the resume
+    names the corrupt one, restores step 1, and ends equal to an uninterrupted run, with each
+    step once in metrics.jsonl. Fused runs: one process a run."""
     from orchestration import checkpoint
     from orchestration.driver import run
     from orchestration.errors import WorkerDied
     from orchestration.metrics_log import read_rows
 
-    whole = run(_tiny(tmp_path, "whole"), progress=False, return_parameters=True)
+    whole = run(_tiny(tmp_path, "whole", placement="fused"), progress=False, return_parameters=True)
     expected = whole["student_parameters"][0]
-    with pytest.raises(WorkerDied, match=r"^worker student-0 died at step 4; last good checkpoint: .*step_0000003$"):
-        run(_tiny(tmp_path, "resumed", fail_student_at_step=4, checkpoint_every=2), progress=False)
+    with pytest.raises(WorkerDied, match=r"^workers teacher-0, student-0 died at step 4; last good checkpoint: "
+                                         r".*step_0000003$"):
+        run(_tiny(tmp_path, "resumed", placement="fused", fail_student_at_step=4, checkpoint_every=2), progress=False)
     output_dir = str(tmp_path / "resumed")
     newest = checkpoint.path_of(output_dir, 3)
     assert checkpoint.candidates(output_dir) == [newest, checkpoint.path_of(output_dir, 1)]
@@ -167,7 +170,7 @@ def test_a_dead_worker_is_named_and_a_resume_past_a_corrupt_checkpoint_equals_an
         handle.truncate(os.path.getsize(state) // 2)
     os.makedirs(checkpoint.path_of(output_dir, 4) + ".tmp")  # a save killed before its rename
     capsys.readouterr()
-    resumed = run(_tiny(tmp_path, "resumed", resume=True), progress=False, return_parameters=True)
+    resumed = run(_tiny(tmp_path, "resumed", placement="fused", resume=True), progress=False, return_parameters=True)
     notes = capsys.readouterr().err
     assert f"skipped checkpoint {newest}: student.pt has" in notes
     assert f"resuming from {checkpoint.path_of(output_dir, 1)}" in notes
@@ -223,36 +226,45 @@ def test_a_failed_call_names_the_worker_that_died_not_the_one_waiting_on_it(ray_
         actors.kill_all()
 
 
-def test_two_teacher_and_two_student_workers_fused_or_apart_and_resumed_train_alike(ray_cluster, tmp_path,
-                                                                                   monkeypatch):
-    """Two teacher and two student workers: apart (colocated, the object store), in two fused
-    pairs (one process a pair), the fused pairs resumed from their checkpoint of step 1 (its
-    later ones removed: the state a run stopped there leaves; a stopped run's own:
-    test_driver_resume.py's Ctrl-C test), and one teacher sending to the two students over the
-    process-group transfer (the teachers' count does not change what they send; two teachers
-    and one student: the test below) all end with the same parameters."""
-    from helpers import stopped_copy
+def test_two_teacher_and_two_student_workers_apart_fused_sharded_and_resumed_train_alike(ray_cluster, tmp_path,
+                                                                                        monkeypatch):
+    """Two teacher and two student workers (two layers each student): replicas apart (colocated,
+    the object store); FSDP2 students in two fused pairs (the GPU default placement, one process
+    a pair), equal to the replicas up to float32 sums in another order; the fused pairs stopped
+    after step 1 (stop_after) and resumed from the sharded checkpoint, equal to their
+    uninterrupted run; and one teacher sending to the two replicas over the process-group
+    transfer (the teachers' count does not change what they send; two teachers and one student:
+    the test below), equal to the replicas. Also the metrics a run logs."""
     from orchestration import driver
     from orchestration.placement import Layout
     from test_driver_fused import check_one_process_a_pair
 
-    layout = dict(teacher_workers=2, student_workers=2, micro_batches=2, steps=4, checkpoint_every=2)
-    whole = driver.run(_tiny(tmp_path, "dp_whole", **layout), progress=False, return_parameters=True)
+    layout = dict(teacher_workers=2, student_workers=2, micro_batches=2, student_layers=2, steps=4,
+                  checkpoint_every=2)
+    whole = driver.run(_tiny(tmp_path, "apart", eval_every=2, **layout), progress=False, return_parameters=True)
     vectors = whole["student_parameters"]
     assert whole["placement"] == "colocated" and len(vectors) == 2
     assert torch.equal(vectors[0], vectors[1]), "data-parallel replicas differ"
-    fused = driver.run(_tiny(tmp_path, "dp_fused", placement="fused", **layout), progress=False,
-                       return_parameters=True)
+    rows = [json.loads(line) for line in open(whole["metrics"])]
+    assert [row["step"] for row in rows] == [0, 1, 2, 3]
+    assert all(row["grad_norm"] > 0 and row["lr"] > 0 and 0 <= row["teacher_tail_mass"] <= 1 and
+               row["student-1_peak_rss_mib"] > 0 and row["teacher-1_peak_rss_mib"] > 0 for row in rows)
+    assert [("held_out_ce" in row, "held_out_kd" in row) for row in rows] == [(False, False), (True, True)] * 2
+    assert rows[-1]["held_out_ce"] == pytest.approx(whole["student_held_out_ce"], rel=1e-6)
+
+    sharded = dict(layout, placement="fused", student_strategy="fsdp2")
+    fused = driver.run(_tiny(tmp_path, "fused", **sharded), progress=False, return_parameters=True)
     assert fused["placement"] == "fused" and len(fused["student_parameters"]) == 2
-    for vector in fused["student_parameters"]:
-        assert torch.equal(vector, vectors[0]), "the fused pairs differ from the workers apart"
-    check_one_process_a_pair(tmp_path / "dp_fused", 2)
-    stopped_copy(tmp_path / "dp_fused", tmp_path / "dp_resumed", 1)
-    resumed = driver.run(_tiny(tmp_path, "dp_resumed", placement="fused", resume=True, **layout), progress=False,
-                         return_parameters=True)
+    assert torch.equal(*fused["student_parameters"])  # gathered on each rank
+    torch.testing.assert_close(fused["student_parameters"][0], vectors[0], rtol=1e-5, atol=1e-6)
+    check_one_process_a_pair(tmp_path / "fused", 2)
+    stopped = driver.run(_tiny(tmp_path, "resumed", stop_after=1, **sharded), progress=False)
+    assert stopped["last_step"] == 1
+    resumed = driver.run(_tiny(tmp_path, "resumed", resume=True, **sharded), progress=False, return_parameters=True)
     assert resumed["last_step"] == 3
     for vector in resumed["student_parameters"]:
-        assert torch.equal(vector, vectors[0]), "the resumed run differs from the uninterrupted one"
+        assert torch.equal(vector, fused["student_parameters"][0]), "the resumed run differs from the uninterrupted one"
+
     monkeypatch.setattr(driver, "resolve_layout", lambda *args, **options: Layout("disaggregated", "nccl", 0.0, 0.0))
     by_group = driver.run(_tiny(tmp_path, "group_12", **dict(layout, teacher_workers=1, checkpoint_every=0)),
                           progress=False, return_parameters=True)
