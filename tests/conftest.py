@@ -52,3 +52,15 @@ def pytest_collection_modifyitems(config, items):
         if "interpret" in item.keywords and not HAS_TRITON:
             item.add_marker(skip_triton)
 
+
+@pytest.fixture
+def ray_cluster():
+    """A local Ray of 2 CPUs for the driver's runs, started by the first test of this process
+    that asks for it and kept for the next ones, whatever their module (each start costs
+    seconds). A fixture that needs another cluster shuts it down first; the next test that asks
+    for this one starts it again."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    yield

@@ -13,7 +13,6 @@ from orchestration.teacher_cache import TeacherCacheReader
 
 ray = pytest.importorskip("ray")
 
-from test_orchestration import ray_cluster  # noqa: E402,F401 - one Ray for the module's driver runs
 
 
 def _tiny(tmp_path, name, **overrides):
@@ -96,7 +95,7 @@ def test_training_from_the_cache_equals_training_with_the_live_teacher(written, 
     written_samples = run(_tiny(tmp_path, "write_samples", mode="cache", teacher_cache=samples_cache,
                                 cache_samples=4, cache_encoding="compact"), progress=False)
     assert written_samples["complete"] and written_samples["kind"] == "samples"
-    live = run(_tiny(tmp_path, "live"), progress=False, return_parameters=True)
+    live = run(_tiny(tmp_path, "live", placement="fused"), progress=False, return_parameters=True)
     cached = run(_tiny(tmp_path, "cached", teacher_cache=cache), progress=False, return_parameters=True)
     sampled = run(_tiny(tmp_path, "sampled", teacher_cache=samples_cache, cache_samples=4, support="sampled"),
                   progress=False)
@@ -133,7 +132,7 @@ def test_a_cache_of_pre_tokenized_documents_trains_as_the_live_teacher(ray_clust
     save_token_documents(changed, from_lists([documents[1], documents[0], *documents[2:]]))
     with pytest.raises(Exception, match="teacher_cache: .*data_hash"):
         run(_tiny(tmp_path, "refused", teacher_cache=cache, data_path=changed, attention="eager"), progress=False)
-    live = run(_tiny(tmp_path, "live", **common), progress=False, return_parameters=True)
+    live = run(_tiny(tmp_path, "live", placement="fused", **common), progress=False, return_parameters=True)
     cached = run(_tiny(tmp_path, "cached", teacher_cache=cache, **common), progress=False, return_parameters=True)
     live_rows, cached_rows = read_rows(live["metrics"]), read_rows(cached["metrics"])
     assert [row["step"] for row in cached_rows] == list(range(4))

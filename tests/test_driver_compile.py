@@ -44,6 +44,8 @@ def recording_ray(tmp_path):
 
         compilation.BACKEND = recording
 
+    if ray.is_initialized():  # another test's Ray (conftest.py's ray_cluster)
+        ray.shutdown()
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False,
              runtime_env={"worker_process_setup_hook": setup})
     yield path

@@ -9,7 +9,6 @@ import torch
 import kd_kernels as kd
 from orchestration.errors import UsageError
 from test_orchestration import _tiny
-from test_orchestration import ray_cluster  # noqa: F401 - the fixture
 
 FEW = dict(steps=4, checkpoint_every=2)
 

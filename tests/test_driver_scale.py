@@ -10,7 +10,6 @@ from helpers import stopped_copy
 from helpers_hf import LM_HEAD_ROWS, VOCAB, save_checkpoint, tiny_tokenizer
 from orchestration.errors import UsageError
 from test_orchestration import _tiny as tiny_config
-from test_orchestration import ray_cluster  # noqa: F401 - the fixture
 
 
 SCALE = dict(max_corpus_bytes=40_000, row_tokens=16, rows_per_micro_batch=2, teacher_pretrain_steps=2,

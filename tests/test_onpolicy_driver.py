@@ -19,7 +19,6 @@ from orchestration.gkd import GkdSchedule
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
 
-from test_orchestration import ray_cluster  # noqa: E402,F401 - the module's Ray (a fixture)
 
 
 TINY = dict(device="cpu", max_corpus_bytes=60_000, tokenizer_vocab=300, row_tokens=64, rows_per_micro_batch=2,

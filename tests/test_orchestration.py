@@ -107,14 +107,6 @@ def test_stdlib_corpus_reads_the_top_level_first_and_no_installed_packages():
 
 # ---- transfer through the object store -----------------------------------------------------
 
-@pytest.fixture(scope="module")
-def ray_cluster():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False,
-             ignore_reinit_error=True)
-    yield
-    ray.shutdown()
-
-
 def test_object_store_transfer_round_trip(ray_cluster):
     from orchestration.transfer import TRANSFERS, ObjectStore, transfer_for
 
@@ -230,11 +222,12 @@ def test_two_teacher_and_two_student_workers_apart_fused_sharded_and_resumed_tra
                                                                                         monkeypatch):
     """Two teacher and two student workers (two layers each student): replicas apart (colocated,
     the object store); FSDP2 students in two fused pairs (the GPU default placement, one process
-    a pair), equal to the replicas up to float32 sums in another order; the fused pairs stopped
-    after step 1 (stop_after) and resumed from the sharded checkpoint, equal to their
-    uninterrupted run; and one teacher sending to the two replicas over the process-group
-    transfer (the teachers' count does not change what they send; two teachers and one student:
-    the test below), equal to the replicas. Also the metrics a run logs."""
+    a pair), equal to the replicas and to one fused FSDP2 pair on the same global batch up to
+    float32 sums in another order; the two pairs stopped after step 1 (stop_after) and resumed
+    from the sharded checkpoint, equal to their uninterrupted run; over the process-group
+    transfer, one teacher sending to two replicas equal to the replicas and two teachers sending
+    to one student equal to the one pair (the teachers' count does not change what they send).
+    Also the metrics a run logs."""
     from orchestration import driver
     from orchestration.placement import Layout
     from test_driver_fused import check_one_process_a_pair
@@ -257,6 +250,10 @@ def test_two_teacher_and_two_student_workers_apart_fused_sharded_and_resumed_tra
     assert fused["placement"] == "fused" and len(fused["student_parameters"]) == 2
     assert torch.equal(*fused["student_parameters"])  # gathered on each rank
     torch.testing.assert_close(fused["student_parameters"][0], vectors[0], rtol=1e-5, atol=1e-6)
+    # the same global batch on one worker (a fused pair, trains as one apart: test_driver_fused.py)
+    one = driver.run(_tiny(tmp_path, "one", **dict(layout, placement="fused", teacher_workers=1, student_workers=1)),
+                     progress=False, return_parameters=True)
+    torch.testing.assert_close(fused["student_parameters"][0], one["student_parameters"][0], rtol=1e-5, atol=1e-6)
     check_one_process_a_pair(tmp_path / "fused", 2)
     stopped = driver.run(_tiny(tmp_path, "resumed", stop_after=1, **sharded), progress=False)
     assert stopped["last_step"] == 1
@@ -265,12 +262,16 @@ def test_two_teacher_and_two_student_workers_apart_fused_sharded_and_resumed_tra
     for vector in resumed["student_parameters"]:
         assert torch.equal(vector, fused["student_parameters"][0]), "the resumed run differs from the uninterrupted one"
 
+    # the NCCL transfer's protocol (one process group of teachers and students, a pair handshake,
+    # isend / recv in micro-batch order, a gradient subgroup of the students), run with gloo
     monkeypatch.setattr(driver, "resolve_layout", lambda *args, **options: Layout("disaggregated", "nccl", 0.0, 0.0))
-    by_group = driver.run(_tiny(tmp_path, "group_12", **dict(layout, teacher_workers=1, checkpoint_every=0)),
-                          progress=False, return_parameters=True)
-    assert by_group["transfer"] == "nccl"
-    for vector in by_group["student_parameters"]:
-        assert torch.equal(vector, vectors[0]), "1 teacher -> 2 students over the process group differs"
+    for teachers, students, expected in ((1, 2, vectors[0]), (2, 1, one["student_parameters"][0])):
+        by_group = driver.run(_tiny(tmp_path, f"group_{teachers}{students}", **dict(
+            layout, teacher_workers=teachers, student_workers=students, checkpoint_every=0)), progress=False,
+            return_parameters=True)
+        assert by_group["transfer"] == "nccl" and len(by_group["student_parameters"]) == students
+        for vector in by_group["student_parameters"]:
+            assert torch.equal(vector, expected), f"{teachers} -> {students} over the process group differs"
 
 
 def test_gpu_layouts_the_machine_cannot_honour_are_refused():
@@ -286,23 +287,3 @@ def test_gpu_layouts_the_machine_cannot_honour_are_refused():
     assert resolve_layout("auto", "auto", "cuda", 3, 1, 2).transfer == "nccl"  # 1 teacher, 2 students: a GPU each
     assert resolve_layout("disaggregated", "auto", "cuda", 2, 1, 1).transfer == "nccl"
     assert resolve_layout("auto", "auto", "cuda", 1, 1, 1).transfer == "cuda_ipc"
-
-
-@pytest.mark.parametrize("teachers, students", [(2, 1)])  # (1, 2): the test above
-def test_process_group_transfer_trains_like_the_object_store(ray_cluster, tmp_path, monkeypatch, teachers,
-                                                             students):
-    """The NCCL transfer's protocol (one process group of teachers and students, a pair
-    handshake, isend / recv in micro-batch order, a gradient subgroup of the students), run
-    with gloo on CPU: the same training as the object store."""
-    from orchestration import driver
-    from orchestration.placement import Layout
-
-    layout = dict(teacher_workers=teachers, student_workers=students, micro_batches=2, steps=4, checkpoint_every=0)
-    by_store = driver.run(_tiny(tmp_path, f"store_{teachers}{students}", **layout), progress=False,
-                          return_parameters=True)
-    monkeypatch.setattr(driver, "resolve_layout", lambda *args, **options: Layout("disaggregated", "nccl", 0.0, 0.0))
-    by_group = driver.run(_tiny(tmp_path, f"group_{teachers}{students}", **layout), progress=False,
-                          return_parameters=True)
-    assert by_group["transfer"] == "nccl"
-    for got, expected in zip(by_group["student_parameters"], by_store["student_parameters"]):
-        assert torch.equal(got, expected)

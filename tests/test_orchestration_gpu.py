@@ -18,8 +18,10 @@ pytestmark = pytest.mark.gpu
 def ray_cluster():
     if not HAS_CUDA:
         pytest.skip("no CUDA device")
+    if ray.is_initialized():  # conftest.py's CPU-sized one, left by another module's test
+        ray.shutdown()
     ray.init(num_cpus=4, num_gpus=torch.cuda.device_count(), include_dashboard=False, log_to_driver=False,
-             configure_logging=False, ignore_reinit_error=True)
+             configure_logging=False)
     yield
     ray.shutdown()
 

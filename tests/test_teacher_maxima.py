@@ -111,7 +111,7 @@ def _problem_and_default_top_k(k):
     return hidden, weight, bias, teacher_topk_maxima(hidden, weight, k, 1.0, 1000, bias)
 
 
-@pytest.mark.parametrize("k, listing_steps, kth_steps", [(12, 2, 8), (12, 8, 2), (3, 1, 1)])
+@pytest.mark.parametrize("k, listing_steps, kth_steps", [(12, 2, 8), (3, 1, 1)])
 def test_thresholds_further_below_give_the_same_top_k(k, listing_steps, kth_steps, monkeypatch):
     """LISTING_STEPS, KTH_STEPS: the listing's threshold and T are lower bounds from a few
     value-space bisection steps; fewer steps (lower bounds: more groups listed, more single keys
