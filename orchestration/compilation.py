@@ -62,8 +62,8 @@ def compile_decoder_layers(causal_lm, *, static: bool = True) -> list:
     shapes); returns the layers. Call it after FSDP2's ``fully_shard`` and activation
     checkpointing are applied. Raises dynamo's recompile limit of this process to at least
     `RECOMPILE_LIMIT` plus two graphs a layer, and lets dynamo trace a checkpointed layer whose
-    forward sets and restores outside state (see the body). Raises TypeError when the model names no decoder
-    layer class (`fsdp.decoder_layers`)."""
+    forward sets and restores outside state (see the body). Raises TypeError when the model
+    names no decoder layer class (`fsdp.decoder_layers`)."""
     import torch._dynamo
 
     layers = decoder_layers(causal_lm)

@@ -1,4 +1,5 @@
 """Helpers shared by the tests (conftest.py keeps the pytest hooks)."""
+import json
 import os
 import sys
 import tempfile
@@ -203,3 +204,13 @@ def stopped_copy(source, target, step: int) -> str:
             shutil.rmtree(later)
     assert checkpoint.candidates(target) == [checkpoint.path_of(target, step)], checkpoint.candidates(target)
     return target
+
+
+def check_one_process_a_pair(output_dir, pairs: int) -> None:
+    """A fused run's workers.json (``output_dir``, a Path) names teacher-r and student-r for each
+    pair r, both in one process."""
+    with open(output_dir / "workers.json") as handle:
+        workers = json.load(handle)
+    assert sorted(workers) == sorted([f"teacher-{r}" for r in range(pairs)] + [f"student-{r}" for r in range(pairs)])
+    for rank in range(pairs):
+        assert workers[f"teacher-{rank}"]["pid"] == workers[f"student-{rank}"]["pid"]

@@ -1,12 +1,12 @@
 """placement=fused: each teacher / student pair in one Ray actor, top-k handed over in
 process. It trains exactly as the two-actor placement does, resumes, names its workers,
 and refuses the combinations it cannot run."""
-import json
 
 import pytest
 import torch
 
 import kd_kernels as kd
+from helpers import check_one_process_a_pair
 from orchestration.errors import UsageError
 from test_orchestration import _tiny
 
@@ -131,14 +131,6 @@ def test_fused_trains_exactly_like_the_two_actor_placement(ray_cluster, tmp_path
     assert apart["placement"] == "colocated"
     assert torch.equal(fused["student_parameters"][0], apart["student_parameters"][0])
     check_one_process_a_pair(tmp_path / "fused", 1)
-
-
-def check_one_process_a_pair(output_dir, pairs: int) -> None:
-    """The run's workers.json names teacher-r and student-r for each pair r, both in one process."""
-    workers = json.load(open(output_dir / "workers.json"))
-    assert sorted(workers) == sorted([f"teacher-{r}" for r in range(pairs)] + [f"student-{r}" for r in range(pairs)])
-    for rank in range(pairs):
-        assert workers[f"teacher-{rank}"]["pid"] == workers[f"student-{rank}"]["pid"]
 
 
 @pytest.mark.parametrize("overrides, message", [

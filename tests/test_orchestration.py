@@ -222,15 +222,15 @@ def test_two_teacher_and_two_student_workers_apart_fused_sharded_and_resumed_tra
                                                                                         monkeypatch):
     """Two teacher and two student workers (two layers each student): replicas apart (colocated,
     the object store); FSDP2 students in two fused pairs (the GPU default placement, one process
-    a pair), equal to the replicas and to one fused FSDP2 pair on the same global batch up to
-    float32 sums in another order; the two pairs stopped after step 1 (stop_after) and resumed
+    a pair), equal to the replicas and to one fused pair (one worker) on the same global batch
+    up to float32 sums in another order; the two pairs stopped after step 1 (stop_after) and resumed
     from the sharded checkpoint, equal to their uninterrupted run; over the process-group
     transfer, one teacher sending to two replicas equal to the replicas and two teachers sending
     to one student equal to the one pair (the teachers' count does not change what they send).
     Also the metrics a run logs."""
     from orchestration import driver
     from orchestration.placement import Layout
-    from test_driver_fused import check_one_process_a_pair
+    from helpers import check_one_process_a_pair
 
     layout = dict(teacher_workers=2, student_workers=2, micro_batches=2, student_layers=2, steps=4,
                   checkpoint_every=2)
@@ -250,11 +250,11 @@ def test_two_teacher_and_two_student_workers_apart_fused_sharded_and_resumed_tra
     assert fused["placement"] == "fused" and len(fused["student_parameters"]) == 2
     assert torch.equal(*fused["student_parameters"])  # gathered on each rank
     torch.testing.assert_close(fused["student_parameters"][0], vectors[0], rtol=1e-5, atol=1e-6)
+    check_one_process_a_pair(tmp_path / "fused", 2)
     # the same global batch on one worker (a fused pair, trains as one apart: test_driver_fused.py)
     one = driver.run(_tiny(tmp_path, "one", **dict(layout, placement="fused", teacher_workers=1, student_workers=1)),
                      progress=False, return_parameters=True)
     torch.testing.assert_close(fused["student_parameters"][0], one["student_parameters"][0], rtol=1e-5, atol=1e-6)
-    check_one_process_a_pair(tmp_path / "fused", 2)
     stopped = driver.run(_tiny(tmp_path, "resumed", stop_after=1, **sharded), progress=False)
     assert stopped["last_step"] == 1
     resumed = driver.run(_tiny(tmp_path, "resumed", resume=True, **sharded), progress=False, return_parameters=True)
