@@ -15,7 +15,8 @@ from helpers import HAS_CUDA, INTERPRETER_ONLY, small_teacher_problem
 from kd_kernels import reference, sampling
 from kd_kernels import teacher_sampling as schedules
 from kd_kernels.ops import sample_keys, sort_keys, topk_from_appended
-from kd_kernels.ops.gumbel_noise import coarse_floats, gumbel_noise, pair_hash, row_key, signed_key
+from kd_kernels.ops.gumbel_noise import (coarse_floats, coarse_gumbel_lower_bound, gumbel_noise, pair_hash, row_key,
+                                        signed_key)
 from kd_kernels.ops.lm_head_group_maxima import lm_head_logits_with_summaries
 from kd_kernels.ops.lm_head_sample import SampleAppends, SampleMatmul
 from kd_kernels.samples import TeacherSamples
@@ -31,35 +32,43 @@ def chi_square_p_value(counts: torch.Tensor, expected: torch.Tensor) -> float:
 
 
 @triton.jit
-def _noise_table_kernel(noise_ptr, coarse_ptr, rows_ptr, seed_key, COLUMNS: tl.constexpr, ROWS: tl.constexpr):
-    """Row block × columns of G and of the coarse 16 bits, in one program (cheap under the interpreter)."""
+def _noise_table_kernel(noise_ptr, coarse_ptr, bound_ptr, rows_ptr, seed_key, COLUMNS: tl.constexpr,
+                        ROWS: tl.constexpr):
+    """Row block × columns of G, of the coarse 16 bits and of the coarse lower bound of G, in one
+    program (cheap under the interpreter)."""
     rows = tl.arange(0, ROWS)[:, None]
     columns = tl.arange(0, COLUMNS)[None, :]
     key = row_key(seed_key, tl.load(rows_ptr + rows))
     tl.store(noise_ptr + rows * COLUMNS + columns, gumbel_noise(key, columns))
     even, odd = coarse_floats(pair_hash(key, columns))
     tl.store(coarse_ptr + rows * COLUMNS + columns, tl.where((columns & 1) == 1, odd, even) - 8388608.0)
+    tl.store(bound_ptr + rows * COLUMNS + columns, coarse_gumbel_lower_bound(key, columns))
 
 
 def triton_noise(seed: int, rows: torch.Tensor, columns: int):
-    """(G float32, coarse bits int64) ``[R, columns]`` from the kernels' noise functions."""
-    noise = torch.empty(rows.numel(), columns, device=DEVICE)
-    coarse = torch.empty(rows.numel(), columns, device=DEVICE)
-    _noise_table_kernel[(1,)](noise, coarse, rows.to(DEVICE), signed_key(sampling.seed_key(seed)), COLUMNS=columns,
-                              ROWS=rows.numel())
-    return noise.cpu(), coarse.cpu().long()
+    """(G float32, coarse bits int64, G's coarse lower bound float32) ``[R, columns]`` from the
+    kernels' noise functions."""
+    noise, coarse, bound = (torch.empty(rows.numel(), columns, device=DEVICE) for _ in range(3))
+    _noise_table_kernel[(1,)](noise, coarse, bound, rows.to(DEVICE), signed_key(sampling.seed_key(seed)),
+                              COLUMNS=columns, ROWS=rows.numel())
+    return noise.cpu(), coarse.cpu().long(), bound.cpu()
 
 
 @pytest.mark.interpret
 @pytest.mark.parametrize("seed", [0, 99, 2**63 + 12345])
 def test_the_kernels_noise_equals_the_references_bit_for_bit(seed):
     rows = torch.tensor([0, 1, 7, 2**31 + 5, 2**33 + 1, 2**40 + 3, 12, 13])
-    noise, coarse = triton_noise(seed, rows, 1024)
+    noise, coarse, bound = triton_noise(seed, rows, 1024)
     bits = sampling.noise_bits(seed, rows, torch.arange(1024))
     assert torch.equal(coarse, bits >> 16)
     expected = sampling.gumbel_noise(seed, rows, torch.arange(1024))
     assert (noise.double() - expected).abs().max() < 1e-6 * expected.abs().max()
     assert expected.max() > 8 and expected.min() < -2  # both tails reached
+    # the floors' bound: below G (to float32 rounding), close to it where E is not tiny
+    assert (bound.double() <= expected + 1e-5).all() and (bound >= -3.2).all()
+    moderate = (expected > -1) & (expected < 4)  # the floors need the large keys: G well above its least
+    assert (expected - bound.double())[moderate].max() < 0.02
+    assert (expected - bound.double())[moderate].mean() < 1e-3
 
 
 def test_the_noise_is_standard_gumbel_and_independent():
@@ -101,7 +110,7 @@ def test_the_kernels_noise_draws_from_the_teacher():
     # Gumbel-max over the Triton noise of 4096 rows: argmax(log p + G) follows p
     generator = torch.Generator().manual_seed(4)
     log_p = torch.log_softmax(1.5 * torch.randn(16, generator=generator).double(), -1)
-    noise, _ = triton_noise(23, torch.arange(4096), 16)
+    noise, _, _ = triton_noise(23, torch.arange(4096), 16)
     counts = torch.bincount((log_p + noise.double()).argmax(-1), minlength=16)
     assert chi_square_p_value(counts, 4096 * log_p.exp()) > 1e-4
 
@@ -351,7 +360,8 @@ def test_the_appended_schedule_matches_the_reference_at_the_real_tiles():
 @pytest.mark.gpu
 def test_the_kernels_noise_equals_the_references_on_the_gpu():
     rows = torch.tensor([0, 1, 2**31 + 5, 2**40 + 3])
-    noise, coarse = triton_noise(77, rows, 4096)
+    noise, coarse, bound = triton_noise(77, rows, 4096)
     assert torch.equal(coarse, sampling.noise_bits(77, rows, torch.arange(4096)) >> 16)
     expected = sampling.gumbel_noise(77, rows, torch.arange(4096))
     assert (noise.double() - expected).abs().max() < 2e-6 * expected.abs().max()
+    assert (bound.double() <= expected + 1e-5).all()  # the GPU's fast logs keep the floors' bound

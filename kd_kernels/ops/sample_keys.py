@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .gumbel_noise import gumbel_noise, row_key, signed_key
+from .gumbel_noise import coarse_gumbel_lower_bound, gumbel_noise, row_key, signed_key
 from .launch import ROW_BLOCK_V, THRESHOLD_BISECTIONS, num_warps_for
 from .sort_keys import top_of_counted_keys
 from .utils import kth_largest_lower_bound
@@ -38,8 +38,8 @@ def _sample_key_floor_kernel(sample_ptr, stride_row, floors_ptr, sample_width, s
     offsets = tl.arange(0, SAMPLE)
     valid = offsets < sample_width
     z = tl.load(sample_ptr + row * stride_row + offsets, mask=valid, other=0.0).to(tl.float32)
-    keys = tl.fma(z, inv_t, gumbel_noise(row_key(seed_key, tl.load(rows_ptr + row)), offsets * stride))
-    low = kth_largest_lower_bound(keys, valid, rank, STEPS)
+    noise = coarse_gumbel_lower_bound(row_key(seed_key, tl.load(rows_ptr + row)), offsets * stride)
+    low = kth_largest_lower_bound(tl.fma(z, inv_t, noise), valid, rank, STEPS)
     tl.store(floors_ptr + row, tl.maximum(low, -3.4028234663852886e38))
 
 
@@ -48,7 +48,9 @@ def sample_key_floors(sample: torch.Tensor, stride: int, rank: int, temperature:
     """sample ``[R, S]`` logits (any float dtype, unit stride along a row) of the global columns
     ``0, stride, 2·stride, …`` of the global rows ``global_rows [R]`` int64 -> ``floors [R]``
     float32 filled: per row a lower bound of the rank-th largest key ``z / τ + G`` among them
-    (their smallest where S <= rank), never −inf."""
+    (their smallest where S <= rank), never −inf. The keys take G's coarse lower bound
+    (`coarse_gumbel_lower_bound`), a lower bound of each key: a floor only sets how many
+    elements the sampling matmul keeps, and the ranking checks it against the exact keys."""
     rows, width = sample.shape
     if rows:
         _sample_key_floor_kernel[(rows,)](sample, sample.stride(0), floors, width, stride, 1.0 / temperature,

@@ -63,7 +63,8 @@ def top_of_counted_keys(keys: torch.Tensor, counts: torch.Tensor, k: int, order:
     columns = torch.empty(rows, k, dtype=torch.int32, device=keys.device)
     if rows:
         slots = max(2, triton.next_power_of_2(capacity))
-        top, warps = max(2, triton.next_power_of_2(k)), max(1, min(8, slots // 256))
+        # 512 slots a warp: fewer warps make the bisection's block reductions cheaper, more hold more keys each
+        top, warps = max(2, triton.next_power_of_2(k)), max(1, min(8, slots // 512))
         # the outputs hold the selected keys' two words between the kernel's two steps
         _select_then_sort_kernel[(rows,)](keys, counts, values, values.view(torch.int32), columns, capacity, k,
                                           _EMPTY_KEY, SLOTS=slots, TOP=top, num_warps=warps)
