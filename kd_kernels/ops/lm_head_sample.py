@@ -51,24 +51,23 @@ _COARSE_SCALE2 = tl.constexpr(float(COARSE_BITS))  # X in units of the coarse bi
 STORE_IN_PTX = os.environ.get("TRITON_INTERPRET") != "1"
 
 # one element's append, its group's slots taken: where its lane's bit ($2) is set in the group's
-# bits ($3), the slot first + the group's kept lanes below it (bits & below), the 8-byte raw key
-# (column, value bits) stored below the capacity: predicated stores, no branch, and no keep
-# flags held from the test to the stores (ops/lm_head_group_maxima.py's `_STORE_APPENDED_PTX`)
+# bits ($3; cleared for a group whose slots would pass the capacity), the slot first + the
+# group's kept lanes below it (bits & below), the 8-byte raw key (column, value bits) in one
+# predicated store: no branch, and no keep flags held from the test to the store
+# (ops/lm_head_group_maxima.py's `_STORE_APPENDED_PTX`)
 _STORE_KEPT_PTX = tl.constexpr("""
 {
-.reg .pred taken, kept;
+.reg .pred kept;
 .reg .b32 slot;
 .reg .b64 address;
 mov.u32 $0, 0;
 and.b32 slot, $3, $2;
-setp.ne.b32 taken, slot, 0;
+setp.ne.b32 kept, slot, 0;
 and.b32 slot, $3, $4;
 popc.b32 slot, slot;
 add.u32 slot, slot, $5;
-setp.lt.and.u32 kept, slot, $6, taken;
-mad.wide.u32 address, slot, 8, $7;
-@kept st.global.b32 [address], $8;
-@kept st.global.b32 [address+4], $1;
+mad.wide.u32 address, slot, 8, $6;
+@kept st.global.v2.b32 [address], {$7, $1};
 }
 """)
 
@@ -100,18 +99,17 @@ def _kept_bits(bound_even, bound_odd, hash_base, pair_share, even_bit):
 def _store_kept(z, lane_bit, bits, below, first, column, row_offsets, keys_ptr, key_capacity, IN_PTX: tl.constexpr):
     """Elements ``z`` [BLOCK_M, groups, pairs] whose ``lane_bit`` is set in their group's ``bits``
     stored as raw keys in their slots: ``first`` [BLOCK_M, groups] + the group's kept lanes below
-    (``bits & below``); slots past ``key_capacity`` dropped."""
+    (``bits & below``); each group's slots within ``key_capacity`` (its bits cleared otherwise)."""
     if IN_PTX:
         row_keys = (keys_ptr + row_offsets * key_capacity).to(tl.int64, bitcast=True)[:, None, None]
-        tl.inline_asm_elementwise(_STORE_KEPT_PTX, "=r,f,r,r,r,r,r,l,r",
-                                  [z, lane_bit, bits[:, :, None], below, first[:, :, None],
-                                   tl.full([1, 1, 1], key_capacity, tl.int32), row_keys, column],
+        tl.inline_asm_elementwise(_STORE_KEPT_PTX, "=r,f,r,r,r,r,l,r",
+                                  [z, lane_bit, bits[:, :, None], below, first[:, :, None], row_keys, column],
                                   dtype=tl.int32, is_pure=False, pack=1)
     else:
         slot = first[:, :, None] + _popcount(bits[:, :, None] & below, POPC_IN_HARDWARE)
         raw_key = (z.to(tl.int32, bitcast=True).to(tl.int64) << 32) | column.to(tl.int64)
         place = row_offsets[:, None, None] * key_capacity + slot
-        tl.store(keys_ptr + place, raw_key, mask=((bits[:, :, None] & lane_bit) != 0) & (slot < key_capacity))
+        tl.store(keys_ptr + place, raw_key, mask=(bits[:, :, None] & lane_bit) != 0)
 
 
 @triton.jit(do_not_specialize=["seed_key"])
@@ -173,6 +171,8 @@ def _lm_head_sample_kernel(hidden_desc, weight_desc, bias_ptr, tile_max2_ptr, ti
         row_count = tl.sum(count, axis=1) + tl.where(rows_ok & (excess2 > _MAX_EXCESS2), key_capacity + 1, 0)
         row_first = tl.atomic_add(counts_ptr + row_offsets, row_count, mask=row_count > 0, sem="relaxed")
         first = row_first[:, None] + tl.cumsum(count, axis=1) - count
+        # a group whose slots would pass the capacity stores nothing (its row is redone)
+        bits = tl.where(first + count <= key_capacity, bits, 0)
         column_even = noise_offset + column_tile * BLOCK_N + even_column
         _store_kept(even, even_bit, bits, below_even, first, column_even, row_offsets, keys_ptr, key_capacity,
                     STORE_IN_PTX)
