@@ -23,6 +23,9 @@ from .lm_head import lm_head_logits_fp32
 from .samples import TeacherSamples
 from .sampling import seed_key
 
+# the floors kernel holds a row's sample in one power-of-two block: the sample stays within this
+# many columns (a sparser stride at large vocabularies) rather than double the block
+FLOOR_COLUMNS = 2048
 SAMPLE_MAX = 1023  # n + 1 keys within the appended plan's and the rank sort's limits (k <= 1024)
 APPENDED_BYTES = 56 << 20  # the appended schedule's chunk buffers: sample or keys, statistics, floors, counts
 LOGITS_CHUNK_BYTES = 1 << 30  # float32 logits of one chunk of the logits schedule
@@ -139,15 +142,15 @@ def teacher_sample_appended(hidden: torch.Tensor, weight: torch.Tensor, num_samp
                             vocab_size: int, bias: Optional[torch.Tensor], seed: int, row_offset: int = 0,
                             chunk_rows: Optional[int] = None, stride: Optional[int] = None) -> TeacherSamples:
     """The appended schedule (module docstring), ``chunk_rows`` rows at a time (None: within
-    APPENDED_BYTES), every ``stride``-th column sampled for the floors (None: the top-k plan's
-    for k = n + 1). Rows it cannot finish exactly are redone by the logits schedule."""
+    APPENDED_BYTES), every ``stride``-th column sampled for the floors (None: `sample_stride`).
+    Rows it cannot finish exactly are redone by the logits schedule."""
     from .ops.lm_head_group_maxima import default_config
     from .ops.topk_from_appended import appended_plan
 
     if not 1 <= num_samples <= SAMPLE_MAX:
         raise ValueError(f"num_samples: the appended schedule takes 1 <= n <= {SAMPLE_MAX}, got {num_samples}")
     num_rows = hidden.shape[0]
-    plan = appended_plan(vocab_size, num_samples + 1, stride)
+    plan = appended_plan(vocab_size, num_samples + 1, stride or sample_stride(vocab_size, num_samples))
     chunk_rows = chunk_rows or appended_chunk_rows(num_rows, vocab_size, plan, hidden.element_size(),
                                                    default_config().block_n)
     sample_bias = None if bias is None else bias[:vocab_size:plan.stride].contiguous()
@@ -162,6 +165,17 @@ def teacher_sample_appended(hidden: torch.Tensor, weight: torch.Tensor, num_samp
         _logits_of_rows(hidden, weight, bias, redo, num_samples, temperature, vocab_size, seed, row_offset,
                         max(1, APPENDED_BYTES // (8 * weight.shape[0])), outputs, lse)
     return _finish(outputs, lse, temperature, seed)
+
+
+def sample_stride(width: int, num_samples: int) -> int:
+    """The floors' sample stride: the top-k plan's for k = n + 1, or sparser where that sample would
+    pass FLOOR_COLUMNS columns and the sparser one keeps the key slots (below the sort's limit,
+    so that no more rows pass them)."""
+    from .ops.topk_from_appended import MAX_KEYS, appended_plan
+
+    plan = appended_plan(width, num_samples + 1)
+    sparser = appended_plan(width, num_samples + 1, max(plan.stride, -(-width // FLOOR_COLUMNS)))
+    return sparser.stride if sparser.capacity <= plan.capacity < MAX_KEYS else plan.stride
 
 
 def _appended_chunk(part: torch.Tensor, weight: torch.Tensor, bias, sample_bias, width: int, num_samples: int,

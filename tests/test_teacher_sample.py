@@ -277,6 +277,19 @@ def test_the_sampling_matmul_keeps_every_element_at_or_above_its_floor():
             assert counts[row] < 10 + 6 * 10 ** 0.5 + 3
 
 
+def test_the_floors_sample_fits_one_block_where_the_key_slots_allow():
+    from kd_kernels.ops.topk_from_appended import appended_plan
+
+    for width, num_samples in ((151_936, 16), (128_256, 16), (151_936, 64)):  # sparser: the sample fits 2048
+        plan = appended_plan(width, num_samples + 1, schedules.sample_stride(width, num_samples))
+        default = appended_plan(width, num_samples + 1)
+        assert plan.stride > default.stride and plan.sample_width <= schedules.FLOOR_COLUMNS < default.sample_width
+        assert plan.capacity <= default.capacity
+    # the top-k plan's where the sparser sample needs more key slots, or they are at the sort's limit
+    for width, num_samples in ((151_936, 12), (151_936, 1023), (32_000, 16), (200, 6)):
+        assert schedules.sample_stride(width, num_samples) == appended_plan(width, num_samples + 1).stride
+
+
 def test_teacher_samples_pack_and_unpack():
     generator = torch.Generator().manual_seed(6)
     samples = kd.teacher_sample_from_logits(torch.randn(5, 40, generator=generator), 4, seed=2**64 - 3,
