@@ -2,13 +2,13 @@
 each row, the n largest keys ``κ_v = z_v / τ + G_v`` (G the noise of kd_kernels/sampling.py), their
 log-probs over the whole vocab and the (n+1)-th key, chunk by chunk of rows. Two schedules:
 
-- appended (bf16 / fp16 inputs whose rows TMA can move; no logits stored): per chunk of rows,
-  the logits of every ``stride``-th column give each row a floor, a lower bound of a high rank of
-  those columns' keys (ops/topk_from_appended.py's plan for k = n + 1, ops/sample_keys.py); the
-  sampling matmul (ops/lm_head_sample.py) keeps the tile statistics and appends every element
-  that may reach the floor; one ranking per row adds the exact noise and takes the n + 1 largest
-  keys. Rows whose floor kept fewer than n + 1 keys at or above it, or more than the slots, are
-  redone from cuBLAS float32 logits;
+- appended (bf16 / fp16 inputs whose rows TMA can move; no logits stored): first, for all rows
+  (teacher/floors.py), the logits of every ``stride``-th column give each row a floor, a lower
+  bound of a high rank of those columns' keys (ops/topk_from_appended.py's plan for k = n + 1,
+  ops/sample_keys.py); then per chunk of rows the sampling matmul (ops/lm_head_sample.py) keeps
+  the tile statistics and appends every element that may reach the floor; one ranking per row
+  adds the exact noise and takes the n + 1 largest keys. Rows whose floor kept fewer than n + 1
+  keys at or above it, or more than the slots, are redone from cuBLAS float32 logits;
 - logits (float32 inputs, or other layouts): cuBLAS float32 logits per chunk of rows, then two
   passes over each row (ops/sample_keys.py `logits_candidates`: the logsumexp and each lane's
   largest key, then every key at or above a floor under the (n+1)-th) and the same ranking.
@@ -27,7 +27,7 @@ from .sampling import seed_key
 # many columns (a sparser stride at large vocabularies) rather than double the block
 FLOOR_COLUMNS = 2048
 SAMPLE_MAX = 1023  # n + 1 keys within the appended plan's and the rank sort's limits (k <= 1024)
-APPENDED_BYTES = 56 << 20  # the appended schedule's chunk buffers: sample or keys, statistics, floors, counts
+APPENDED_BYTES = 56 << 20  # the appended schedule's floors phase's sample; then a chunk's keys, statistics, counts
 LOGITS_CHUNK_BYTES = 1 << 30  # float32 logits of one chunk of the logits schedule
 RANK_ORDER = "triton"  # how rows rank their candidates: ops/sort_keys.py `top_of_counted_keys`'s order
 
@@ -128,14 +128,15 @@ def teacher_sample_logits(hidden: torch.Tensor, weight: torch.Tensor, num_sample
     return _finish(outputs, lse, temperature, seed)
 
 
-def appended_chunk_rows(num_rows: int, width: int, plan, element_size: int, block_n: int) -> int:
-    """Rows per chunk of the appended schedule (`AppendedPlan` ``plan``): its buffers within
-    APPENDED_BYTES, in quarters of the matmul's L2 group of row tiles (1024 rows). A row holds its
-    sample logits, then in the same bytes its keys, its tile statistics (8 · V / block_n), its
-    floor, count, lse and global row id (20)."""
-    per_row = max(element_size * plan.sample_columns, 8 * plan.capacity) + 8 * -(-width // block_n) + 20
-    rows = APPENDED_BYTES // per_row
-    return num_rows if rows >= num_rows else max(256, rows // 256 * 256)
+def appended_chunk_rows(num_rows: int, width: int, plan, block_n: int) -> int:
+    """Rows per chunk of the appended schedule's sampling matmul (`AppendedPlan` ``plan``): its
+    buffers within APPENDED_BYTES, in quarters of the matmul's L2 group of row tiles (1024 rows).
+    A row holds its keys (8 · capacity), its tile statistics (8 · V / block_n), its count, lse and
+    global row id (16)."""
+    from .teacher.chunks import rows_in_quarter_groups
+
+    per_row = 8 * plan.capacity + 8 * -(-width // block_n) + 16
+    return rows_in_quarter_groups(APPENDED_BYTES // per_row, num_rows)
 
 
 def teacher_sample_appended(hidden: torch.Tensor, weight: torch.Tensor, num_samples: int, temperature: float,
@@ -145,21 +146,29 @@ def teacher_sample_appended(hidden: torch.Tensor, weight: torch.Tensor, num_samp
     APPENDED_BYTES), every ``stride``-th column sampled for the floors (None: `sample_stride`).
     Rows it cannot finish exactly are redone by the logits schedule."""
     from .ops.lm_head_group_maxima import default_config
+    from .ops.sample_keys import sample_key_floors
     from .ops.topk_from_appended import appended_plan
+    from .teacher.floors import floors_of_rows
 
     if not 1 <= num_samples <= SAMPLE_MAX:
         raise ValueError(f"num_samples: the appended schedule takes 1 <= n <= {SAMPLE_MAX}, got {num_samples}")
     num_rows = hidden.shape[0]
     plan = appended_plan(vocab_size, num_samples + 1, stride or sample_stride(vocab_size, num_samples))
-    chunk_rows = chunk_rows or appended_chunk_rows(num_rows, vocab_size, plan, hidden.element_size(),
-                                                   default_config().block_n)
-    sample_bias = None if bias is None else bias[:vocab_size:plan.stride].contiguous()
-    outputs, lse = _outputs(num_rows, num_samples, hidden.device)
     key = seed_key(seed)
+    global_rows = row_offset + torch.arange(num_rows, device=hidden.device)
+
+    def key_floors(sample, rows, floors):
+        sample_key_floors(sample, plan.stride, plan.rank, temperature, key, global_rows[rows], floors)
+
+    sample_bias = None if bias is None else bias[:vocab_size:plan.stride].contiguous()
+    floors = floors_of_rows(hidden, weight, sample_bias, vocab_size, plan, temperature, APPENDED_BYTES, key_floors)
+    chunk_rows = chunk_rows or appended_chunk_rows(num_rows, vocab_size, plan, default_config().block_n)
+    outputs, lse = _outputs(num_rows, num_samples, hidden.device)
     for start in range(0, num_rows, chunk_rows):
         rows = slice(start, min(start + chunk_rows, num_rows))
-        _appended_chunk(hidden[rows], weight, bias, sample_bias, vocab_size, num_samples, temperature, plan, key,
-                        row_offset + start, tuple(part[rows] for part in outputs), lse[rows])
+        _appended_chunk(hidden[rows], weight, bias, vocab_size, num_samples, temperature, plan, key,
+                        row_offset + start, global_rows[rows], floors[rows], tuple(part[rows] for part in outputs),
+                        lse[rows])
     redo = outputs[3].nonzero().flatten()  # the schedule's one host sync
     if redo.numel():
         _logits_of_rows(hidden, weight, bias, redo, num_samples, temperature, vocab_size, seed, row_offset,
@@ -178,23 +187,21 @@ def sample_stride(width: int, num_samples: int) -> int:
     return sparser.stride if sparser.capacity <= plan.capacity < MAX_KEYS else plan.stride
 
 
-def _appended_chunk(part: torch.Tensor, weight: torch.Tensor, bias, sample_bias, width: int, num_samples: int,
-                    temperature: float, plan, key: int, first_row: int, outputs, lse: torch.Tensor) -> None:
-    """One chunk of `teacher_sample_appended`: rows ``part [R, H]`` (global rows from
-    ``first_row``) -> their rows of ``outputs`` and ``lse``. Its buffers live only within this call."""
-    from .ops.lm_head_group_maxima import EpilogueMatmul
+def _appended_chunk(part: torch.Tensor, weight: torch.Tensor, bias, width: int, num_samples: int,
+                    temperature: float, plan, key: int, first_row: int, global_rows: torch.Tensor,
+                    floors: torch.Tensor, outputs, lse: torch.Tensor) -> None:
+    """One chunk of `teacher_sample_appended`: rows ``part [R, H]`` (global rows ``first_row`` on,
+    also as ``global_rows [R]`` int64; their ``floors [R]``) -> their rows of ``outputs`` and
+    ``lse``. Its buffers live only within this call."""
+    from .ops.buffers import empty_parts
     from .ops.lm_head_sample import SampleAppends, SampleMatmul
-    from .ops.sample_keys import rank_samples, sample_key_floors
-    from .ops.topk_from_appended import chunk_buffers, tile_logsumexp
+    from .ops.sample_keys import rank_samples
+    from .ops.topk_from_appended import tile_logsumexp
 
-    chunk, device = part.shape[0], part.device
-    sample, keys, floors, counts = chunk_buffers(part, plan)
-    global_rows = first_row + torch.arange(chunk, device=device)
-    sampler = EpilogueMatmul(part, weight[:width:plan.stride], sample_bias, plan.sample_width, temperature, sample)
+    keys, counts = empty_parts(part.device, ((part.shape[0], plan.capacity), torch.int64),
+                               ((part.shape[0],), torch.int32))
     appender = SampleMatmul(part, weight, bias, width, temperature, SampleAppends(floors, keys, counts), key,
                             first_row)
-    sampler(0, plan.sample_width)
-    sample_key_floors(sample[:, :plan.sample_width], plan.stride, plan.rank, temperature, key, global_rows, floors)
     counts.zero_()
     tile_max2, tile_sum2 = appender()
     tile_logsumexp(tile_max2, tile_sum2, lse)

@@ -13,6 +13,7 @@ from kd_kernels.ops import topk_from_appended
 from kd_kernels.ops.lm_head_group_maxima import Appends, EpilogueMatmul, lm_head_logits_with_summaries
 from kd_kernels.ops.topk_from_appended import appended_plan, sample_floors
 from kd_kernels.teacher.appended import teacher_topk_appended
+from kd_kernels.teacher.floors import floors_of_rows
 
 pytestmark = pytest.mark.interpret
 DEVICE = "cuda" if HAS_CUDA else "cpu"
@@ -73,6 +74,38 @@ def test_sample_floors_are_lower_bounds_within_the_bisection():
     assert (rank_th - floors <= spread / 2 ** topk_from_appended.FLOOR_STEPS).all()
     # a rank past the sample's width: its smallest
     assert torch.equal(sample_floors(sample, 300, torch.empty(6, device=DEVICE)).cpu(), sample.cpu().min(1).values)
+
+
+def test_the_floors_phase_gives_each_row_its_samples_floor_block_by_block():
+    """floors_of_rows: the sample of every stride-th column, block by block of rows within the
+    budget (whole quarters of the L2 row group), reduced to the same floors as all rows at once,
+    each a lower bound of its row's rank-th largest sampled logit (float64, up to the sample's
+    float16 rounding) within the bisection."""
+    hidden, weight, bias = small_teacher_problem(5, rows=600, columns=90, dtype=torch.float16)
+    plan = appended_plan(90, 3, 4)
+    sample_bias = bias[:90:plan.stride].contiguous()
+    blocks = []
+
+    def reduce(sample, rows, floors):
+        blocks.append((rows.start, rows.stop, sample.shape))
+        sample_floors(sample, plan.rank, floors)
+
+    whole = floors_of_rows(hidden, weight, sample_bias, 90, plan, 1.3, 1 << 30, reduce)
+    assert blocks == [(0, 600, (600, plan.sample_width))]
+    blocks.clear()
+    budget = 256 * hidden.element_size() * plan.sample_columns
+    by_block = floors_of_rows(hidden, weight, sample_bias, 90, plan, 1.3, budget, reduce)
+    assert blocks == [(0, 256, (256, plan.sample_width)), (256, 512, (256, plan.sample_width)),
+                      (512, 600, (88, plan.sample_width))]
+    assert torch.equal(by_block, whole)
+    # the sample holds float16 logits: each within half an ulp (2^-11 relative) of the exact one
+    sampled = reference.lm_head_logits(hidden, weight, bias)[:, :90:plan.stride].cpu()
+    rank_th = sampled.sort(dim=1, descending=True).values[:, plan.rank - 1]
+    spread = sampled.max(1).values - sampled.min(1).values
+    assert plan.sample_width == sampled.shape[1]
+    rounding = rank_th.abs() * 2.0 ** -10
+    assert (whole.cpu().double() <= rank_th + rounding).all()
+    assert (rank_th - whole.cpu().double() <= spread / 2 ** topk_from_appended.FLOOR_STEPS + rounding).all()
 
 
 @pytest.mark.parametrize("dtype", [FLOAT32_INTERPRETED, torch.float16])

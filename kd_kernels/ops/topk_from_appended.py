@@ -78,22 +78,6 @@ def appended_plan(width: int, k: int, stride: int | None = None) -> AppendedPlan
     return AppendedPlan(stride, sample_width, -(-sample_width // 8) * 8, rank, key_capacity(k, stride, rank))
 
 
-def chunk_buffers(part: torch.Tensor, plan: AppendedPlan) -> tuple[torch.Tensor, ...]:
-    """A chunk's buffers for the sample matmul and the appending one: (the sample's logits
-    ``[R, sample_columns]`` in ``part``'s dtype (they only bound the floors), the appended keys
-    ``[R, capacity]`` int64 in the same bytes (written after the sample is read), floors ``[R]``
-    float32, counts ``[R]`` int32)."""
-    from .buffers import empty_parts
-
-    chunk, device = part.shape[0], part.device
-    sample_bytes = part.element_size() * plan.sample_columns
-    shared, floors, counts = empty_parts(device, ((max(sample_bytes, 8 * plan.capacity) * chunk,), torch.uint8),
-                                         ((chunk,), torch.float32), ((chunk,), torch.int32))
-    sample = shared[:sample_bytes * chunk].view(part.dtype).view(chunk, plan.sample_columns)
-    keys = shared[:8 * plan.capacity * chunk].view(torch.int64).view(chunk, plan.capacity)
-    return sample, keys, floors, counts
-
-
 @triton.jit
 def _sample_floor_kernel(sample_ptr, stride_row, floors_ptr, sample_width, rank, SAMPLE: tl.constexpr,
                          STEPS: tl.constexpr):

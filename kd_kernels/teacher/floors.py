@@ -1,0 +1,34 @@
+"""The appended schedules' first phase: each row's floor from the logits of every ``stride``-th
+column (an `AppendedPlan`'s sample), for all rows before any chunk's appending matmul. The
+sample is thin (V / stride columns): one matmul over many rows fills the GPU in whole waves where
+one chunk's would not, and its logits live only until their rows' floors are taken."""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from .chunks import rows_in_quarter_groups
+
+
+def floors_of_rows(hidden: torch.Tensor, weight: torch.Tensor, sample_bias, width: int, plan, temperature: float,
+                   budget_bytes: int, reduce: Callable[[torch.Tensor, slice, torch.Tensor], object]) -> torch.Tensor:
+    """hidden ``[N, H]``, weight ``[≥ width, H]`` 16-bit, ``sample_bias`` (the bias at the sample's
+    columns, or None) -> floors ``[N]`` float32: per block of rows whose sample logits fit in
+    ``budget_bytes`` (whole quarters of the matmul's L2 row group, or all rows), the logits of
+    columns ``0, stride, 2·stride, …`` below ``width`` (``[R, plan.sample_width]`` in the inputs'
+    dtype, bias included, before τ), then ``reduce(sample, rows, floors[rows])`` fills the block's
+    floors."""
+    from ..ops.lm_head_group_maxima import EpilogueMatmul
+
+    num_rows = hidden.shape[0]
+    floors = torch.empty(num_rows, dtype=torch.float32, device=hidden.device)
+    block = rows_in_quarter_groups(budget_bytes // (hidden.element_size() * plan.sample_columns), num_rows)
+    sample = torch.empty(min(block, num_rows), plan.sample_columns, dtype=hidden.dtype, device=hidden.device)
+    columns = weight[:width:plan.stride]
+    for start in range(0, num_rows, block):
+        rows = slice(start, min(start + block, num_rows))
+        part = sample[:rows.stop - rows.start]
+        EpilogueMatmul(hidden[rows], columns, sample_bias, plan.sample_width, temperature, part)(0, plan.sample_width)
+        reduce(part[:, :plan.sample_width], rows, floors[rows])
+    return floors
