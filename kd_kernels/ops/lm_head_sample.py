@@ -8,15 +8,17 @@ logsumexp, from the un-noised logits) and appends to the row's keys every elemen
 ``E = e^{−G}`` (Exp(1)), ``κ ≥ f ⇔ E ≤ X = exp(z / τ − f)``, and ``E ≥ w ≥ coarse · 2⁻¹⁶`` (the
 noise's uniform w and its 16 coarse bits: kd_kernels/sampling.py), so the test
 ``coarse ≤ X · 2¹⁶`` keeps a superset of the elements at or above the floor, at most
-``min(1, X + 2⁻¹⁶)`` of each where ``1 − e^{−X}`` reach it. X is the tile's
-``t = exp2(z · log2e / τ − tile_max2)``, already computed for the sum, times the row's
-``2^(tile_max2 − f · log2e)``: per element a share of one hash a pair of columns, the coarse
-bits, one fma and one compare, no transcendental. Where t underflows (under 2⁻¹²⁶) the product
-still bounds X while the row's maximum is at most 2^MAX_EXCESS2 above its floor; a row further
-above is counted past the capacity, so the logits schedule redoes it exactly (one branch-free
-epilogue for every tile). The floor is lowered by MARGIN2 (log2 units), far
-more than the approximate exp2's error and the keys' float32 rounding, so every element whose
-float32 key (as the rank pass computes it, ops/sample_keys.py) is ≥ f is kept.
+``min(1, X + 2⁻¹⁶)`` of each where ``1 − e^{−X}`` reach it. One exponential an element serves
+both the statistics and the test: ``t = exp2(z · log2e / τ − s)`` with the row's shift
+``s = f · log2e − MARGIN2`` (the floor lowered by MARGIN2, far more than the approximate exp2's
+error and the keys' float32 rounding, so every element whose float32 key, as the rank pass
+computes it in ops/sample_keys.py, is ≥ f is kept), so t is X · 2^MARGIN2, and each tile's
+(shift, sum of t) is its share of the logsumexp, with no tile maximum. Per element: a share of
+one hash a pair of columns, the coarse bits, one fma and one compare. Where t underflows (an
+element over 87 · τ nats below the floor) the test keeps only the coarse bits' zero, as it
+should, and the sum loses under 2⁻¹⁰⁰ of the row's; a tile whose sum passes 2^MAX_EXCESS2 (an
+element that far above the floor) counts its row past the capacity, so the logits schedule
+redoes it exactly (one branch-free epilogue for every tile).
 
 The keys are raw, as the top-k's appending matmul stores them: the logit's float bits (before
 τ, bias included) above the global column; the rank pass adds the exact noise.
@@ -39,13 +41,13 @@ from .lm_head_group_maxima import (POPC_IN_HARDWARE, _check_appends, _popcount, 
                                    default_config, top2_group_columns)
 from .tma import row_tile_descriptor
 
-MARGIN2 = 1.0 / 512  # log2 units (1.35e-3 nats) added to each row's excess over its floor
-MAX_EXCESS2 = 100.0  # a tile's row above its floor by more (log2 units) is redone from logits
+MARGIN2 = 1.0 / 512  # log2 units (1.35e-3 nats) each row's floor is lowered by
+MAX_EXCESS2 = 100.0  # a row whose tile sum of 2^(key − floor) passes 2^this (log2 units) is redone
 _LOG2E = tl.constexpr(1.4426950408889634)
 _MARGIN2 = tl.constexpr(MARGIN2)
-_MAX_EXCESS2 = tl.constexpr(MAX_EXCESS2)
 _TWO_POW_23 = tl.constexpr(8388608.0)
-_COARSE_SCALE2 = tl.constexpr(float(COARSE_BITS))  # X in units of the coarse bits
+_COARSE_SCALE = tl.constexpr(2.0 ** COARSE_BITS)  # X in units of the coarse bits
+_MAX_SUM2 = tl.constexpr(2.0 ** MAX_EXCESS2)
 
 # the interpreter has no inline PTX: the appends' stores in Triton there (tests), in PTX on GPUs
 STORE_IN_PTX = os.environ.get("TRITON_INTERPRET") != "1"
@@ -145,30 +147,33 @@ def _lm_head_sample_kernel(hidden_desc, weight_desc, bias_ptr, tile_max2_ptr, ti
         columns = column_tile * BLOCK_N + tl.arange(0, BLOCK_N)
         if HAS_BIAS:
             accumulator += tl.load(bias_ptr + columns, mask=columns < width, other=0.0).to(tl.float32)[None, :]
-        z = tl.where(columns[None, :] < width, accumulator, float("-inf"))
+        z = accumulator
+        if column_tile == column_tiles - 1:  # only the last column tile passes the width
+            z = tl.where(columns[None, :] < width, z, float("-inf"))
         rows_ok = rows < num_rows
         row_offsets = rows.to(tl.int64)
         even, odd = tl.split(tl.reshape(_thread_groups(z, BLOCK_M, BLOCK_N, GROUP_COLUMNS),
                                         (BLOCK_M, GROUPS, PAIRS, 2)))
-        tile_max2 = tl.max(tl.max(tl.maximum(even, odd), axis=2), axis=1) * log2e_over_t
-        safe_max2 = tl.where(tile_max2 == float("-inf"), 0.0, tile_max2)[:, None, None]
-        tl.store(tile_max2_ptr + row_offsets * column_tiles + column_tile, tile_max2, mask=rows_ok)
-        # bound = 2^23 + X · 2^16 (X of the module docstring); -1 (nothing kept) on rows past the chunk
-        floor2 = tl.load(floor_ptr + row_offsets, mask=rows_ok, other=0.0) * _LOG2E
-        excess2 = tile_max2 - floor2 + _MARGIN2
+        # t = X · 2^MARGIN2 (X of the module docstring): the exponentials relative to the row's
+        # floor less the margin, which is also the tiles' shift of their sums (no tile maximum);
+        # rows past the chunk shift by +inf, so their t are 0 however large their logits
+        shift2 = tl.load(floor_ptr + row_offsets, mask=rows_ok, other=float("inf")) * _LOG2E - _MARGIN2
+        tl.store(tile_max2_ptr + row_offsets * column_tiles + column_tile, shift2, mask=rows_ok)
+        t_even = tl.exp2(tl.fma(even, log2e_over_t, -shift2[:, None, None]))
+        t_odd = tl.exp2(tl.fma(odd, log2e_over_t, -shift2[:, None, None]))
+        tile_sum2 = tl.sum(tl.sum(t_even + t_odd, axis=2), axis=1)
+        tl.store(tile_sum2_ptr + row_offsets * column_tiles + column_tile, tile_sum2, mask=rows_ok)
+        # bound = 2^23 + X · 2^16; -1 (nothing kept) on rows past the chunk
         base = tl.where(rows_ok, _TWO_POW_23, -1.0)[:, None, None]
         tile_pair = ((noise_offset + column_tile * BLOCK_N) >> 1).to(tl.uint32)
         hash_base = ((row_key(seed_key, first_row + row_offsets) + tile_pair) * _M1)[:, None, None]
-        t_even = tl.exp2(tl.fma(even, log2e_over_t, -safe_max2))
-        t_odd = tl.exp2(tl.fma(odd, log2e_over_t, -safe_max2))
-        scale = tl.where(rows_ok, tl.exp2(tl.minimum(excess2, _MAX_EXCESS2) + _COARSE_SCALE2), 0.0)[:, None, None]
-        tile_sum2 = tl.sum(tl.sum(t_even + t_odd, axis=2), axis=1)
-        bits = _kept_bits(tl.fma(t_even, scale, base), tl.fma(t_odd, scale, base), hash_base, pair_share, even_bit)
-        tl.store(tile_sum2_ptr + row_offsets * column_tiles + column_tile, tile_sum2, mask=rows_ok)
+        bits = _kept_bits(tl.fma(t_even, _COARSE_SCALE, base), tl.fma(t_odd, _COARSE_SCALE, base), hash_base,
+                          pair_share, even_bit)
         count = _popcount(bits, POPC_IN_HARDWARE)
-        # a row further above its floor than MAX_EXCESS2 (its t may underflow where X does not)
-        # counts past the capacity: the logits schedule redoes it exactly
-        row_count = tl.sum(count, axis=1) + tl.where(rows_ok & (excess2 > _MAX_EXCESS2), key_capacity + 1, 0)
+        # a tile whose row sum passes 2^MAX_EXCESS2 (an element that far above the floor, or
+        # past float32's range) counts past the capacity: the logits schedule redoes the row
+        too_far = rows_ok & (tile_sum2 > _MAX_SUM2)
+        row_count = tl.sum(count, axis=1) + tl.where(too_far, key_capacity + 1, 0)
         row_first = tl.atomic_add(counts_ptr + row_offsets, row_count, mask=row_count > 0, sem="relaxed")
         first = row_first[:, None] + tl.cumsum(count, axis=1) - count
         # a group whose slots would pass the capacity stores nothing (its row is redone)
