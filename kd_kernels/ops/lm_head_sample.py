@@ -147,9 +147,7 @@ def _lm_head_sample_kernel(hidden_desc, weight_desc, bias_ptr, tile_max2_ptr, ti
         columns = column_tile * BLOCK_N + tl.arange(0, BLOCK_N)
         if HAS_BIAS:
             accumulator += tl.load(bias_ptr + columns, mask=columns < width, other=0.0).to(tl.float32)[None, :]
-        z = accumulator
-        if column_tile == column_tiles - 1:  # only the last column tile passes the width
-            z = tl.where(columns[None, :] < width, z, float("-inf"))
+        z = tl.where(columns[None, :] < width, accumulator, float("-inf"))
         rows_ok = rows < num_rows
         row_offsets = rows.to(tl.int64)
         even, odd = tl.split(tl.reshape(_thread_groups(z, BLOCK_M, BLOCK_N, GROUP_COLUMNS),
