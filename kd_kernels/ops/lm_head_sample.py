@@ -187,7 +187,9 @@ class SampleMatmul:
     """The sampling matmul of rows ``hidden [R, H]`` against ``weight [≥ width, H]`` (bf16 / fp16;
     float32 with IEEE products under the interpreter, for the tests), bias ``[≥ width]`` or None:
     appends into ``appends`` (`SampleAppends`) and returns the tile statistics ``(tile_max2,
-    tile_sum2)`` ``[R, tiles]`` float32 (log2 units at τ). The noise is that of global rows
+    tile_sum2)`` ``[R, tiles]`` float32 (log2 units at τ: each tile's shift, here the row's floor
+    less the margin, and its sum of ``2^(z · log2e / τ − shift)``; `tile_logsumexp` combines
+    them). The noise is that of global rows
     ``first_row + r`` and global columns ``noise_offset + c`` (``noise_offset`` even) under the
     32-bit ``seed_key`` (`kd_kernels.sampling.seed_key`)."""
 

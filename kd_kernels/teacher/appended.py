@@ -31,8 +31,9 @@ def teacher_topk_appended(hidden: torch.Tensor, weight: torch.Tensor, k: int, te
     float32, 1 <= k <= APPENDED_MAX_K: the logits of every ``stride``-th column (None:
     `appended_plan`'s) give each row a floor (`floors_of_rows`); per chunk of rows
     (`_appended_chunk`) the epilogue matmul appends each element at or above it to the row's
-    keys and keeps the tile statistics (the logsumexp), one ranking per row orders the keys (ops/topk_from_appended.py: the
-    extension's sort for ``select="cuda"``, a Triton selection then a sort of k for "triton").
+    keys and keeps the tile statistics (the logsumexp), one ranking per row orders the keys
+    (ops/topk_from_appended.py: the extension's sort for ``select="cuda"``, a Triton selection
+    then a sort of k for "triton").
     Rows with fewer than k keys or more than the slots are redone by cuBLAS logits and the
     full-row selection ``select``."""
     from ..ops.lm_head_group_maxima import default_config
