@@ -22,12 +22,12 @@ import torch
 from .lm_head import lm_head_logits_fp32
 from .samples import TeacherSamples
 from .sampling import seed_key
+from .teacher.chunks import APPENDED_BYTES, appended_chunk_rows
 
 # the floors kernel holds a row's sample in one power-of-two block: the sample stays within this
 # many columns (a sparser stride at large vocabularies) rather than double the block
 FLOOR_COLUMNS = 2048
 SAMPLE_MAX = 1023  # n + 1 keys within the appended plan's and the rank sort's limits (k <= 1024)
-APPENDED_BYTES = 56 << 20  # the appended schedule's floors phase's sample; then a chunk's keys, statistics, counts
 LOGITS_CHUNK_BYTES = 1 << 30  # float32 logits of one chunk of the logits schedule
 RANK_ORDER = "triton"  # how rows rank their candidates: ops/sort_keys.py `top_of_counted_keys`'s order
 
@@ -128,17 +128,6 @@ def teacher_sample_logits(hidden: torch.Tensor, weight: torch.Tensor, num_sample
     return _finish(outputs, lse, temperature, seed)
 
 
-def appended_chunk_rows(num_rows: int, width: int, plan, block_n: int) -> int:
-    """Rows per chunk of the appended schedule's sampling matmul (`AppendedPlan` ``plan``): its
-    buffers within APPENDED_BYTES, in quarters of the matmul's L2 group of row tiles (1024 rows).
-    A row holds its keys (8 · capacity), its tile statistics (8 · V / block_n), its count, lse and
-    global row id (16)."""
-    from .teacher.chunks import rows_in_quarter_groups
-
-    per_row = 8 * plan.capacity + 8 * -(-width // block_n) + 16
-    return rows_in_quarter_groups(APPENDED_BYTES // per_row, num_rows)
-
-
 def teacher_sample_appended(hidden: torch.Tensor, weight: torch.Tensor, num_samples: int, temperature: float,
                             vocab_size: int, bias: Optional[torch.Tensor], seed: int, row_offset: int = 0,
                             chunk_rows: Optional[int] = None, stride: Optional[int] = None) -> TeacherSamples:
@@ -162,7 +151,8 @@ def teacher_sample_appended(hidden: torch.Tensor, weight: torch.Tensor, num_samp
 
     sample_bias = None if bias is None else bias[:vocab_size:plan.stride].contiguous()
     floors = floors_of_rows(hidden, weight, sample_bias, vocab_size, plan, temperature, APPENDED_BYTES, key_floors)
-    chunk_rows = chunk_rows or appended_chunk_rows(num_rows, vocab_size, plan, default_config().block_n)
+    # a chunk's row also holds its count, lse and global row id (16)
+    chunk_rows = chunk_rows or appended_chunk_rows(num_rows, vocab_size, plan, default_config().block_n, 16)
     outputs, lse = _outputs(num_rows, num_samples, hidden.device)
     for start in range(0, num_rows, chunk_rows):
         rows = slice(start, min(start + chunk_rows, num_rows))

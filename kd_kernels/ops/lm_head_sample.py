@@ -16,7 +16,8 @@ computes it in ops/sample_keys.py, is ≥ f is kept), so t is X · 2^MARGIN2, an
 (shift, sum of t) is its share of the logsumexp, with no tile maximum. Per element: a share of
 one hash a pair of columns, the coarse bits, one fma and one compare. Where t underflows (an
 element over 87 · τ nats below the floor) the test keeps only the coarse bits' zero, as it
-should, and the sum loses under 2⁻¹⁰⁰ of the row's; a tile whose sum passes 2^MAX_EXCESS2 (an
+should, and the sum loses under 2⁻⁷⁰ of the row's for V ≤ 2²² (the row's largest t is at least
+2⁻³³: the noise stops at 22.9 nats); a tile whose sum passes 2^MAX_EXCESS2 (an
 element that far above the floor) counts its row past the capacity, so the logits schedule
 redoes it exactly (one branch-free epilogue for every tile).
 

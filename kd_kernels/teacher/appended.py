@@ -8,20 +8,8 @@ from typing import Optional
 import torch
 
 from ..topk import TopK
-from .chunks import empty_outputs, finish_with_redo, rows_in_quarter_groups
-
-# the floors phase's sample logits; then a chunk's keys, tile statistics, the sort's outputs
-APPENDED_BYTES = 56 << 20
+from .chunks import APPENDED_BYTES, appended_chunk_rows, empty_outputs, finish_with_redo
 APPENDED_MAX_K = 1024  # the keys' slots (~1.5 · r · stride a row) stay within the extension sort's 4096
-
-
-def appended_chunk_rows(num_rows: int, width: int, k: int, plan, block_n: int) -> int:
-    """Rows per chunk of the appending matmul (`AppendedPlan` ``plan``): its buffers within
-    APPENDED_BYTES, in quarters of the matmul's L2 group of row tiles. A row holds its keys (8 ·
-    capacity), its tile statistics (8 · V / block_n), its count, and the sort's values and
-    columns (8 · k)."""
-    per_row = 8 * plan.capacity + 8 * -(-width // block_n) + 4 + 8 * k
-    return rows_in_quarter_groups(APPENDED_BYTES // per_row, num_rows)
 
 
 def teacher_topk_appended(hidden: torch.Tensor, weight: torch.Tensor, k: int, temperature: float, vocab_size: int,
@@ -48,7 +36,8 @@ def teacher_topk_appended(hidden: torch.Tensor, weight: torch.Tensor, k: int, te
     sample_bias = None if bias is None else bias[:width:plan.stride].contiguous()
     floors = floors_of_rows(hidden, weight, sample_bias, width, plan, temperature, APPENDED_BYTES,
                             lambda sample, rows, part: sample_floors(sample, plan.rank, part))
-    chunk_rows = chunk_rows or appended_chunk_rows(num_rows, width, k, plan, default_config().block_n)
+    # a chunk's row also holds its count (4) and the sort's values and columns (8 · k)
+    chunk_rows = chunk_rows or appended_chunk_rows(num_rows, width, plan, default_config().block_n, 4 + 8 * k)
     values, indices, lse, overflow = empty_outputs(num_rows, k, hidden.device, with_overflow=True)
     for start in range(0, num_rows, chunk_rows):
         rows = slice(start, min(start + chunk_rows, num_rows))

@@ -13,6 +13,9 @@ from ..lm_head import lm_head_logits_fp32
 from ..topk import TopK
 
 MATMUL_ROW_GROUP = 1024  # the epilogue matmul's L2 group of row tiles (8 × 128 rows)
+# an appended schedule's buffers (the top-k's, the samples'): the floors phase's sample logits,
+# then a chunk's keys, tile statistics and what else its rows hold
+APPENDED_BYTES = 56 << 20
 
 
 def rows_in_quarter_groups(rows: int, num_rows: int) -> int:
@@ -21,6 +24,15 @@ def rows_in_quarter_groups(rows: int, num_rows: int) -> int:
     ``num_rows`` where they fit."""
     quarter = MATMUL_ROW_GROUP // 4
     return num_rows if rows >= num_rows else max(quarter, rows // quarter * quarter)
+
+
+def appended_chunk_rows(num_rows: int, width: int, plan, block_n: int, row_bytes: int) -> int:
+    """Rows per chunk of an appending matmul (`AppendedPlan` ``plan``): its buffers within
+    APPENDED_BYTES, in whole quarters of the matmul's L2 row group (`rows_in_quarter_groups`). A
+    row holds its keys (8 · capacity), its tile statistics (8 · V / block_n) and ``row_bytes``
+    more (the schedule's own)."""
+    per_row = 8 * plan.capacity + 8 * -(-width // block_n) + row_bytes
+    return rows_in_quarter_groups(APPENDED_BYTES // per_row, num_rows)
 
 
 def select_topk(logits: torch.Tensor, bias: Optional[torch.Tensor], k: int, temperature: float, width: int,
