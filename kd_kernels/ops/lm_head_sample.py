@@ -127,10 +127,14 @@ def _lm_head_sample_kernel(hidden_desc, weight_desc, bias_ptr, tile_max2_ptr, ti
     GROUPS: tl.constexpr = BLOCK_N // GROUP_COLUMNS
     PAIRS: tl.constexpr = GROUP_COLUMNS // 2
     # each pair's even column within a tile, in `_thread_groups` order, and its hash's share
-    # (key + pair) · M1 = key · M1 + pair · M1: both loop invariant
+    # (key + pair) · M1 = key · M1 + pair · M1, both loop invariant; the pair's index (its even
+    # column / 2) is written without the shift, so that the product folds into one product a
+    # thread plus a constant a pair (a shift kept it a product a pair)
     pair = tl.arange(0, PAIRS)[None, None, :]
-    even_column = top2_group_columns(tl.arange(0, GROUPS)[None, :, None], 2 * pair, GROUP_COLUMNS)
-    pair_share = (even_column >> 1).to(tl.uint32) * _M1
+    group = tl.arange(0, GROUPS)[None, :, None]
+    even_column = top2_group_columns(group, 2 * pair, GROUP_COLUMNS)
+    quarter = group % 4
+    pair_share = ((group - quarter) * (GROUP_COLUMNS // 2) + quarter + 4 * pair).to(tl.uint32) * _M1
     even_bit = 1 << (2 * pair)
     below_even = even_bit - 1
     below_odd = below_even | even_bit
