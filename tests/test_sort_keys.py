@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from helpers import HAS_CUDA, check_counted_top, counted_keys_case
-from kd_kernels.ops.sort_keys import MAX_TRITON_SLOTS, top_of_counted_keys
+from kd_kernels.ops.sort_keys import MAX_TRITON_SLOTS, SLOTS_A_WARP, top_of_counted_keys
 
 pytestmark = pytest.mark.interpret
 DEVICE = "cuda" if HAS_CUDA else "cpu"
@@ -16,10 +16,12 @@ SHAPES = [(8, 1), (100, 60), (300, 300), (512, 7)] + ([(4096, 1024), (2048, 1024
 
 @pytest.mark.parametrize("capacity, k", SHAPES)
 @pytest.mark.parametrize("rounded", [True, False])
-def test_the_triton_order_ranks_each_rows_counted_keys(capacity, k, rounded):
+@pytest.mark.parametrize("smallest_band", [SLOTS_A_WARP, 2])
+def test_the_triton_order_ranks_each_rows_counted_keys(capacity, k, rounded, smallest_band):
+    """Every row ranked by its band's launch (the smallest band of 2: a band from k on)."""
     keys, counts, values, columns = counted_keys_case(capacity, k, rounded, rows=64 if HAS_CUDA else 6,
                                                       device=DEVICE)
-    got_values, got_columns = top_of_counted_keys(keys, counts, k, "triton")
+    got_values, got_columns = top_of_counted_keys(keys, counts, k, "triton", smallest_band)
     check_counted_top(got_values, got_columns, values, columns, counts, k)
 
 
@@ -35,3 +37,5 @@ def test_the_triton_order_refuses_what_it_cannot_rank():
         top_of_counted_keys(keys.int(), counts, 4, "triton")
     with pytest.raises(ValueError, match="order: expected 'cuda' or 'triton', got 'torch'"):
         top_of_counted_keys(keys, counts, 4, "torch")
+    with pytest.raises(ValueError, match="smallest_band: expected a power of two >= 2, got 24"):
+        top_of_counted_keys(keys, counts, 4, "triton", 24)

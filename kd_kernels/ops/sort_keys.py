@@ -37,16 +37,22 @@ _EMPTY_KEY = value_column_keys(torch.tensor([float("-inf")]), torch.tensor([EMPT
 
 
 MAX_TRITON_SLOTS = 4096  # a row's keys in one program's registers: the extension's sort takes as many
+SLOTS_A_WARP = 512  # the triton order's keys a warp: fewer warps make the bisection's reductions cheaper
 
 
-def top_of_counted_keys(keys: torch.Tensor, counts: torch.Tensor, k: int, order: str):
+def top_of_counted_keys(keys: torch.Tensor, counts: torch.Tensor, k: int, order: str,
+                        smallest_band: int = SLOTS_A_WARP):
     """The k largest of each row's first ``counts [R]`` int32 raw keys (``keys [R, C]`` int64,
     contiguous, as the appending matmul stores them: a float's bits above its column,
     ops/topk_from_appended.py; the slots past a row's count are ignored), in the order of
     `value_column_keys` (value descending, then the lower column), decoded: (values ``[R, k]``
     float32, -inf past the count; columns ``[R, k]`` int32, 0 there). ``order``: "cuda" (a
     bitonic sort per row in the extension, C <= 4096) or "triton" (one program a row, C <=
-    MAX_TRITON_SLOTS: the k-th key found by bisection, then a sort of k)."""
+    MAX_TRITON_SLOTS: the k-th key found by bisection, then a sort of k). The triton order ranks
+    rows in bands of their filled slots, one launch a band: ``smallest_band`` (a power of two, or
+    k rounded up to one where larger) slots for the rows that fill at most that many, then twice
+    as many for the next, up to C rounded up (a row of a few hundred keys in a 2048-slot buffer
+    is ranked by one warp, not four)."""
     if order not in ("cuda", "triton"):
         raise ValueError(f"order: expected 'cuda' or 'triton', got {order!r}")
     if order == "cuda":
@@ -61,28 +67,37 @@ def top_of_counted_keys(keys: torch.Tensor, counts: torch.Tensor, k: int, order:
         raise ValueError(f"keys: expected contiguous int64, got {keys.dtype}, contiguous={keys.is_contiguous()}")
     values = torch.empty(rows, k, dtype=torch.float32, device=keys.device)
     columns = torch.empty(rows, k, dtype=torch.int32, device=keys.device)
-    if rows:
-        slots = max(2, triton.next_power_of_2(capacity))
-        # 512 slots a warp: fewer warps make the bisection's block reductions cheaper, more hold more keys each
-        top, warps = max(2, triton.next_power_of_2(k)), max(1, min(8, slots // 512))
+    if smallest_band < 2 or smallest_band & (smallest_band - 1):
+        raise ValueError(f"smallest_band: expected a power of two >= 2, got {smallest_band}")
+    top = max(2, triton.next_power_of_2(k))
+    slots, last = max(top, smallest_band), max(2, triton.next_power_of_2(capacity))
+    below = -1  # the rows a band ranks fill more slots than this
+    while rows and below < last:
+        slots = min(slots, last)
         # the outputs hold the selected keys' two words between the kernel's two steps
         _select_then_sort_kernel[(rows,)](keys, counts, values, values.view(torch.int32), columns, capacity, k,
-                                          _EMPTY_KEY, SLOTS=slots, TOP=top, num_warps=warps)
+                                          _EMPTY_KEY, below, SLOTS=slots, TOP=top,
+                                          num_warps=max(1, min(8, slots // SLOTS_A_WARP)))
+        below, slots = slots, 2 * slots
     return values, columns
 
 
 @triton.jit
-def _select_then_sort_kernel(keys, counts, values, value_words, columns, capacity, k, empty_key,
+def _select_then_sort_kernel(keys, counts, values, value_words, columns, capacity, k, empty_key, below,
                              SLOTS: tl.constexpr, TOP: tl.constexpr):
-    """One row a program: its first min(count, capacity) raw keys made `value_column_key`s
+    """One row a program, if it fills more than ``below`` and at most SLOTS slots (its band;
+    other rows return at once): its first min(count, capacity) raw keys made `value_column_key`s
     (SLOTS, a power of two, with ``empty_key`` past them); the row's k-th largest key found by
     bisection over its two 32-bit words (each step a count over the row's keys: 32 steps, 64
     where values tie at the k-th); the k keys at or above it written compacted to the row's
     outputs (``value_words``: ``values`` as int32), read back as TOP (k rounded up to a power
     of two), sorted there and decoded."""
     row = tl.program_id(0).to(tl.int64)
+    filled = tl.minimum(tl.load(counts + row), capacity)
+    if (filled <= below) | (filled > SLOTS):
+        return
     # empty slots take part (as empty_key): the k-th may be one where count < k
-    key = _row_keys(keys, counts, row, capacity, empty_key, SLOTS)
+    key = _row_keys(keys, filled, row, capacity, empty_key, SLOTS)
     # both words as uint32 whose order is the key's: the high one signed, its sign bit flipped
     high = ((key >> 32).to(tl.int32) ^ -2147483648).to(tl.uint32, bitcast=True)
     low = key.to(tl.int32).to(tl.uint32, bitcast=True)
@@ -111,14 +126,14 @@ def _select_then_sort_kernel(keys, counts, values, value_words, columns, capacit
 
 
 @triton.jit
-def _row_keys(keys, counts, row, capacity, empty_key, SLOTS: tl.constexpr):
-    """Row ``row``'s first min(count, capacity) raw keys (a float's bits above its column) as
+def _row_keys(keys, filled, row, capacity, empty_key, SLOTS: tl.constexpr):
+    """Row ``row``'s first ``filled`` (<= SLOTS) raw keys (a float's bits above its column) as
     `value_column_key`s, ``empty_key`` in the other of its SLOTS."""
     slot = tl.arange(0, SLOTS)
-    filled = slot < tl.minimum(tl.load(counts + row), capacity)
-    key = tl.load(keys + row * capacity + slot, mask=filled, other=0)
+    is_filled = slot < filled
+    key = tl.load(keys + row * capacity + slot, mask=is_filled, other=0)
     key = key_of_raw(key)
-    return tl.where(filled, key, empty_key)
+    return tl.where(is_filled, key, empty_key)
 
 
 @triton.jit
