@@ -54,10 +54,10 @@ _MAX_SUM2 = tl.constexpr(2.0 ** MAX_EXCESS2)
 STORE_IN_PTX = os.environ.get("TRITON_INTERPRET") != "1"
 
 # one element's append, its group's slots taken: where its lane's bit ($2) is set in the group's
-# bits ($3; cleared for a group whose slots would pass the capacity), the slot first + the
-# group's kept lanes below it (bits & below), the 8-byte raw key (column, value bits) in one
-# predicated store: no branch, and no keep flags held from the test to the store
-# (ops/lm_head_group_maxima.py's `_STORE_APPENDED_PTX`)
+# bits ($3; cleared for a group whose slots would pass the capacity), at the group's first slot's
+# address ($5) + 8 · the group's kept lanes below it (bits & below), the 8-byte raw key (column,
+# value bits) in one predicated store: no branch, and no keep flags held from the test to the
+# store (ops/lm_head_group_maxima.py's `_STORE_APPENDED_PTX`)
 _STORE_KEPT_PTX = tl.constexpr("""
 {
 .reg .pred kept;
@@ -68,9 +68,8 @@ and.b32 slot, $3, $2;
 setp.ne.b32 kept, slot, 0;
 and.b32 slot, $3, $4;
 popc.b32 slot, slot;
-add.u32 slot, slot, $5;
-mad.wide.u32 address, slot, 8, $6;
-@kept st.global.v2.b32 [address], {$7, $1};
+mad.wide.u32 address, slot, 8, $5;
+@kept st.global.v2.b32 [address], {$6, $1};
 }
 """)
 
@@ -104,9 +103,10 @@ def _store_kept(z, lane_bit, bits, below, first, column, row_offsets, keys_ptr, 
     stored as raw keys in their slots: ``first`` [BLOCK_M, groups] + the group's kept lanes below
     (``bits & below``); each group's slots within ``key_capacity`` (its bits cleared otherwise)."""
     if IN_PTX:
-        row_keys = (keys_ptr + row_offsets * key_capacity).to(tl.int64, bitcast=True)[:, None, None]
-        tl.inline_asm_elementwise(_STORE_KEPT_PTX, "=r,f,r,r,r,r,l,r",
-                                  [z, lane_bit, bits[:, :, None], below, first[:, :, None], row_keys, column],
+        # the group's first slot's address, once a group rather than once an element
+        first_slot = (keys_ptr + row_offsets[:, None] * key_capacity + first).to(tl.int64, bitcast=True)
+        tl.inline_asm_elementwise(_STORE_KEPT_PTX, "=r,f,r,r,r,l,r",
+                                  [z, lane_bit, bits[:, :, None], below, first_slot[:, :, None], column],
                                   dtype=tl.int32, is_pure=False, pack=1)
     else:
         slot = first[:, :, None] + _popcount(bits[:, :, None] & below, POPC_IN_HARDWARE)
