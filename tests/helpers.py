@@ -155,12 +155,12 @@ def decode_raw_keys(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def check_counted_top(got_values, got_columns, values, columns, counts, k: int) -> None:
-    """Each row's k largest of its first counts[r] (value, column) pairs, in order: value
-    descending, then the lower column; -inf and column 0 past the count."""
+    """Each row's k largest of its first counts[r] (value, column) pairs (none for a negative
+    count), in order: value descending, then the lower column; -inf and column 0 past the count."""
     got_values, got_columns, values, columns = (t.cpu() for t in (got_values, got_columns, values, columns))
     capacity = values.shape[1]
     for row in range(values.shape[0]):
-        count = min(int(counts[row]), capacity)
+        count = max(0, min(int(counts[row]), capacity))
         by_column = torch.argsort(columns[:count])  # then by value, stably: ties in column order
         order = by_column[torch.sort(values[row, by_column], descending=True, stable=True).indices][:k]
         taken = len(order)

@@ -11,7 +11,8 @@ from kd_kernels.ops.sort_keys import MAX_TRITON_SLOTS, SLOTS_A_WARP, top_of_coun
 pytestmark = pytest.mark.interpret
 DEVICE = "cuda" if HAS_CUDA else "cpu"
 # the interpreter runs a 4096-slot row in seconds: the largest shapes on the GPU only
-SHAPES = [(8, 1), (100, 60), (300, 300), (512, 7)] + ([(4096, 1024), (2048, 1024), (4096, 2500)] if HAS_CUDA else [])
+SHAPES = [(8, 1), (100, 60), (300, 300), (512, 7)] + ([(4096, 1024), (2048, 1024), (4096, 2500), (2048, 17)]
+                                                      if HAS_CUDA else [])
 
 
 @pytest.mark.parametrize("capacity, k", SHAPES)
@@ -21,6 +22,10 @@ def test_the_triton_order_ranks_each_rows_counted_keys(capacity, k, rounded, sma
     """Every row ranked by its band's launch (the smallest band of 2: a band from k on)."""
     keys, counts, values, columns = counted_keys_case(capacity, k, rounded, rows=64 if HAS_CUDA else 6,
                                                       device=DEVICE)
+    # counts at every band's edges (of the default bands where they fit, else of the band of 2's)
+    edges = [e for band in (512, 1024, 2048, 4, 8) for e in (band - 1, band, band + 1) if e <= capacity]
+    counts[4:4 + len(edges)] = torch.tensor(edges[:counts.numel() - 4], dtype=torch.int32)
+    counts[-1] = -1  # read as 0
     got_values, got_columns = top_of_counted_keys(keys, counts, k, "triton", smallest_band)
     check_counted_top(got_values, got_columns, values, columns, counts, k)
 

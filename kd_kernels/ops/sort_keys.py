@@ -49,12 +49,15 @@ def top_of_counted_keys(keys: torch.Tensor, counts: torch.Tensor, k: int, order:
     float32, -inf past the count; columns ``[R, k]`` int32, 0 there). ``order``: "cuda" (a
     bitonic sort per row in the extension, C <= 4096) or "triton" (one program a row, C <=
     MAX_TRITON_SLOTS: the k-th key found by bisection, then a sort of k). The triton order ranks
-    rows in bands of their filled slots, one launch a band: ``smallest_band`` (a power of two, or
-    k rounded up to one where larger) slots for the rows that fill at most that many, then twice
-    as many for the next, up to C rounded up (a row of a few hundred keys in a 2048-slot buffer
-    is ranked by one warp, not four)."""
+    rows in bands of their filled slots (min(count, capacity), a negative count as 0), one
+    launch a band: ``smallest_band`` (a power of two >= 2) slots, or k rounded up to a power of
+    two where larger, or C rounded up where smaller, for the rows that fill at most that many,
+    then twice as many for the next, up to C rounded up (a row of a few hundred keys in a
+    2048-slot buffer is ranked by one warp, not four)."""
     if order not in ("cuda", "triton"):
         raise ValueError(f"order: expected 'cuda' or 'triton', got {order!r}")
+    if smallest_band < 2 or smallest_band & (smallest_band - 1):
+        raise ValueError(f"smallest_band: expected a power of two >= 2, got {smallest_band}")
     if order == "cuda":
         from .topk_candidates import load_extension
 
@@ -67,8 +70,6 @@ def top_of_counted_keys(keys: torch.Tensor, counts: torch.Tensor, k: int, order:
         raise ValueError(f"keys: expected contiguous int64, got {keys.dtype}, contiguous={keys.is_contiguous()}")
     values = torch.empty(rows, k, dtype=torch.float32, device=keys.device)
     columns = torch.empty(rows, k, dtype=torch.int32, device=keys.device)
-    if smallest_band < 2 or smallest_band & (smallest_band - 1):
-        raise ValueError(f"smallest_band: expected a power of two >= 2, got {smallest_band}")
     top = max(2, triton.next_power_of_2(k))
     slots, last = max(top, smallest_band), max(2, triton.next_power_of_2(capacity))
     below = -1  # the rows a band ranks fill more slots than this
@@ -93,7 +94,7 @@ def _select_then_sort_kernel(keys, counts, values, value_words, columns, capacit
     outputs (``value_words``: ``values`` as int32), read back as TOP (k rounded up to a power
     of two), sorted there and decoded."""
     row = tl.program_id(0).to(tl.int64)
-    filled = tl.minimum(tl.load(counts + row), capacity)
+    filled = tl.maximum(tl.minimum(tl.load(counts + row), capacity), 0)
     if (filled <= below) | (filled > SLOTS):
         return
     # empty slots take part (as empty_key): the k-th may be one where count < k
