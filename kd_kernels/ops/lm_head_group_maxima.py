@@ -120,10 +120,22 @@ def _thread_groups(z, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_COLUMN
 
 
 @triton.jit
+def top2_group_pairs(group, pair, GROUP_COLUMNS: tl.constexpr):
+    """The index (column / 2, int32) of pair ``pair`` (lanes 2·pair and 2·pair + 1) of group
+    ``group`` of a `group_top2` matmul (`_thread_groups`): each run of 4 groups covers
+    2 · GROUP_COLUMNS pairs, and group 4·r + q of it every 4th pair from pair q of the run on
+    (`top2_group_columns` / 2 of lane 2·pair). Linear in its arguments (no shift), so products
+    of it fold into one a thread."""
+    quarter = group % 4
+    return (group - quarter) * (GROUP_COLUMNS // 2) + quarter + 4 * pair
+
+
+@triton.jit
 def top2_group_columns(group, lane, GROUP_COLUMNS: tl.constexpr):
     """The column (int32) of ``lane`` of group ``group`` of a `group_top2` matmul (`_thread_groups`):
     each run of 4 groups covers 4 · GROUP_COLUMNS columns, and group 4·r + q of it every 8th pair
-    of them from column 2·q of the run on."""
+    of them from column 2·q of the run on; lane 2·p + b is column b of pair p (`top2_group_pairs`,
+    the same layout written for pairs)."""
     quarter = group % 4
     return (group - quarter) * GROUP_COLUMNS + 2 * quarter + 8 * (lane // 2) + lane % 2
 

@@ -39,7 +39,7 @@ from .buffers import empty_parts
 from .gumbel_noise import _M1, _M2, coarse_floats, row_key, signed_key
 from .launch import multiprocessor_count
 from .lm_head_group_maxima import (POPC_IN_HARDWARE, _check_appends, _popcount, _thread_groups, _tile_position,
-                                   default_config, top2_group_columns)
+                                   default_config, top2_group_columns, top2_group_pairs)
 from .tma import row_tile_descriptor
 
 MARGIN2 = 1.0 / 512  # log2 units (1.35e-3 nats) each row's floor is lowered by
@@ -126,15 +126,13 @@ def _lm_head_sample_kernel(hidden_desc, weight_desc, bias_ptr, tile_max2_ptr, ti
     column_tiles = tl.cdiv(width, BLOCK_N)
     GROUPS: tl.constexpr = BLOCK_N // GROUP_COLUMNS
     PAIRS: tl.constexpr = GROUP_COLUMNS // 2
-    # each pair's even column within a tile, in `_thread_groups` order, and its hash's share
-    # (key + pair) · M1 = key · M1 + pair · M1, both loop invariant; the pair's index (its even
-    # column / 2) is written without the shift, so that the product folds into one product a
-    # thread plus a constant a pair (a shift kept it a product a pair)
+    # each pair's index and even column within a tile, in `_thread_groups` order, and its
+    # hash's share (key + pair) · M1 = key · M1 + pair · M1, both loop invariant (the index is
+    # linear: the product folds into one a thread plus a constant a pair)
     pair = tl.arange(0, PAIRS)[None, None, :]
     group = tl.arange(0, GROUPS)[None, :, None]
     even_column = top2_group_columns(group, 2 * pair, GROUP_COLUMNS)
-    quarter = group % 4
-    pair_share = ((group - quarter) * (GROUP_COLUMNS // 2) + quarter + 4 * pair).to(tl.uint32) * _M1
+    pair_share = top2_group_pairs(group, pair, GROUP_COLUMNS).to(tl.uint32) * _M1
     even_bit = 1 << (2 * pair)
     below_even = even_bit - 1
     below_odd = below_even | even_bit
