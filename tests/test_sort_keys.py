@@ -4,6 +4,7 @@ the k-th value, -0.0 beside 0.0, empty rows, counts past the capacity; and its i
 The CUDA sort's twin test is in tests/test_teacher_topk_cuda.py."""
 import pytest
 import torch
+import triton
 
 from helpers import HAS_CUDA, check_counted_top, counted_keys_case
 from kd_kernels.ops.sort_keys import MAX_TRITON_SLOTS, SLOTS_A_WARP, top_of_counted_keys
@@ -20,12 +21,14 @@ SHAPES = [(8, 1), (100, 60), (300, 300), (512, 7)] + ([(4096, 1024), (2048, 1024
 @pytest.mark.parametrize("smallest_band", [SLOTS_A_WARP, 2])
 def test_the_triton_order_ranks_each_rows_counted_keys(capacity, k, rounded, smallest_band):
     """Every row ranked by its band's launch (the smallest band of 2: a band from k on)."""
-    keys, counts, values, columns = counted_keys_case(capacity, k, rounded, rows=64 if HAS_CUDA else 6,
+    # a row on each side of every edge between two bands (bands from k rounded up on), one
+    # negative count (read as 0), after the case's rows 0-3 (count 0, full, past full, ties)
+    first_band = max(triton.next_power_of_2(k), smallest_band)
+    edges = [e for band in (first_band << i for i in range(13)) if band < capacity for e in (band, band + 1)]
+    keys, counts, values, columns = counted_keys_case(capacity, k, rounded, rows=(64 if HAS_CUDA else 5) + len(edges),
                                                       device=DEVICE)
-    # counts at every band's edges (of the default bands where they fit, else of the band of 2's)
-    edges = [e for band in (512, 1024, 2048, 4, 8) for e in (band - 1, band, band + 1) if e <= capacity]
-    counts[4:4 + len(edges)] = torch.tensor(edges[:counts.numel() - 4], dtype=torch.int32)
-    counts[-1] = -1  # read as 0
+    counts[4:4 + len(edges)] = torch.tensor(edges, dtype=torch.int32)
+    counts[-1] = -1
     got_values, got_columns = top_of_counted_keys(keys, counts, k, "triton", smallest_band)
     check_counted_top(got_values, got_columns, values, columns, counts, k)
 
