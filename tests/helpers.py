@@ -16,6 +16,13 @@ INTERPRETER_ONLY = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
 FLOAT32_INTERPRETED = pytest.param(torch.float32, marks=INTERPRETER_ONLY)
 
 
+def python_path_environment(*paths: str) -> dict:
+    """This process's environment for a child Python that imports from ``paths`` first, then
+    from this process's own PYTHONPATH (where a machine keeps packages outside site-packages)."""
+    inherited = [path for path in os.environ.get("PYTHONPATH", "").split(os.pathsep) if path]
+    return dict(os.environ, PYTHONPATH=os.pathsep.join([*paths, *inherited]))
+
+
 def spawn_ranks(worker, world: int, *args) -> None:
     """Runs ``worker(rank, world, init_file, *args)`` in ``world`` fresh processes (a
     ``file://`` rendezvous in a temporary directory) and raises the first rank's error."""

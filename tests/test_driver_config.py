@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import kd_kernels as kd
+from helpers import python_path_environment
 from orchestration import config as config_module
 from orchestration import options as options_module
 from orchestration import placement
@@ -191,10 +192,12 @@ def test_divergence_and_beta_from_set_reach_the_students_loss(tmp_path):
 # ---- the command line: exit 2 within seconds, one line per problem ------------------------------
 
 def _orchestrate(*arguments, cwd=ROOT, timeout=30):
+    """orchestrate.py in a child that sees no GPU: the messages and defaults are a CPU machine's on
+    every machine."""
     started = time.perf_counter()
     done = subprocess.run([sys.executable, os.path.join(ROOT, "orchestrate.py"), *arguments], cwd=cwd,
                           capture_output=True, text=True, timeout=timeout,
-                          env=dict(os.environ, PYTHONPATH=ROOT))
+                          env=dict(python_path_environment(ROOT), CUDA_VISIBLE_DEVICES=""))
     return done, time.perf_counter() - started
 
 

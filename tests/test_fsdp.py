@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import kd_kernels as kd
-from helpers import fork_ranks
+from helpers import cpu_ranks
 from helpers_hf import LM_HEAD_ROWS, VOCAB, tiny_causal_lm
 from orchestration.distillation import DistillationStudent
 from orchestration.fsdp import (build_optimizer, clip_gradients, full_model_state_dict, load_checkpoint,
@@ -141,7 +141,7 @@ def distributed(tmp_path_factory):
     directory = str(tmp_path_factory.mktemp("fsdp"))
     for family in ("llama", "qwen2"):  # their modules imported once, here, not in each forked rank
         tiny_causal_lm(family)
-    fork_ranks(_worker, WORLD, directory, timeout_s=240)
+    cpu_ranks(_worker, WORLD, directory)
     return directory, torch.load(os.path.join(directory, "results.pt"), weights_only=False)
 
 

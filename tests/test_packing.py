@@ -371,7 +371,8 @@ def test_documents_stay_apart_on_the_gpu_in_bf16(attention):
     hidden = hidden_of([a, b, c])
     changed = hidden_of([generator.integers(3, 32_000, size=700).tolist(), b, c])
     b_span = slice(len(a) + 1, len(a) + len(b) + 2)
-    torch.testing.assert_close(changed[b_span], hidden[b_span], rtol=0, atol=1e-2)
+    # a leak would move B's states by O(1); bf16 kernels may round a few elements an ulp or two apart
+    torch.testing.assert_close(changed[b_span], hidden[b_span], rtol=2e-2, atol=2e-2)
     with torch.no_grad():
         alone = final_hidden_states(model, torch.tensor([b + [EOS]], device="cuda"))[0].float()
     torch.testing.assert_close(hidden[b_span], alone, rtol=2e-2, atol=2e-2)
