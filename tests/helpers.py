@@ -16,11 +16,12 @@ INTERPRETER_ONLY = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
 FLOAT32_INTERPRETED = pytest.param(torch.float32, marks=INTERPRETER_ONLY)
 
 
-def python_path_environment(*paths: str) -> dict:
-    """This process's environment for a child Python that imports from ``paths`` first, then
-    from this process's own PYTHONPATH (where a machine keeps packages outside site-packages)."""
+def python_path(*paths: str) -> str:
+    """The PYTHONPATH of a child Python (a subprocess, a Ray worker) that imports from ``paths``
+    first, then from this process's own PYTHONPATH (where a machine keeps packages outside
+    site-packages)."""
     inherited = [path for path in os.environ.get("PYTHONPATH", "").split(os.pathsep) if path]
-    return dict(os.environ, PYTHONPATH=os.pathsep.join([*paths, *inherited]))
+    return os.pathsep.join([*paths, *inherited])
 
 
 def spawn_ranks(worker, world: int, *args) -> None:

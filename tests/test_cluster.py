@@ -4,6 +4,7 @@ import os
 
 import pytest
 
+from helpers import python_path
 from orchestration.cluster import (ClusterMember, Node, connect, form_process_group, place_slots, release_slots,
                                    tcp_init_method)
 
@@ -21,8 +22,7 @@ def two_nodes():
                                                                 include_dashboard=False))
     cluster.add_node(num_cpus=2, resources={"node_b": 1})
     cluster.wait_for_nodes()
-    path = os.pathsep.join([root, os.path.join(root, "tests")])
-    connect(cluster.address, runtime_env={"env_vars": {"PYTHONPATH": path}})
+    connect(cluster.address, runtime_env={"env_vars": {"PYTHONPATH": python_path(root, os.path.join(root, "tests"))}})
     yield cluster
     ray.shutdown()
     cluster.shutdown()

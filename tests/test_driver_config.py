@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import kd_kernels as kd
-from helpers import python_path_environment
+from helpers import python_path
 from orchestration import config as config_module
 from orchestration import options as options_module
 from orchestration import placement
@@ -197,7 +197,7 @@ def _orchestrate(*arguments, cwd=ROOT, timeout=30):
     started = time.perf_counter()
     done = subprocess.run([sys.executable, os.path.join(ROOT, "orchestrate.py"), *arguments], cwd=cwd,
                           capture_output=True, text=True, timeout=timeout,
-                          env=dict(python_path_environment(ROOT), CUDA_VISIBLE_DEVICES=""))
+                          env=dict(os.environ, PYTHONPATH=python_path(ROOT), CUDA_VISIBLE_DEVICES=""))
     return done, time.perf_counter() - started
 
 

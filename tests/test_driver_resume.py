@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from helpers import python_path_environment
+from helpers import python_path
 from orchestration import checkpoint
 from orchestration.config import Config
 from orchestration.errors import UsageError
@@ -122,7 +122,7 @@ TINY = ["--set", "device=cpu", "--set", "max_corpus_bytes=60000", "--set", "toke
 
 def _start(arguments: list[str], log) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "orchestrate.py", *arguments], cwd=ROOT, stdout=log, stderr=log,
-                            env=python_path_environment(ROOT), start_new_session=True)
+                            env=dict(os.environ, PYTHONPATH=python_path(ROOT)), start_new_session=True)
 
 
 def _wait_for_rows(path: str, count: int, process: subprocess.Popen, timeout: float = 240.0) -> None:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import kd_kernels as kd
-from helpers import python_path_environment
+from helpers import python_path
 from orchestration import teacher_cache as tc
 from orchestration.cache_codec import COMPACT_RANGE, MASS_LEVELS, MASS_RANGE, Codec
 from orchestration.cache_identity import data_hash, teacher_identity, tokenizer_hash
@@ -405,7 +405,7 @@ print("finished", flush=True)
 def test_writer_killed_with_sigkill_resumes_to_the_uninterrupted_cache(tmp_path):
     rows = list(range(60))
     directory = tmp_path / "killed"
-    environment = python_path_environment(ROOT, os.path.join(ROOT, "tests"))
+    environment = dict(os.environ, PYTHONPATH=python_path(ROOT, os.path.join(ROOT, "tests")))
     child = subprocess.Popen([sys.executable, "-c", _CHILD, str(directory)], stdout=subprocess.PIPE, text=True,
                              env=environment)
     try:
