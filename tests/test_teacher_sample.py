@@ -33,11 +33,10 @@ def chi_square_p_value(counts: torch.Tensor, expected: torch.Tensor) -> float:
 
 @triton.jit
 def _noise_table_kernel(noise_ptr, coarse_ptr, bound_ptr, rows_ptr, seed_key, COLUMNS: tl.constexpr,
-                        ROWS: tl.constexpr):
-    """Row block × columns of G, of the coarse 16 bits and of the coarse lower bound of G, in one
-    program (cheap under the interpreter)."""
-    rows = tl.arange(0, ROWS)[:, None]
-    columns = tl.arange(0, COLUMNS)[None, :]
+                        ROW_BLOCK: tl.constexpr, COLUMN_BLOCK: tl.constexpr):
+    """A row block × column block of G, of the coarse 16 bits and of the coarse lower bound of G."""
+    rows = tl.program_id(0) * ROW_BLOCK + tl.arange(0, ROW_BLOCK)[:, None]
+    columns = tl.program_id(1) * COLUMN_BLOCK + tl.arange(0, COLUMN_BLOCK)[None, :]
     key = row_key(seed_key, tl.load(rows_ptr + rows))
     tl.store(noise_ptr + rows * COLUMNS + columns, gumbel_noise(key, columns))
     even, odd = coarse_floats(pair_hash(key, columns))
@@ -47,10 +46,14 @@ def _noise_table_kernel(noise_ptr, coarse_ptr, bound_ptr, rows_ptr, seed_key, CO
 
 def triton_noise(seed: int, rows: torch.Tensor, columns: int):
     """(G float32, coarse bits int64, G's coarse lower bound float32) ``[R, columns]`` from the
-    kernels' noise functions."""
+    kernels' noise functions; R and columns powers of two. One program under the interpreter
+    (cheap there); small blocks on a GPU, where a program of 4096 × 16 did not compile in six
+    minutes."""
     noise, coarse, bound = (torch.empty(rows.numel(), columns, device=DEVICE) for _ in range(3))
-    _noise_table_kernel[(1,)](noise, coarse, bound, rows.to(DEVICE), signed_key(sampling.seed_key(seed)),
-                              COLUMNS=columns, ROWS=rows.numel())
+    row_block, column_block = (rows.numel(), columns) if DEVICE == "cpu" else (min(rows.numel(), 4), min(columns, 256))
+    grid = (rows.numel() // row_block, columns // column_block)
+    _noise_table_kernel[grid](noise, coarse, bound, rows.to(DEVICE), signed_key(sampling.seed_key(seed)),
+                              COLUMNS=columns, ROW_BLOCK=row_block, COLUMN_BLOCK=column_block)
     return noise.cpu(), coarse.cpu().long(), bound.cpu()
 
 
