@@ -6,15 +6,12 @@ import numpy as np
 import pytest
 import torch
 
+from helpers import relative_error
 from orchestration.packing import (IGNORE_INDEX, DataPosition, EpochReader, PackedRows, TokenDocuments,
                                    attention_mask, from_lists, load_token_documents, save_token_documents)
 
 EOS, PAD = 1, 0
 DOCUMENTS = [[5, 6, 7], [8, 9], [10, 11, 12, 13, 14, 15, 16, 17, 18], [19, EOS], [20], [21, 22, 23, 24]]
-
-
-def relative_deviation(x, reference):
-    return (torch.linalg.vector_norm(x - reference) / torch.linalg.vector_norm(reference)).item()
 
 
 def _naive_rows(documents, row_tokens):
@@ -365,9 +362,11 @@ def test_documents_stay_apart_on_the_gpu_in_bf16(attention):
     a, b, c = (generator.integers(3, 32_000, size=n).tolist() for n in (700, 900, 300))
     rows = PackedRows(from_lists([a, b, c]), 2048, eos_id=EOS, pad_id=PAD, shuffle=False)
 
-    def hidden_of(documents):
+    def hidden_of(documents, one_document=False):
+        """The packed row's final states; ``one_document``: masked as one document (a leak)."""
         batch = PackedRows(from_lists(documents), 2048, eos_id=EOS, pad_id=PAD, shuffle=False).batch([(0, 0)])
-        mask = attention_mask(batch.document_ids.cuda(), attention, torch.bfloat16)
+        document_ids = torch.zeros_like(batch.document_ids) if one_document else batch.document_ids
+        mask = attention_mask(document_ids.cuda(), attention, torch.bfloat16)
         with torch.no_grad():
             return final_hidden_states(model, batch.input_ids.cuda(), position_ids=batch.position_ids.cuda(),
                                        attention_mask=mask)[0].float()
@@ -380,15 +379,10 @@ def test_documents_stay_apart_on_the_gpu_in_bf16(attention):
     # bf16 kernels of other shapes round B's states apart by a few ulps (a handful of elements by
     # 0.03); a leak moves them by O(1). Judged on the whole span, against a real leak's size.
     noise = 2e-2
-    assert relative_deviation(changed[b_span], hidden[b_span]) < noise
-    assert relative_deviation(hidden[b_span], alone) < noise
+    assert relative_error(changed[b_span], hidden[b_span]) < noise
+    assert relative_error(hidden[b_span], alone) < noise
     if attention != "flash_attention_2":  # its leak-free packing does not come from the mask
-        batch = rows.batch([(0, 0)])
-        one_document = attention_mask(torch.zeros_like(batch.document_ids).cuda(), attention, torch.bfloat16)
-        with torch.no_grad():
-            leaked = final_hidden_states(model, batch.input_ids.cuda(), position_ids=batch.position_ids.cuda(),
-                                         attention_mask=one_document)[0].float()
-        assert relative_deviation(leaked[b_span], alone) > 10 * noise
+        assert relative_error(hidden_of([a, b, c], one_document=True)[b_span], alone) > 10 * noise
     assert rows.rows_in_epoch() == 1
 
 
