@@ -202,6 +202,17 @@ def _orchestrate(*arguments, cwd=ROOT, timeout=30):
 
 
 @pytest.fixture(scope="module")
+def at_once():
+    """Seconds an answer "at once" may take: a child's torch import on this machine now (the most any
+    usage error's path loads) and 3 s more, far under a Ray start or a model build; a fixed bound
+    failed on a loaded GPU machine, where importing torch alone took ~4 s."""
+    started = time.perf_counter()
+    subprocess.run([sys.executable, "-c", "import torch"], check=True, timeout=60,
+                   env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
+    return time.perf_counter() - started + 3.0
+
+
+@pytest.fixture(scope="module")
 def files(tmp_path_factory):
     root = tmp_path_factory.mktemp("cli")
     (root / "malformed.yaml").write_text("steps: [1, 2\n")
@@ -251,7 +262,7 @@ BAD = [  # (arguments, the start of each expected line)
 
 
 @pytest.mark.parametrize("arguments, lines", BAD, ids=[" ".join(a) for a, _ in BAD])
-def test_each_bad_option_exits_2_at_once_with_one_line_each(files, tmp_path, arguments, lines):
+def test_each_bad_option_exits_2_at_once_with_one_line_each(files, tmp_path, at_once, arguments, lines):
     arguments = [argument.format(files=files) for argument in arguments]
     if not any(argument.startswith("output_dir=") for argument in arguments):
         arguments += ["--set", f"output_dir={tmp_path}/run"]
@@ -261,13 +272,13 @@ def test_each_bad_option_exits_2_at_once_with_one_line_each(files, tmp_path, arg
     assert len(got) == len(lines) and "Traceback" not in done.stderr, done.stderr
     for line, expected in zip(got, lines):
         assert line.startswith("orchestrate.py: error: " + expected.format(files=files)), line
-    assert seconds < 5.0, f"{seconds:.1f} s"
+    assert seconds < at_once, f"{seconds:.1f} s"
     assert not os.path.exists(tmp_path / "run")  # nothing was started
 
 
-def test_debug_shows_the_traceback_and_help_lists_every_option(tmp_path):
+def test_debug_shows_the_traceback_and_help_lists_every_option(tmp_path, at_once):
     done, _ = _orchestrate("--set", "steps=0", "--debug", "--set", f"output_dir={tmp_path}")
     assert done.returncode == 2 and "Traceback" in done.stderr and "steps: expected" in done.stderr
     done, seconds = _orchestrate("--help")
-    assert done.returncode == 0 and seconds < 5.0
+    assert done.returncode == 0 and seconds < at_once
     assert all(f"  {option.name} = " in done.stdout for option in OPTIONS)
