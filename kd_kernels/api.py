@@ -294,17 +294,23 @@ def _check_sampling(num_samples, vocab_size: int, seed, row_offset) -> None:
 
 
 def _sampling_backend(backend: str, op: str, device: torch.device, num_samples: int) -> str:
-    from .teacher_sampling import SAMPLE_MAX
-
     chosen = resolve_backend(backend, op, device)
-    if chosen == "triton" and num_samples > SAMPLE_MAX:
-        raise ValueError(f"num_samples: the triton backend draws at most {SAMPLE_MAX} a row, got {num_samples}")
+    if chosen == "triton":
+        from .teacher_sampling import SAMPLE_MAX  # imports the Triton kernels
+
+        if num_samples > SAMPLE_MAX:
+            raise ValueError(f"num_samples: the triton backend draws at most {SAMPLE_MAX} a row, got {num_samples}")
     return chosen
 
 
 def _finish_samples(samples, logprobs_dtype: torch.dtype):
+    """The backend's samples in `TeacherSamples`' dtypes, with ``logprobs_dtype`` log-probs (the
+    triton backend's are float32 already: returned as they are)."""
     from .samples import TeacherSamples
 
+    if (samples.logprobs.dtype == logprobs_dtype and samples.indices.dtype == torch.int32
+            and samples.log_threshold.dtype == samples.lse.dtype == torch.float32):
+        return samples
     return TeacherSamples(samples.logprobs.to(logprobs_dtype), samples.indices.to(torch.int32),
                           samples.log_threshold.float(), samples.lse.float(), samples.temperature, samples.seed)
 

@@ -15,14 +15,21 @@ log-probs over the whole vocab and the (n+1)-th key, chunk by chunk of rows. Two
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
 
 from .lm_head import lm_head_logits_fp32
+from .ops.buffers import empty_parts
+from .ops.lm_head_group_maxima import default_config, epilogue_applies
+from .ops.lm_head_sample import SampleAppends, SampleMatmul
+from .ops.sample_keys import logits_candidates, logits_capacity, rank_samples, sample_key_floors
+from .ops.topk_from_appended import MAX_KEYS, appended_plan, tile_logsumexp
 from .samples import TeacherSamples
 from .sampling import seed_key
 from .teacher.chunks import APPENDED_BYTES, appended_chunk_rows
+from .teacher.floors import floors_of_rows
 
 # the floors kernel holds a row's sample in one power-of-two block: the sample stays within this
 # many columns (a sparser stride at large vocabularies) rather than double the block
@@ -46,9 +53,6 @@ def _logits_rows(logits: torch.Tensor, bias, width: int, num_samples: int, tempe
                  global_rows: torch.Tensor, outputs, lse: torch.Tensor) -> None:
     """Rows ``logits [R, ≥ width]`` of the global rows ``global_rows [R]`` int64 -> ``outputs``
     (log-probs, ids, thresholds, overflow: their rows) and ``lse`` filled by the logits schedule."""
-    from .ops.buffers import empty_parts
-    from .ops.sample_keys import logits_candidates, logits_capacity, rank_samples
-
     rows, capacity = logits.shape[0], logits_capacity(num_samples)
     keys, counts, floors = empty_parts(logits.device, ((rows, capacity), torch.int64), ((rows,), torch.int32),
                                        ((rows,), torch.float32))
@@ -90,8 +94,6 @@ def teacher_sample_from_logits(logits: torch.Tensor, num_samples: int, temperatu
                                seed: int, row_offset: int = 0) -> TeacherSamples:
     """logits ``[N, ≥ V*]`` (any float dtype, unit stride along a row, read in place) ->
     `TeacherSamples` float32 by the logits schedule, its candidates within APPENDED_BYTES."""
-    from .ops.sample_keys import logits_capacity
-
     num_rows = logits.shape[0]
     outputs, lse = _outputs(num_rows, num_samples, logits.device)
     global_rows = row_offset + torch.arange(num_rows, device=logits.device)
@@ -109,8 +111,6 @@ def teacher_sample(hidden: torch.Tensor, weight: torch.Tensor, num_samples: int,
                    chunk_rows: Optional[int] = None) -> TeacherSamples:
     """hidden ``[N, H]``, weight ``[≥ V*, H]`` -> `TeacherSamples` float32: the appended schedule
     where the sampling matmul takes the inputs (16-bit, TMA rows), else the logits schedule."""
-    from .ops.lm_head_group_maxima import epilogue_applies
-
     schedule = teacher_sample_appended if epilogue_applies(hidden, weight) else teacher_sample_logits
     return schedule(hidden, weight, num_samples, temperature, vocab_size, bias, seed, row_offset, chunk_rows)
 
@@ -133,66 +133,58 @@ def teacher_sample_appended(hidden: torch.Tensor, weight: torch.Tensor, num_samp
                             chunk_rows: Optional[int] = None, stride: Optional[int] = None) -> TeacherSamples:
     """The appended schedule (module docstring), ``chunk_rows`` rows at a time (None: within
     APPENDED_BYTES), every ``stride``-th column sampled for the floors (None: `sample_stride`).
-    Rows it cannot finish exactly are redone by the logits schedule."""
-    from .ops.lm_head_group_maxima import default_config
-    from .ops.sample_keys import sample_key_floors
-    from .ops.topk_from_appended import appended_plan
-    from .teacher.floors import floors_of_rows
-
+    Rows it cannot finish exactly are redone by the logits schedule. The GPU waits on the host
+    only before the first kernel and at the one sync (the rows to redo): the host work
+    before the first chunk's matmul is less than the floors' kernels, so no host work stands
+    between them."""
     if not 1 <= num_samples <= SAMPLE_MAX:
         raise ValueError(f"num_samples: the appended schedule takes 1 <= n <= {SAMPLE_MAX}, got {num_samples}")
-    num_rows = hidden.shape[0]
-    plan = appended_plan(vocab_size, num_samples + 1, stride or sample_stride(vocab_size, num_samples))
+    num_rows, device = hidden.shape[0], hidden.device
+    plan = sample_plan(vocab_size, num_samples, stride)
     key = seed_key(seed)
-    global_rows = row_offset + torch.arange(num_rows, device=hidden.device)
 
     def key_floors(sample, rows, floors):
-        sample_key_floors(sample, plan.stride, plan.rank, temperature, key, global_rows[rows], floors)
+        sample_key_floors(sample, plan.stride, plan.rank, temperature, key, row_offset + rows.start, floors)
 
     sample_bias = None if bias is None else bias[:vocab_size:plan.stride].contiguous()
     floors = floors_of_rows(hidden, weight, sample_bias, vocab_size, plan, temperature, APPENDED_BYTES, key_floors)
     # a chunk's row also holds its count, lse and global row id (16)
-    chunk_rows = chunk_rows or appended_chunk_rows(num_rows, vocab_size, plan, default_config().block_n, 16)
-    outputs, lse = _outputs(num_rows, num_samples, hidden.device)
+    chunk_rows = min(num_rows, chunk_rows or appended_chunk_rows(num_rows, vocab_size, plan, default_config().block_n,
+                                                                 16))
+    logprobs, ids, thresholds, overflow, lse, counters, keys = empty_parts(
+        device, ((num_rows, num_samples), torch.float32), ((num_rows, num_samples), torch.int32),
+        ((num_rows,), torch.float32), ((num_rows,), torch.bool), ((num_rows,), torch.float32),
+        ((num_rows + 1,), torch.int32), ((chunk_rows, plan.capacity), torch.int64))
+    counters.zero_()
+    counts, redo_count = counters[:num_rows], counters[num_rows:]  # the rows' appends, the rows to redo
+    outputs = (logprobs, ids, thresholds, overflow)
+    appender = SampleMatmul(hidden, weight, bias, vocab_size, temperature, key, max_rows=chunk_rows)
     for start in range(0, num_rows, chunk_rows):
         rows = slice(start, min(start + chunk_rows, num_rows))
-        _appended_chunk(hidden[rows], weight, bias, vocab_size, num_samples, temperature, plan, key,
-                        row_offset + start, global_rows[rows], floors[rows], tuple(part[rows] for part in outputs),
-                        lse[rows])
-    redo = outputs[3].nonzero().flatten()  # the schedule's one host sync
-    if redo.numel():
+        chunk_keys = keys[:rows.stop - start]
+        appends = SampleAppends(floors[rows], chunk_keys, counts[rows])
+        tile_max2, tile_sum2 = appender(appends, rows, row_offset + start)
+        tile_logsumexp(tile_max2, tile_sum2, lse[rows])
+        rank_samples(chunk_keys, counts[rows], floors[rows], lse[rows], num_samples, temperature, key,
+                     row_offset + start, RANK_ORDER, tuple(part[rows] for part in outputs), redo_count)
+    if redo_count.item():  # the schedule's one host sync
+        redo = overflow.nonzero().flatten()
         _logits_of_rows(hidden, weight, bias, redo, num_samples, temperature, vocab_size, seed, row_offset,
                         max(1, APPENDED_BYTES // (8 * weight.shape[0])), outputs, lse)
     return _finish(outputs, lse, temperature, seed)
+
+
+@functools.lru_cache(maxsize=64)
+def sample_plan(width: int, num_samples: int, stride: Optional[int] = None):
+    """The appended schedule's `AppendedPlan` for n samples of ``width`` columns (k = n + 1
+    keys), floors from every ``stride``-th column (None: `sample_stride`)."""
+    return appended_plan(width, num_samples + 1, stride or sample_stride(width, num_samples))
 
 
 def sample_stride(width: int, num_samples: int) -> int:
     """The floors' sample stride: the top-k plan's for k = n + 1, or sparser where that sample would
     pass FLOOR_COLUMNS columns and the sparser one keeps the key slots (below the sort's limit,
     so that no more rows pass them)."""
-    from .ops.topk_from_appended import MAX_KEYS, appended_plan
-
     plan = appended_plan(width, num_samples + 1)
     sparser = appended_plan(width, num_samples + 1, max(plan.stride, -(-width // FLOOR_COLUMNS)))
     return sparser.stride if sparser.capacity <= plan.capacity < MAX_KEYS else plan.stride
-
-
-def _appended_chunk(part: torch.Tensor, weight: torch.Tensor, bias, width: int, num_samples: int,
-                    temperature: float, plan, key: int, first_row: int, global_rows: torch.Tensor,
-                    floors: torch.Tensor, outputs, lse: torch.Tensor) -> None:
-    """One chunk of `teacher_sample_appended`: rows ``part [R, H]`` (global rows ``first_row`` on,
-    also as ``global_rows [R]`` int64; their ``floors [R]``) -> their rows of ``outputs`` and
-    ``lse``. Its buffers live only within this call."""
-    from .ops.buffers import empty_parts
-    from .ops.lm_head_sample import SampleAppends, SampleMatmul
-    from .ops.sample_keys import rank_samples
-    from .ops.topk_from_appended import tile_logsumexp
-
-    keys, counts = empty_parts(part.device, ((part.shape[0], plan.capacity), torch.int64),
-                               ((part.shape[0],), torch.int32))
-    appender = SampleMatmul(part, weight, bias, width, temperature, SampleAppends(floors, keys, counts), key,
-                            first_row)
-    counts.zero_()
-    tile_max2, tile_sum2 = appender()
-    tile_logsumexp(tile_max2, tile_sum2, lse)
-    rank_samples(keys, counts, floors, lse, num_samples, temperature, key, global_rows, RANK_ORDER, outputs)

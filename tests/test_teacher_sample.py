@@ -3,6 +3,7 @@ distribution (chi-square against the teacher's softmax), the Triton schedules ag
 float64 reference (kd_kernels/teacher_sampling.py: the sampling matmul's epilogue, the logits
 passes, the ranking, the exact redo), reproducibility, `TeacherSamples` and the public API.
 Interpreter tiles: 16 rows × 32 columns, groups of 8; the real tiles run on a GPU."""
+import functools
 import math
 
 import pytest
@@ -72,6 +73,28 @@ def test_the_kernels_noise_equals_the_references_bit_for_bit(seed):
     moderate = (expected > -1) & (expected < 4)  # the floors need the large keys: G well above its least
     assert (expected - bound.double())[moderate].max() < 0.02
     assert (expected - bound.double())[moderate].mean() < 1e-3
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("rank", [1, 5, 12, 13, 30])
+def test_the_sample_floors_are_lower_bounds_of_the_rank_th_key(rank):
+    # ranks up to FLOOR_REMOVALS take maxima away (exact where keys differ), larger ones bisect
+    generator = torch.Generator().manual_seed(rank)
+    rows, stride, temperature, seed, first_row = 4, 3, 0.8, 9, 2**33 + 1
+    sample = (3 * torch.randn(rows, 40, generator=generator)).to(torch.float16)
+    sample[1] = sample[1, 0]  # every key of a row's sample column alike but for its noise
+    sample[2, :] = 0
+    sample[2, ::2] = 60.0  # tied logits, where the noise sets the order
+    bound = triton_noise(seed, first_row + torch.arange(rows), 128)[2][:, :40 * stride:stride].double()
+    keys = sample.double() / temperature + bound
+    floors = sample_keys.sample_key_floors(sample.to(DEVICE), stride, rank, temperature, sampling.seed_key(seed),
+                                           first_row, torch.empty(rows, device=DEVICE)).cpu().double()
+    kth = keys.sort(dim=1, descending=True).values[:, rank - 1]
+    assert (floors <= kth + 1e-5 * (1 + kth.abs())).all()
+    if rank <= sample_keys.FLOOR_REMOVALS:
+        assert torch.allclose(floors, kth, atol=1e-5, rtol=1e-6)
+    else:  # 12 bisection steps between the row's smallest and largest key
+        assert (kth - floors <= (keys.amax(1) - keys.amin(1)) / 2**12 + 1e-5).all()
 
 
 def test_the_noise_is_standard_gumbel_and_independent():
@@ -229,6 +252,8 @@ def redone(monkeypatch) -> list:
 def test_rows_whose_floor_keeps_too_few_keys_are_redone_exactly(monkeypatch, torch_ranking, redone):
     # r = 1: the floor is the sample's largest key, above the (n+1)-th largest in most rows
     monkeypatch.setattr(topk_from_appended, "sample_rank", lambda k, stride, width: 1)
+    # a fresh plan cache: plans cached before the patch took the real rank
+    monkeypatch.setattr(schedules, "sample_plan", functools.lru_cache(schedules.sample_plan.__wrapped__))
     hidden, weight, bias = small_teacher_problem(14, rows=12, dtype=torch.float16)
     got = schedules.teacher_sample_appended(hidden, weight, 6, 1.0, 200, bias, 3, stride=4)
     assert sum(redone) > 6
@@ -260,8 +285,8 @@ def test_the_sampling_matmul_keeps_every_element_at_or_above_its_floor():
     floors[3], floors[4] = -1e4, ordered[4, 0].float() + 1
     appends = SampleAppends(floors.to(DEVICE), torch.zeros(rows, 512, dtype=torch.int64, device=DEVICE),
                             torch.zeros(rows, dtype=torch.int32, device=DEVICE))
-    tile_max2, tile_sum2 = SampleMatmul(hidden, weight, bias, width, temperature, appends, sampling.seed_key(seed),
-                                        first_row)()
+    tile_max2, tile_sum2 = SampleMatmul(hidden, weight, bias, width, temperature, sampling.seed_key(seed))(
+        appends, first_row=first_row)
     # the statistics give each row's logsumexp (row 3's tiles pass 2^MAX_EXCESS2: redone anyway)
     lse = tile_logsumexp(tile_max2, tile_sum2, torch.empty(rows, device=DEVICE)).cpu().double()
     others = [row for row in range(rows) if row != 3]

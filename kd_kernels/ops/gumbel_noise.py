@@ -7,6 +7,7 @@ only for the few elements it keeps. Float steps that must agree between kernels 
 explicit fma (no contraction left to the compiler). Where a bound suffices (the floors), the
 coarse bits give one (`coarse_gumbel_lower_bound`) at a fraction of the exact noise's work.
 """
+import torch
 import triton
 import triton.language as tl
 
@@ -102,3 +103,31 @@ def coarse_gumbel_lower_bound(key, column):
 def gumbel_noise(key, column):
     """Gumbel noise float32 of global ``column`` (int32 / int64) in the row of uint32 ``key``."""
     return gumbel_of_pair(pair_hash(key, column), (column & 1).to(tl.int32))
+
+
+@triton.jit
+def global_row(rows_ptr, first_row, row, ROWS_LISTED: tl.constexpr):
+    """Row ``row``'s global index (int64): ``rows_ptr[row]`` if listed, else ``first_row + row``."""
+    index = first_row + row
+    if ROWS_LISTED:
+        index = tl.load(rows_ptr + row)
+    return index
+
+
+@triton.jit
+def noisy_raw_keys(raw, inv_t, key):
+    """Raw keys (a logit's float bits above its column, int64) of the row of uint32 ``key`` made
+    noisy: ``κ = fma(z, 1/τ, G)``'s bits above the column."""
+    z = (raw >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+    column = (raw & 0xFFFFFFFF).to(tl.int32)
+    kappa = tl.fma(z, inv_t, gumbel_noise(key, column))
+    return (kappa.to(tl.int32, bitcast=True).to(tl.int64) << 32) | column.to(tl.int64)
+
+
+def row_operands(global_rows, stand_in: torch.Tensor) -> tuple:
+    """The kernels' (rows pointer, first row, ROWS_LISTED) for ``global_rows``: an int, the
+    global index of the first of consecutive rows (no index tensor to build and slice on the
+    host), or ``[R]`` int64 global indices (``stand_in`` fills the unused operand)."""
+    if isinstance(global_rows, torch.Tensor):
+        return global_rows, 0, True
+    return stand_in, global_rows, False

@@ -115,10 +115,10 @@ def _store_kept(z, lane_bit, bits, below, first, column, row_offsets, keys_ptr, 
         tl.store(keys_ptr + place, raw_key, mask=(bits[:, :, None] & lane_bit) != 0)
 
 
-@triton.jit(do_not_specialize=["seed_key"])
+@triton.jit(do_not_specialize=["seed_key", "row_start"])
 def _lm_head_sample_kernel(hidden_desc, weight_desc, bias_ptr, tile_max2_ptr, tile_sum2_ptr, floor_ptr, keys_ptr,
-                           counts_ptr, num_rows, width, noise_offset, hidden_size, log2e_over_t, key_capacity,
-                           seed_key, first_row, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+                           counts_ptr, row_start, num_rows, width, noise_offset, hidden_size, log2e_over_t,
+                           key_capacity, seed_key, first_row, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                            NUM_PROGRAMS: tl.constexpr, GROUP_COLUMNS: tl.constexpr, FLATTEN: tl.constexpr,
                            DOT_PRECISION: tl.constexpr, STORE_IN_PTX: tl.constexpr):
@@ -141,7 +141,7 @@ def _lm_head_sample_kernel(hidden_desc, weight_desc, bias_ptr, tile_max2_ptr, ti
         row_tile, column_tile = _tile_position(tile, row_tiles, column_tiles, GROUP_M)
         accumulator = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for step in range(0, hidden_size, BLOCK_K):
-            a = hidden_desc.load([row_tile * BLOCK_M, step])
+            a = hidden_desc.load([row_start + row_tile * BLOCK_M, step])
             b = weight_desc.load([column_tile * BLOCK_N, step])
             accumulator = tl.dot(a, b.T, accumulator, input_precision=DOT_PRECISION)
         epilogue_tile += NUM_PROGRAMS
@@ -187,17 +187,20 @@ def _lm_head_sample_kernel(hidden_desc, weight_desc, bias_ptr, tile_max2_ptr, ti
 
 
 class SampleMatmul:
-    """The sampling matmul of rows ``hidden [R, H]`` against ``weight [≥ width, H]`` (bf16 / fp16;
-    float32 with IEEE products under the interpreter, for the tests), bias ``[≥ width]`` or None:
-    appends into ``appends`` (`SampleAppends`) and returns the tile statistics ``(tile_max2,
-    tile_sum2)`` ``[R, tiles]`` float32 (log2 units at τ: each tile's shift, here the row's floor
-    less the margin, and its sum of ``2^(z · log2e / τ − shift)``; `tile_logsumexp` combines
-    them). The noise is that of global rows
+    """The sampling matmul of windows of rows of ``hidden [N, H]`` against ``weight [≥ width, H]``
+    (bf16 / fp16; float32 with IEEE products under the interpreter, for the tests), bias
+    ``[≥ width]`` or None. Its descriptors and tile statistics (for up to ``max_rows`` rows a
+    window; None: N) are made once, so that a window's host work is one launch. A call
+    appends into ``appends`` (`SampleAppends` of the window's rows) and returns the window's
+    tile statistics ``(tile_max2, tile_sum2)`` ``[R, tiles]`` float32 (log2 units at τ: each
+    tile's shift, here the row's floor less the margin, and its sum of
+    ``2^(z · log2e / τ − shift)``; `tile_logsumexp` combines them; the same tensors from one
+    call to the next: read them before the next call). The noise is that of global rows
     ``first_row + r`` and global columns ``noise_offset + c`` (``noise_offset`` even) under the
     32-bit ``seed_key`` (`kd_kernels.sampling.seed_key`)."""
 
     def __init__(self, hidden: torch.Tensor, weight: torch.Tensor, bias, width: int, temperature: float,
-                 appends: SampleAppends, seed_key: int, first_row: int, noise_offset: int = 0, config=None):
+                 seed_key: int, noise_offset: int = 0, max_rows: int | None = None, config=None):
         config = config or default_config()
         if hidden.dtype == torch.float32 and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError("hidden: the sampling matmul takes bf16 / fp16 on a GPU (float32 only under "
@@ -207,13 +210,13 @@ class SampleMatmul:
         if config.block_n % (4 * config.group_columns) or config.group_columns % 2:
             raise ValueError(f"config: an even group_columns whose 4 groups divide block_n, got "
                              f"{config.group_columns} and {config.block_n}")
-        _check_appends(appends, hidden.shape[0])
-        self.hidden, self.bias, self.width, self.config, self.appends = hidden, bias, width, config, appends
+        self.hidden, self.bias, self.width, self.config = hidden, bias, width, config
         self.log2e_over_t = math.log2(math.e) / temperature
-        self.seed_key, self.first_row, self.noise_offset = signed_key(seed_key), first_row, noise_offset
+        self.seed_key, self.noise_offset = signed_key(seed_key), noise_offset
         column_tiles = -(-width // config.block_n)
-        self.tile_max2, self.tile_sum2 = empty_parts(hidden.device, ((hidden.shape[0], column_tiles), torch.float32),
-                                                     ((hidden.shape[0], column_tiles), torch.float32))
+        max_rows = hidden.shape[0] if max_rows is None else max_rows
+        self.tile_max2, self.tile_sum2 = empty_parts(hidden.device, ((max_rows, column_tiles), torch.float32),
+                                                     ((max_rows, column_tiles), torch.float32))
         if hidden.shape[0] == 0:
             return
         user = "the teacher's sampling matmul"
@@ -222,21 +225,29 @@ class SampleMatmul:
         self.multiprocessors = (multiprocessor_count(hidden.device)
                                 if hidden.device.type == "cuda" else 3)  # the interpreter: several tiles a program
 
-    def __call__(self) -> tuple[torch.Tensor, torch.Tensor]:
-        config, appends = self.config, self.appends
-        num_rows, hidden_size = self.hidden.shape
+    def __call__(self, appends: SampleAppends, rows: slice = slice(None), first_row: int = 0
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows ``rows`` of hidden (a slice, step 1; at most ``max_rows``), global rows
+        ``first_row`` on, appended into ``appends`` -> their tile statistics."""
+        config = self.config
+        start, stop, step = rows.indices(self.hidden.shape[0])
+        num_rows = max(0, stop - start)
+        if step != 1 or num_rows > self.tile_max2.shape[0]:
+            raise ValueError(f"rows: a slice of step 1 and at most {self.tile_max2.shape[0]} rows, got {rows}")
+        _check_appends(appends, num_rows)
+        tile_max2, tile_sum2 = self.tile_max2[:num_rows], self.tile_sum2[:num_rows]
         if num_rows == 0:
-            return self.tile_max2, self.tile_sum2
+            return tile_max2, tile_sum2
         tiles = -(-num_rows // config.block_m) * self.tile_max2.shape[1]
         programs = min(tiles, self.multiprocessors)
         _lm_head_sample_kernel[(programs,)](
-            self.hidden_desc, self.weight_desc, self.bias if self.bias is not None else self.tile_max2,
-            self.tile_max2, self.tile_sum2, appends.floors, appends.keys, appends.counts, num_rows, self.width,
-            self.noise_offset, hidden_size, self.log2e_over_t, appends.keys.shape[1], self.seed_key, self.first_row,
-            HAS_BIAS=self.bias is not None, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-            GROUP_M=config.group_m, NUM_PROGRAMS=programs, GROUP_COLUMNS=config.group_columns,
-            FLATTEN=config.flatten, STORE_IN_PTX=STORE_IN_PTX,
+            self.hidden_desc, self.weight_desc, self.bias if self.bias is not None else tile_max2,
+            tile_max2, tile_sum2, appends.floors, appends.keys, appends.counts, start, num_rows, self.width,
+            self.noise_offset, self.hidden.shape[1], self.log2e_over_t, appends.keys.shape[1], self.seed_key,
+            first_row, HAS_BIAS=self.bias is not None, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+            BLOCK_K=config.block_k, GROUP_M=config.group_m, NUM_PROGRAMS=programs,
+            GROUP_COLUMNS=config.group_columns, FLATTEN=config.flatten, STORE_IN_PTX=STORE_IN_PTX,
             # float32 inputs get float32 products (tf32 would move logits by ~1e-3)
             DOT_PRECISION="ieee" if self.hidden.dtype == torch.float32 else "tf32",
             num_warps=config.num_warps, num_stages=config.num_stages)
-        return self.tile_max2, self.tile_sum2
+        return tile_max2, tile_sum2

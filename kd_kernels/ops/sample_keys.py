@@ -21,41 +21,51 @@ import torch
 import triton
 import triton.language as tl
 
-from .gumbel_noise import coarse_gumbel_lower_bound, gumbel_noise, row_key, signed_key
+from .gumbel_noise import (coarse_gumbel_lower_bound, global_row, gumbel_noise, noisy_raw_keys,
+                           row_key, row_operands, signed_key)
 from .launch import ROW_BLOCK_V, THRESHOLD_BISECTIONS, num_warps_for
 from .sort_keys import top_of_counted_keys
-from .utils import kth_largest_lower_bound
+from .utils import kth_largest_by_removal, kth_largest_lower_bound
 
 ROW_WARPS = 1 if os.environ.get("TRITON_INTERPRET") == "1" else 4
 KEY_BLOCK = 64 if os.environ.get("TRITON_INTERPRET") == "1" else 1024
+FLOOR_REMOVALS = 12  # floors of rank up to this by removing maxima (`kth_largest_by_removal`), else bisection
+_REMOVALS = tl.constexpr(FLOOR_REMOVALS)
 COLLECT_MARGIN = 1.0 / 1024  # `logits_candidates` collects keys down to the floor less this (1 + |floor|)
 
 
-@triton.jit(do_not_specialize=["seed_key"])
+@triton.jit(do_not_specialize=["seed_key", "first_row"])
 def _sample_key_floor_kernel(sample_ptr, stride_row, floors_ptr, sample_width, stride, inv_t, seed_key, rows_ptr,
-                             rank, SAMPLE: tl.constexpr, STEPS: tl.constexpr):
+                             first_row, rank, SAMPLE: tl.constexpr, STEPS: tl.constexpr, ROWS_LISTED: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offsets = tl.arange(0, SAMPLE)
     valid = offsets < sample_width
     z = tl.load(sample_ptr + row * stride_row + offsets, mask=valid, other=0.0).to(tl.float32)
-    noise = coarse_gumbel_lower_bound(row_key(seed_key, tl.load(rows_ptr + row)), offsets * stride)
-    low = kth_largest_lower_bound(tl.fma(z, inv_t, noise), valid, rank, STEPS)
+    noise = coarse_gumbel_lower_bound(row_key(seed_key, global_row(rows_ptr, first_row, row, ROWS_LISTED)),
+                                      offsets * stride)
+    keys = tl.fma(z, inv_t, noise)
+    if rank <= _REMOVALS:
+        low = kth_largest_by_removal(keys, valid, rank)
+    else:
+        low = kth_largest_lower_bound(keys, valid, rank, STEPS)
     tl.store(floors_ptr + row, tl.maximum(low, -3.4028234663852886e38))
 
 
 def sample_key_floors(sample: torch.Tensor, stride: int, rank: int, temperature: float, seed_key: int,
-                      global_rows: torch.Tensor, floors: torch.Tensor, steps: int = 12) -> torch.Tensor:
+                      global_rows, floors: torch.Tensor, steps: int = 12) -> torch.Tensor:
     """sample ``[R, S]`` logits (any float dtype, unit stride along a row) of the global columns
-    ``0, stride, 2·stride, …`` of the global rows ``global_rows [R]`` int64 -> ``floors [R]``
-    float32 filled: per row a lower bound of the rank-th largest key ``z / τ + G`` among them
-    (their smallest where S <= rank), never −inf. The keys take G's coarse lower bound
+    ``0, stride, 2·stride, …`` of the global rows ``global_rows`` (`row_operands`) -> ``floors [R]``
+    float32 filled: per row a lower bound of the rank-th largest key ``z / τ + G`` among them,
+    never −inf (the most negative float where fewer than rank keys differ). The keys take G's coarse lower bound
     (`coarse_gumbel_lower_bound`), a lower bound of each key: a floor only sets how many
     elements the sampling matmul keeps, and the ranking checks it against the exact keys."""
     rows, width = sample.shape
     if rows:
+        rows_ptr, first_row, listed = row_operands(global_rows, floors)
         _sample_key_floor_kernel[(rows,)](sample, sample.stride(0), floors, width, stride, 1.0 / temperature,
-                                          signed_key(seed_key), global_rows, rank,
-                                          SAMPLE=triton.next_power_of_2(width), STEPS=steps, num_warps=ROW_WARPS)
+                                          signed_key(seed_key), rows_ptr, first_row, rank,
+                                          SAMPLE=triton.next_power_of_2(width), STEPS=steps, ROWS_LISTED=listed,
+                                          num_warps=ROW_WARPS)
     return floors
 
 
@@ -67,13 +77,14 @@ def _row_logits(row_ptr, bias_ptr, cols, inside, HAS_BIAS: tl.constexpr):
     return z
 
 
-@triton.jit(do_not_specialize=["seed_key"])
+@triton.jit(do_not_specialize=["seed_key", "first_row"])
 def _logits_candidates_kernel(logits_ptr, bias_ptr, stride_row, width, keys_ptr, counts_ptr, floors_ptr, lse_ptr,
-                              capacity, wanted, inv_t, log2e_over_t, collect_margin, seed_key, rows_ptr,
-                              HAS_BIAS: tl.constexpr, BLOCK_V: tl.constexpr, BISECTIONS: tl.constexpr):
+                              capacity, wanted, inv_t, log2e_over_t, collect_margin, seed_key, rows_ptr, first_row,
+                              HAS_BIAS: tl.constexpr, BLOCK_V: tl.constexpr, BISECTIONS: tl.constexpr,
+                              ROWS_LISTED: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * stride_row
-    key = row_key(seed_key, tl.load(rows_ptr + row))
+    key = row_key(seed_key, global_row(rows_ptr, first_row, row, ROWS_LISTED))
     offsets = tl.arange(0, BLOCK_V)
     lane_max = tl.full([BLOCK_V], float("-inf"), tl.float32)
     lane_sum = tl.zeros([BLOCK_V], tl.float32)  # Σ 2^((z - lane_max) · log2e / τ)
@@ -115,43 +126,41 @@ def logits_capacity(num_samples: int) -> int:
 
 
 def logits_candidates(logits: torch.Tensor, bias, width: int, num_samples: int, temperature: float, seed_key: int,
-                      global_rows: torch.Tensor, keys: torch.Tensor, counts: torch.Tensor, floors: torch.Tensor,
+                      global_rows, keys: torch.Tensor, counts: torch.Tensor, floors: torch.Tensor,
                       lse: torch.Tensor) -> None:
     """From rows ``logits [R, ≥ width]`` (unit stride along a row; ``bias [≥ width]`` or None
-    added) of the global rows ``global_rows [R]`` int64: each row's candidates (every key at or
+    added) of the global rows ``global_rows`` (`row_operands`): each row's candidates (every key at or
     above a floor under its (n+1)-th largest key, −inf keys never) into ``keys [R, capacity]``
     int64 raw and ``counts [R]`` int32 (zeroed here), the floors into ``floors [R]`` (−inf where
     fewer than n + 1 keys are finite) and ``lse [R]`` float32, logsumexp of ``z / τ``, filled."""
     rows = logits.shape[0]
     counts.zero_()
     if rows:
+        rows_ptr, first_row, listed = row_operands(global_rows, lse)
         _logits_candidates_kernel[(rows,)](
             logits, bias if bias is not None else logits, logits.stride(0), width, keys, counts, floors, lse,
             keys.shape[1], num_samples + 1, 1.0 / temperature, math.log2(math.e) / temperature, COLLECT_MARGIN,
-            signed_key(seed_key), global_rows, HAS_BIAS=bias is not None, BLOCK_V=ROW_BLOCK_V,
-            BISECTIONS=THRESHOLD_BISECTIONS, num_warps=num_warps_for(ROW_BLOCK_V))
+            signed_key(seed_key), rows_ptr, first_row, HAS_BIAS=bias is not None, BLOCK_V=ROW_BLOCK_V,
+            BISECTIONS=THRESHOLD_BISECTIONS, ROWS_LISTED=listed, num_warps=num_warps_for(ROW_BLOCK_V))
 
 
-@triton.jit(do_not_specialize=["seed_key"])
-def _noisy_keys_kernel(keys_ptr, counts_ptr, capacity, inv_t, seed_key, rows_ptr, BLOCK: tl.constexpr):
+@triton.jit(do_not_specialize=["seed_key", "first_row"])
+def _noisy_keys_kernel(keys_ptr, counts_ptr, capacity, inv_t, seed_key, rows_ptr, first_row, BLOCK: tl.constexpr,
+                       ROWS_LISTED: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     count = tl.minimum(tl.load(counts_ptr + row), capacity)
-    key = row_key(seed_key, tl.load(rows_ptr + row))
+    key = row_key(seed_key, global_row(rows_ptr, first_row, row, ROWS_LISTED))
     for start in range(0, count, BLOCK):
         slot = start + tl.arange(0, BLOCK)
         filled = slot < count
         raw = tl.load(keys_ptr + row * capacity + slot, mask=filled, other=0)
-        z = (raw >> 32).to(tl.int32).to(tl.float32, bitcast=True)
-        column = (raw & 0xFFFFFFFF).to(tl.int32)
-        kappa = tl.fma(z, inv_t, gumbel_noise(key, column))
-        # raw again (κ's bits above the column): the rankings make raw keys sortable as they load them
-        noisy = (kappa.to(tl.int32, bitcast=True).to(tl.int64) << 32) | column.to(tl.int64)
-        tl.store(keys_ptr + row * capacity + slot, noisy, mask=filled)
+        tl.store(keys_ptr + row * capacity + slot, noisy_raw_keys(raw, inv_t, key), mask=filled)
 
 
-@triton.jit(do_not_specialize=["seed_key"])
+@triton.jit(do_not_specialize=["seed_key", "first_row"])
 def _finish_samples_kernel(values_ptr, columns_ptr, lse_ptr, floors_ptr, counts_ptr, capacity, logprobs_ptr, ids_ptr,
-                           threshold_ptr, overflow_ptr, samples, seed_key, rows_ptr, TOP: tl.constexpr):
+                           threshold_ptr, overflow_ptr, redo_ptr, samples, seed_key, rows_ptr, first_row,
+                           TOP: tl.constexpr, ROWS_LISTED: tl.constexpr, COUNT_REDO: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     rank = tl.arange(0, TOP)
     inside = rank < samples
@@ -159,28 +168,39 @@ def _finish_samples_kernel(values_ptr, columns_ptr, lse_ptr, floors_ptr, counts_
     column = tl.load(columns_ptr + row * (samples + 1) + rank, mask=inside, other=0)
     lse = tl.load(lse_ptr + row)
     found = kappa > float("-inf")
-    noise = gumbel_noise(row_key(seed_key, tl.load(rows_ptr + row)), column)
+    noise = gumbel_noise(row_key(seed_key, global_row(rows_ptr, first_row, row, ROWS_LISTED)), column)
     logprobs = tl.where(found, (kappa - noise) - lse, float("-inf"))
     tl.store(logprobs_ptr + row * samples + rank, logprobs, mask=inside)
     tl.store(ids_ptr + row * samples + rank, tl.where(found, column, 0), mask=inside)
     kth = tl.load(values_ptr + row * (samples + 1) + samples)
     tl.store(threshold_ptr + row, tl.where(kth > float("-inf"), kth - lse, float("-inf")))
-    tl.store(overflow_ptr + row, (tl.load(counts_ptr + row) > capacity) | (kth < tl.load(floors_ptr + row)))
+    overflow = (tl.load(counts_ptr + row) > capacity) | (kth < tl.load(floors_ptr + row))
+    tl.store(overflow_ptr + row, overflow)
+    if COUNT_REDO:
+        tl.atomic_add(redo_ptr, 1, mask=overflow, sem="relaxed")
 
 
 def rank_samples(keys: torch.Tensor, counts: torch.Tensor, floors: torch.Tensor, lse: torch.Tensor, num_samples: int,
-                 temperature: float, seed_key: int, global_rows: torch.Tensor, order: str, outputs) -> None:
-    """The global rows ``global_rows [R]`` int64's raw candidates ``keys [R, capacity]`` (made noisy keys in place) and ``counts [R]``,
-    their ``floors [R]`` and ``lse [R]`` (natural units at τ) -> ``outputs`` = (log-probs
+                 temperature: float, seed_key: int, global_rows, order: str, outputs,
+                 redo_count: torch.Tensor | None = None) -> None:
+    """The global rows ``global_rows``' (`row_operands`) raw candidates ``keys [R, capacity]``
+    (made noisy keys in place) and ``counts [R]``, their ``floors [R]`` and ``lse [R]``
+    (natural units at τ) -> ``outputs`` = (log-probs
     ``[R, n]`` float32, ids ``[R, n]`` int32, thresholds ``[R]`` float32, overflow ``[R]`` bool)
-    filled. ``order``: "cuda" | "triton" (`top_of_counted_keys`)."""
+    filled. ``order``: "cuda" | "triton" (`top_of_counted_keys`). ``redo_count``: a ``[1]`` int32
+    counter the rows flagged in ``overflow`` are added to (one value for the host to read, where
+    a search of the flags would take kernels after the sync)."""
     logprobs, ids, thresholds, overflow = outputs
     rows, capacity = keys.shape
     if not rows:
         return
-    _noisy_keys_kernel[(rows,)](keys, counts, capacity, 1.0 / temperature, signed_key(seed_key), global_rows,
-                                BLOCK=KEY_BLOCK, num_warps=ROW_WARPS)
-    values, columns = top_of_counted_keys(keys, counts.clamp(max=capacity), num_samples + 1, order)
+    rows_ptr, first_row, listed = row_operands(global_rows, counts)
+    _noisy_keys_kernel[(rows,)](keys, counts, capacity, 1.0 / temperature, signed_key(seed_key), rows_ptr, first_row,
+                                BLOCK=KEY_BLOCK, ROWS_LISTED=listed, num_warps=ROW_WARPS)
+    # the triton order reads counts past the capacity as the capacity
+    values, columns = top_of_counted_keys(keys, counts if order == "triton" else counts.clamp(max=capacity),
+                                          num_samples + 1, order)
     _finish_samples_kernel[(rows,)](values, columns, lse, floors, counts, capacity, logprobs, ids, thresholds,
-                                    overflow, num_samples, signed_key(seed_key), global_rows,
-                                    TOP=triton.next_power_of_2(num_samples), num_warps=ROW_WARPS)
+                                    overflow, redo_count if redo_count is not None else counts, num_samples,
+                                    signed_key(seed_key), rows_ptr, first_row, TOP=triton.next_power_of_2(num_samples),
+                                    ROWS_LISTED=listed, COUNT_REDO=redo_count is not None, num_warps=ROW_WARPS)

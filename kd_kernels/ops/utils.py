@@ -16,6 +16,20 @@ def logaddexp(a, b):
 
 
 @triton.jit
+def kth_largest_by_removal(values, valid, k):
+    """A lower bound of the k-th largest valid value of ``values`` (1-D float32): k times the
+    largest value left, each time removing every value equal to it (tied values leave together,
+    so the k-th removed is at or below the k-th largest); -inf where fewer than k are valid. One
+    maximum a rank: fewer reductions than a bisection where k is small."""
+    left = tl.where(valid, values, float("-inf"))
+    top = tl.max(left, axis=0)
+    for _ in range(1, k):
+        left = tl.where(left >= top, float("-inf"), left)
+        top = tl.max(left, axis=0)
+    return top
+
+
+@triton.jit
 def kth_largest_lower_bound(values, valid, k, STEPS: tl.constexpr):
     """A lower bound of the k-th largest valid value of ``values`` (1-D float32), from STEPS
     value-space bisection steps between the smallest and the largest valid one, each keeping at

@@ -8,6 +8,8 @@ from typing import Callable
 
 import torch
 
+from ..ops.buffers import empty_parts
+from ..ops.lm_head_group_maxima import EpilogueMatmul
 from .chunks import rows_in_quarter_groups
 
 
@@ -19,12 +21,10 @@ def floors_of_rows(hidden: torch.Tensor, weight: torch.Tensor, sample_bias, widt
     columns ``0, stride, 2·stride, …`` below ``width`` (``[R, plan.sample_width]`` in the inputs'
     dtype, bias included, before τ), then ``reduce(sample, rows, floors[rows])`` fills the block's
     floors."""
-    from ..ops.lm_head_group_maxima import EpilogueMatmul
-
     num_rows = hidden.shape[0]
-    floors = torch.empty(num_rows, dtype=torch.float32, device=hidden.device)
     block = rows_in_quarter_groups(budget_bytes // (hidden.element_size() * plan.sample_columns), num_rows)
-    sample = torch.empty(min(block, num_rows), plan.sample_columns, dtype=hidden.dtype, device=hidden.device)
+    floors, sample = empty_parts(hidden.device, ((num_rows,), torch.float32),
+                                 ((min(block, num_rows), plan.sample_columns), hidden.dtype))
     columns = weight[:width:plan.stride]
     for start in range(0, num_rows, block):
         rows = slice(start, min(start + block, num_rows))
