@@ -41,12 +41,10 @@ RANK_ORDER = "triton"  # how rows rank their candidates: ops/sort_keys.py `top_o
 
 def _outputs(num_rows: int, num_samples: int, device):
     """Empty (log-probs ``[N, n]`` float32, ids ``[N, n]`` int32, thresholds ``[N]`` float32,
-    overflow ``[N]`` bool) and lse ``[N]`` float32."""
-    return ((torch.empty(num_rows, num_samples, dtype=torch.float32, device=device),
-             torch.empty(num_rows, num_samples, dtype=torch.int32, device=device),
-             torch.empty(num_rows, dtype=torch.float32, device=device),
-             torch.empty(num_rows, dtype=torch.bool, device=device)),
-            torch.empty(num_rows, dtype=torch.float32, device=device))
+    overflow ``[N]`` bool) and lse ``[N]`` float32, in one allocation."""
+    *outputs, lse = empty_parts(device, ((num_rows, num_samples), torch.float32), ((num_rows, num_samples), torch.int32),
+                                ((num_rows,), torch.float32), ((num_rows,), torch.bool), ((num_rows,), torch.float32))
+    return tuple(outputs), lse
 
 
 def _logits_rows(logits: torch.Tensor, bias, width: int, num_samples: int, temperature: float, key: int,
@@ -133,10 +131,8 @@ def teacher_sample_appended(hidden: torch.Tensor, weight: torch.Tensor, num_samp
                             chunk_rows: Optional[int] = None, stride: Optional[int] = None) -> TeacherSamples:
     """The appended schedule (module docstring), ``chunk_rows`` rows at a time (None: within
     APPENDED_BYTES), every ``stride``-th column sampled for the floors (None: `sample_stride`).
-    Rows it cannot finish exactly are redone by the logits schedule. The GPU waits on the host
-    only before the first kernel and at the one sync (the rows to redo): the host work
-    before the first chunk's matmul is less than the floors' kernels, so no host work stands
-    between them."""
+    Rows it cannot finish exactly are redone by the logits schedule. One host sync: the count of
+    rows to redo."""
     if not 1 <= num_samples <= SAMPLE_MAX:
         raise ValueError(f"num_samples: the appended schedule takes 1 <= n <= {SAMPLE_MAX}, got {num_samples}")
     num_rows, device = hidden.shape[0], hidden.device
@@ -151,13 +147,10 @@ def teacher_sample_appended(hidden: torch.Tensor, weight: torch.Tensor, num_samp
     # a chunk's row also holds its count, lse and global row id (16)
     chunk_rows = min(num_rows, chunk_rows or appended_chunk_rows(num_rows, vocab_size, plan, default_config().block_n,
                                                                  16))
-    logprobs, ids, thresholds, overflow, lse, counters, keys = empty_parts(
-        device, ((num_rows, num_samples), torch.float32), ((num_rows, num_samples), torch.int32),
-        ((num_rows,), torch.float32), ((num_rows,), torch.bool), ((num_rows,), torch.float32),
-        ((num_rows + 1,), torch.int32), ((chunk_rows, plan.capacity), torch.int64))
+    outputs, lse = _outputs(num_rows, num_samples, device)  # apart from the work: the caller keeps them
+    counters, keys = empty_parts(device, ((num_rows + 1,), torch.int32), ((chunk_rows, plan.capacity), torch.int64))
     counters.zero_()
     counts, redo_count = counters[:num_rows], counters[num_rows:]  # the rows' appends, the rows to redo
-    outputs = (logprobs, ids, thresholds, overflow)
     appender = SampleMatmul(hidden, weight, bias, vocab_size, temperature, key, max_rows=chunk_rows)
     for start in range(0, num_rows, chunk_rows):
         rows = slice(start, min(start + chunk_rows, num_rows))
@@ -168,7 +161,7 @@ def teacher_sample_appended(hidden: torch.Tensor, weight: torch.Tensor, num_samp
         rank_samples(chunk_keys, counts[rows], floors[rows], lse[rows], num_samples, temperature, key,
                      row_offset + start, RANK_ORDER, tuple(part[rows] for part in outputs), redo_count)
     if redo_count.item():  # the schedule's one host sync
-        redo = overflow.nonzero().flatten()
+        redo = outputs[3].nonzero().flatten()
         _logits_of_rows(hidden, weight, bias, redo, num_samples, temperature, vocab_size, seed, row_offset,
                         max(1, APPENDED_BYTES // (8 * weight.shape[0])), outputs, lse)
     return _finish(outputs, lse, temperature, seed)

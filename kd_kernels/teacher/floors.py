@@ -8,7 +8,6 @@ from typing import Callable
 
 import torch
 
-from ..ops.buffers import empty_parts
 from ..ops.lm_head_group_maxima import EpilogueMatmul
 from .chunks import rows_in_quarter_groups
 
@@ -23,8 +22,9 @@ def floors_of_rows(hidden: torch.Tensor, weight: torch.Tensor, sample_bias, widt
     floors."""
     num_rows = hidden.shape[0]
     block = rows_in_quarter_groups(budget_bytes // (hidden.element_size() * plan.sample_columns), num_rows)
-    floors, sample = empty_parts(hidden.device, ((num_rows,), torch.float32),
-                                 ((min(block, num_rows), plan.sample_columns), hidden.dtype))
+    floors = torch.empty(num_rows, dtype=torch.float32, device=hidden.device)
+    # apart from the floors: freed before the appending matmuls' keys exist
+    sample = torch.empty(min(block, num_rows), plan.sample_columns, dtype=hidden.dtype, device=hidden.device)
     columns = weight[:width:plan.stride]
     for start in range(0, num_rows, block):
         rows = slice(start, min(start + block, num_rows))
