@@ -41,15 +41,17 @@ RANK_ORDER = "triton"  # how rows rank their candidates: ops/sort_keys.py `top_o
 
 def _outputs(num_rows: int, num_samples: int, device):
     """Empty (log-probs ``[N, n]`` float32, ids ``[N, n]`` int32, thresholds ``[N]`` float32,
-    overflow ``[N]`` bool) and lse ``[N]`` float32, in one allocation."""
-    *outputs, lse = empty_parts(device, ((num_rows, num_samples), torch.float32), ((num_rows, num_samples), torch.int32),
-                                ((num_rows,), torch.float32), ((num_rows,), torch.bool), ((num_rows,), torch.float32))
-    return tuple(outputs), lse
+    overflow ``[N]`` bool) and lse ``[N]`` float32; the ``[N]`` parts in one allocation."""
+    thresholds, overflow, lse = empty_parts(device, ((num_rows,), torch.float32), ((num_rows,), torch.bool),
+                                            ((num_rows,), torch.float32))
+    return ((torch.empty(num_rows, num_samples, dtype=torch.float32, device=device),
+             torch.empty(num_rows, num_samples, dtype=torch.int32, device=device), thresholds, overflow), lse)
 
 
 def _logits_rows(logits: torch.Tensor, bias, width: int, num_samples: int, temperature: float, key: int,
-                 global_rows: torch.Tensor, outputs, lse: torch.Tensor) -> None:
-    """Rows ``logits [R, ≥ width]`` of the global rows ``global_rows [R]`` int64 -> ``outputs``
+                 global_rows, outputs, lse: torch.Tensor) -> None:
+    """Rows ``logits [R, ≥ width]`` of the global rows ``global_rows`` (ops/gumbel_noise.py
+    `row_operands`: the first one's index, or ``[R]`` int64) -> ``outputs``
     (log-probs, ids, thresholds, overflow: their rows) and ``lse`` filled by the logits schedule."""
     rows, capacity = logits.shape[0], logits_capacity(num_samples)
     keys, counts, floors = empty_parts(logits.device, ((rows, capacity), torch.int64), ((rows,), torch.int32),
@@ -94,11 +96,10 @@ def teacher_sample_from_logits(logits: torch.Tensor, num_samples: int, temperatu
     `TeacherSamples` float32 by the logits schedule, its candidates within APPENDED_BYTES."""
     num_rows = logits.shape[0]
     outputs, lse = _outputs(num_rows, num_samples, logits.device)
-    global_rows = row_offset + torch.arange(num_rows, device=logits.device)
     chunk_rows = max(1, APPENDED_BYTES // (8 * logits_capacity(num_samples) + 12))
     for start in range(0, num_rows, chunk_rows):
         rows = slice(start, start + chunk_rows)
-        _logits_rows(logits[rows], None, vocab_size, num_samples, temperature, seed_key(seed), global_rows[rows],
+        _logits_rows(logits[rows], None, vocab_size, num_samples, temperature, seed_key(seed), row_offset + start,
                      tuple(part[rows] for part in outputs), lse[rows])
     _refuse_overflow(outputs[3], "teacher_sample_from_logits")
     return _finish(outputs, lse, temperature, seed)
@@ -142,29 +143,42 @@ def teacher_sample_appended(hidden: torch.Tensor, weight: torch.Tensor, num_samp
     def key_floors(sample, rows, floors):
         sample_key_floors(sample, plan.stride, plan.rank, temperature, key, row_offset + rows.start, floors)
 
+    outputs, lse = _outputs(num_rows, num_samples, device)
+    if num_rows == 0:
+        return _finish(outputs, lse, temperature, seed)
     sample_bias = None if bias is None else bias[:vocab_size:plan.stride].contiguous()
     floors = floors_of_rows(hidden, weight, sample_bias, vocab_size, plan, temperature, APPENDED_BYTES, key_floors)
-    # a chunk's row also holds its count, lse and global row id (16)
+    # the chunk's rows hold their keys and tile statistics (the counts are the call's)
     chunk_rows = min(num_rows, chunk_rows or appended_chunk_rows(num_rows, vocab_size, plan, default_config().block_n,
-                                                                 16))
-    outputs, lse = _outputs(num_rows, num_samples, device)  # apart from the work: the caller keeps them
-    counters, keys = empty_parts(device, ((num_rows + 1,), torch.int32), ((chunk_rows, plan.capacity), torch.int64))
-    counters.zero_()
-    counts, redo_count = counters[:num_rows], counters[num_rows:]  # the rows' appends, the rows to redo
-    appender = SampleMatmul(hidden, weight, bias, vocab_size, temperature, key, max_rows=chunk_rows)
-    for start in range(0, num_rows, chunk_rows):
-        rows = slice(start, min(start + chunk_rows, num_rows))
-        chunk_keys = keys[:rows.stop - start]
-        appends = SampleAppends(floors[rows], chunk_keys, counts[rows])
-        tile_max2, tile_sum2 = appender(appends, rows, row_offset + start)
-        tile_logsumexp(tile_max2, tile_sum2, lse[rows])
-        rank_samples(chunk_keys, counts[rows], floors[rows], lse[rows], num_samples, temperature, key,
-                     row_offset + start, RANK_ORDER, tuple(part[rows] for part in outputs), redo_count)
-    if redo_count.item():  # the schedule's one host sync
+                                                                 0))
+    if _appended_chunks(hidden, weight, bias, vocab_size, num_samples, temperature, plan, key, row_offset, chunk_rows,
+                        floors, outputs, lse):  # the schedule's one host sync
         redo = outputs[3].nonzero().flatten()
         _logits_of_rows(hidden, weight, bias, redo, num_samples, temperature, vocab_size, seed, row_offset,
                         max(1, APPENDED_BYTES // (8 * weight.shape[0])), outputs, lse)
     return _finish(outputs, lse, temperature, seed)
+
+
+def _appended_chunks(hidden: torch.Tensor, weight: torch.Tensor, bias, width: int, num_samples: int,
+                     temperature: float, plan, key: int, row_offset: int, chunk_rows: int, floors: torch.Tensor,
+                     outputs, lse: torch.Tensor) -> int:
+    """The appended schedule's chunks after the floors: ``outputs`` and ``lse`` filled, ``outputs``'
+    overflow flagging the rows to redo -> their count (read by the host). Its work buffers live
+    only within this call, so a redo does not hold them."""
+    num_rows = hidden.shape[0]
+    counters, keys = empty_parts(hidden.device, ((num_rows + 1,), torch.int32), ((chunk_rows, plan.capacity),
+                                                                                 torch.int64))
+    counters.zero_()
+    counts, redo_count = counters[:num_rows], counters[num_rows:]  # the rows' appends, the rows to redo
+    appender = SampleMatmul(hidden, weight, bias, width, temperature, key, max_rows=chunk_rows)
+    for start in range(0, num_rows, chunk_rows):
+        rows = slice(start, min(start + chunk_rows, num_rows))
+        chunk_keys = keys[:rows.stop - start]
+        tile_max2, tile_sum2 = appender(SampleAppends(floors[rows], chunk_keys, counts[rows]), rows, row_offset + start)
+        tile_logsumexp(tile_max2, tile_sum2, lse[rows])
+        rank_samples(chunk_keys, counts[rows], floors[rows], lse[rows], num_samples, temperature, key,
+                     row_offset + start, RANK_ORDER, tuple(part[rows] for part in outputs), redo_count)
+    return redo_count.item()
 
 
 @functools.lru_cache(maxsize=64)

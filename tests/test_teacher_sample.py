@@ -17,7 +17,7 @@ from kd_kernels import reference, sampling
 from kd_kernels import teacher_sampling as schedules
 from kd_kernels.ops import sample_keys, sort_keys, topk_from_appended
 from kd_kernels.ops.gumbel_noise import (coarse_floats, coarse_gumbel_lower_bound, gumbel_noise, pair_hash, row_key,
-                                        signed_key)
+                                        row_operands, signed_key)
 from kd_kernels.ops.lm_head_sample import SampleAppends, SampleMatmul
 from kd_kernels.ops.topk_from_appended import tile_logsumexp
 from kd_kernels.samples import TeacherSamples
@@ -85,10 +85,13 @@ def test_the_sample_floors_are_lower_bounds_of_the_rank_th_key(rank):
     sample[1] = sample[1, 0]  # every key of a row's sample column alike but for its noise
     sample[2, :] = 0
     sample[2, ::2] = 60.0  # tied logits, where the noise sets the order
+    sample[3, rank - 1:] = -math.inf  # fewer than rank finite keys: the most negative float
     bound = triton_noise(seed, first_row + torch.arange(rows), 128)[2][:, :40 * stride:stride].double()
     keys = sample.double() / temperature + bound
     floors = sample_keys.sample_key_floors(sample.to(DEVICE), stride, rank, temperature, sampling.seed_key(seed),
                                            first_row, torch.empty(rows, device=DEVICE)).cpu().double()
+    assert floors[3] == -torch.finfo(torch.float32).max
+    keys, floors = keys[:3], floors[:3]
     kth = keys.sort(dim=1, descending=True).values[:, rank - 1]
     assert (floors <= kth + 1e-5 * (1 + kth.abs())).all()
     if rank <= sample_keys.FLOOR_REMOVALS:
@@ -203,7 +206,7 @@ def check_samples(got: TeacherSamples, expected: TeacherSamples, atol: float = 1
     (torch.float16, 5, 0.7, dict(chunk_rows=8, row_offset=2**33 + 1)),
     (torch.float16, 16, 2.0, dict(stride=3, rows=12, triton_ranking=True)),
 ])
-def test_the_appended_schedule_matches_the_reference(dtype, num_samples, temperature, options, monkeypatch):
+def test_the_appended_schedule_matches_the_reference(dtype, num_samples, temperature, options, monkeypatch, redone):
     if not options.get("triton_ranking"):
         monkeypatch.setattr(sample_keys, "top_of_counted_keys", torch_top_of_counted_keys)
     hidden, weight, bias = small_teacher_problem(num_samples + 40, rows=options.get("rows", 20), dtype=dtype)
@@ -215,6 +218,27 @@ def test_the_appended_schedule_matches_the_reference(dtype, num_samples, tempera
                                         row_offset=row_offset)
     check_samples(got, expected)
     assert got.temperature == temperature and got.seed == 31 and (got.indices < 200).all()
+    assert redone == []  # every row finished by its floor: the host's count read zero
+
+
+def test_global_rows_are_a_first_index_or_listed_int64_rows():
+    stand_in = torch.empty(1)
+    assert row_operands(7, stand_in) == (stand_in, 7, False)
+    listed = torch.tensor([3, 1])
+    assert row_operands(listed, stand_in) == (listed, 0, True)
+    with pytest.raises(ValueError, match=r"global_rows: expected \[R\] int64 row indices .* got torch.int64 of shape \[\]"):
+        row_operands(torch.tensor(4), stand_in)
+    with pytest.raises(ValueError, match="got torch.int32 of shape"):
+        row_operands(listed.int(), stand_in)
+    with pytest.raises(TypeError, match="global_rows: expected an int .* got float"):
+        row_operands(2.0, stand_in)
+
+
+@pytest.mark.interpret
+def test_no_rows_give_empty_samples():
+    hidden, weight, bias = small_teacher_problem(8, rows=4, dtype=torch.float16)
+    got = schedules.teacher_sample_appended(hidden[:0], weight, 5, 1.0, 200, bias, 3)
+    assert got.logprobs.shape == (0, 5) and got.indices.shape == (0, 5) and got.lse.shape == (0,)
 
 
 @pytest.mark.interpret

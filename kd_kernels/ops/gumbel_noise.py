@@ -129,5 +129,11 @@ def row_operands(global_rows, stand_in: torch.Tensor) -> tuple:
     global index of the first of consecutive rows (no index tensor to build and slice on the
     host), or ``[R]`` int64 global indices (``stand_in`` fills the unused operand)."""
     if isinstance(global_rows, torch.Tensor):
+        if global_rows.dim() != 1 or global_rows.dtype != torch.int64:
+            raise ValueError(f"global_rows: expected [R] int64 row indices (or an int, the first row's), got "
+                             f"{global_rows.dtype} of shape {list(global_rows.shape)}")
         return global_rows, 0, True
+    if isinstance(global_rows, bool) or not isinstance(global_rows, int):
+        raise TypeError(f"global_rows: expected an int (the first row's index) or [R] int64, got "
+                        f"{type(global_rows).__name__}")
     return stand_in, global_rows, False

@@ -4,7 +4,7 @@ candidates into its samples.
 
 Candidates are raw keys (a logit's float bits, before τ, bias included, above its global
 column), as the sampling matmul (ops/lm_head_sample.py) or `logits_candidates` append them,
-each row's count beside them. `rank_samples` adds each candidate's exact noise (`noisy_keys`:
+each row's count beside them. `rank_samples` adds each candidate's exact noise (`noisy_raw_keys`:
 ``κ = fma(z, 1/τ, G)``, the same float32 key wherever it is computed), takes the n + 1 largest
 keys per row (lower column first on ties; ops/sort_keys.py), and turns them into log-probs
 ``(κ − G) − lse`` and the threshold ``κ_{n+1} − lse``. A row is exact when its candidates hold

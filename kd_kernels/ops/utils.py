@@ -17,10 +17,10 @@ def logaddexp(a, b):
 
 @triton.jit
 def kth_largest_by_removal(values, valid, k):
-    """A lower bound of the k-th largest valid value of ``values`` (1-D float32): k times the
-    largest value left, each time removing every value equal to it (tied values leave together,
-    so the k-th removed is at or below the k-th largest); -inf where fewer than k are valid. One
-    maximum a rank: fewer reductions than a bisection where k is small."""
+    """A lower bound of the k-th largest valid value of ``values`` (1-D float32): the largest
+    value left after k − 1 times removing the largest with every value equal to it (tied values
+    leave together, so it is at or below the k-th largest); -inf where fewer than k valid values
+    differ. One maximum a rank: fewer reductions than a bisection where k is small."""
     left = tl.where(valid, values, float("-inf"))
     top = tl.max(left, axis=0)
     for _ in range(1, k):
