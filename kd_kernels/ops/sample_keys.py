@@ -54,11 +54,12 @@ def _sample_key_floor_kernel(sample_ptr, stride_row, floors_ptr, sample_width, s
 def sample_key_floors(sample: torch.Tensor, stride: int, rank: int, temperature: float, seed_key: int,
                       global_rows, floors: torch.Tensor, steps: int = 12) -> torch.Tensor:
     """sample ``[R, S]`` logits (any float dtype, unit stride along a row) of the global columns
-    ``0, stride, 2·stride, …`` of the global rows ``global_rows`` (`row_operands`) -> ``floors [R]``
-    float32 filled: per row a lower bound of the rank-th largest key ``z / τ + G`` among them,
-    never −inf (the most negative float where fewer than rank keys differ). The keys take G's coarse lower bound
-    (`coarse_gumbel_lower_bound`), a lower bound of each key: a floor only sets how many
-    elements the sampling matmul keeps, and the ranking checks it against the exact keys."""
+    ``0, stride, 2·stride, …`` of the global rows ``global_rows`` (`row_operands`) -> ``floors
+    [R]`` float32 filled: per row a lower bound of the rank-th largest key ``z / τ + G`` among
+    them, never −inf (the most negative float where fewer than rank keys differ). The keys take
+    G's coarse lower bound (`coarse_gumbel_lower_bound`), a lower bound of each key: a floor only
+    sets how many elements the sampling matmul keeps, and the ranking checks it against the exact
+    keys."""
     rows, width = sample.shape
     if rows:
         rows_ptr, first_row, listed = row_operands(global_rows, floors)
