@@ -133,26 +133,27 @@ def teacher_sample_appended(hidden: torch.Tensor, weight: torch.Tensor, num_samp
     """The appended schedule (module docstring), ``chunk_rows`` rows at a time (None: within
     APPENDED_BYTES), every ``stride``-th column sampled for the floors (None: `sample_stride`).
     Rows it cannot finish exactly are redone by the logits schedule. One host sync: the count of
-    rows to redo."""
+    rows to redo. Until the first sampling matmul is launched the device waits on the host (the
+    previous call ended in a sync), so that path holds only what the launch needs."""
     if not 1 <= num_samples <= SAMPLE_MAX:
         raise ValueError(f"num_samples: the appended schedule takes 1 <= n <= {SAMPLE_MAX}, got {num_samples}")
-    num_rows, device = hidden.shape[0], hidden.device
+    num_rows = hidden.shape[0]
+    if num_rows == 0:
+        return _finish(*_outputs(0, num_samples, hidden.device), temperature, seed)
     plan = sample_plan(vocab_size, num_samples, stride)
     key = seed_key(seed)
 
     def key_floors(sample, rows, floors):
         sample_key_floors(sample, plan.stride, plan.rank, temperature, key, row_offset + rows.start, floors)
 
-    outputs, lse = _outputs(num_rows, num_samples, device)
-    if num_rows == 0:
-        return _finish(outputs, lse, temperature, seed)
     sample_bias = None if bias is None else bias[:vocab_size:plan.stride].contiguous()
     floors = floors_of_rows(hidden, weight, sample_bias, vocab_size, plan, temperature, APPENDED_BYTES, key_floors)
     # the chunk's rows hold their keys and tile statistics (the counts are the call's)
     chunk_rows = min(num_rows, chunk_rows or appended_chunk_rows(num_rows, vocab_size, plan, default_config().block_n,
                                                                  0))
-    if _appended_chunks(hidden, weight, bias, vocab_size, num_samples, temperature, plan, key, row_offset, chunk_rows,
-                        floors, outputs, lse):  # the schedule's one host sync
+    outputs, lse, redo_count = _appended_chunks(hidden, weight, bias, vocab_size, num_samples, temperature, plan, key,
+                                                row_offset, chunk_rows, floors)
+    if redo_count:
         redo = outputs[3].nonzero().flatten()
         _logits_of_rows(hidden, weight, bias, redo, num_samples, temperature, vocab_size, seed, row_offset,
                         max(1, APPENDED_BYTES // (8 * weight.shape[0])), outputs, lse)
@@ -160,25 +161,28 @@ def teacher_sample_appended(hidden: torch.Tensor, weight: torch.Tensor, num_samp
 
 
 def _appended_chunks(hidden: torch.Tensor, weight: torch.Tensor, bias, width: int, num_samples: int,
-                     temperature: float, plan, key: int, row_offset: int, chunk_rows: int, floors: torch.Tensor,
-                     outputs, lse: torch.Tensor) -> int:
-    """The appended schedule's chunks after the floors: ``outputs`` and ``lse`` filled, ``outputs``'
-    overflow flagging the rows to redo -> their count (read by the host). Its work buffers live
-    only within this call, so a redo does not hold them."""
+                     temperature: float, plan, key: int, row_offset: int, chunk_rows: int, floors: torch.Tensor):
+    """The appended schedule's chunks after the floors -> (outputs, lse, the count of rows to redo,
+    read by the host: the schedule's one sync), ``outputs``' overflow flagging those rows. The
+    outputs are allocated once the first matmul is launched, off the device's wait; the work
+    buffers live only within this call, so a redo does not hold them."""
     num_rows = hidden.shape[0]
     counters, keys = empty_parts(hidden.device, ((num_rows + 1,), torch.int32), ((chunk_rows, plan.capacity),
                                                                                  torch.int64))
     counters.zero_()
     counts, redo_count = counters[:num_rows], counters[num_rows:]  # the rows' appends, the rows to redo
     appender = SampleMatmul(hidden, weight, bias, width, temperature, key, max_rows=chunk_rows)
+    outputs = lse = None
     for start in range(0, num_rows, chunk_rows):
         rows = slice(start, min(start + chunk_rows, num_rows))
         chunk_keys = keys[:rows.stop - start]
         tile_max2, tile_sum2 = appender(SampleAppends(floors[rows], chunk_keys, counts[rows]), rows, row_offset + start)
+        if outputs is None:
+            outputs, lse = _outputs(num_rows, num_samples, hidden.device)
         tile_logsumexp(tile_max2, tile_sum2, lse[rows])
         rank_samples(chunk_keys, counts[rows], floors[rows], lse[rows], num_samples, temperature, key,
                      row_offset + start, RANK_ORDER, tuple(part[rows] for part in outputs), redo_count)
-    return redo_count.item()
+    return outputs, lse, redo_count.item()
 
 
 @functools.lru_cache(maxsize=64)

@@ -42,6 +42,24 @@ def test_logits_statistics_and_group_maxima(dtype, temperature, with_bias, width
     assert torch.equal(summaries.group_max.cpu(), expected)
 
 
+@pytest.mark.parametrize("dtype", [FLOAT32_INTERPRETED, torch.float16])
+def test_logits_alone_without_summaries(dtype):
+    """``summaries=False`` (the floors' sample): the same logits, in the inputs' dtype too, and
+    no statistics; it refuses what needs them."""
+    generator = torch.Generator().manual_seed(5)
+    hidden = torch.randn(21, 16, generator=generator).to(DEVICE, dtype)
+    weight = torch.randn(203, 16, generator=generator).to(DEVICE, dtype)
+    bias = torch.randn(203, generator=generator).to(DEVICE, dtype)
+    logits = torch.full((21, 80), float("nan"), dtype=dtype, device=DEVICE)
+    matmul = EpilogueMatmul(hidden, weight[::3], bias[::3].contiguous(), 68, 1.0, logits, summaries=False)
+    assert matmul(0, 68) is None
+    exact = reference.lm_head_logits(hidden, weight[::3], bias[::3])
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-3
+    assert torch.allclose(logits[:, :68].double().cpu(), exact.cpu(), atol=tolerance, rtol=tolerance)
+    with pytest.raises(ValueError, match="summaries: a matmul without summaries stores logits"):
+        EpilogueMatmul(hidden, weight, None, 30, 1.0, None, summaries=False)
+
+
 def test_the_logits_buffer_must_take_tma_stores():
     hidden, weight = torch.zeros(4, 16, dtype=torch.float16), torch.zeros(30, 16, dtype=torch.float16)
     with pytest.raises(ValueError, match="logits: the teacher's epilogue matmul moves rows by TMA"):

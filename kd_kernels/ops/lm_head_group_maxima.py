@@ -18,6 +18,7 @@ accumulator and leaves, per row:
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 import triton
@@ -46,8 +47,10 @@ class GroupMaximaConfig:
     flatten: bool = True
 
 
+@functools.lru_cache(maxsize=None)
 def default_config() -> GroupMaximaConfig:
-    """Small tiles under the CPU interpreter (several groups per tile, several tiles per row)."""
+    """Small tiles under the CPU interpreter (several groups per tile, several tiles per row).
+    One frozen instance: made once, not on every call's host path."""
     if INTERPRETED:
         return GroupMaximaConfig(block_m=16, block_n=32, block_k=16, num_warps=1, num_stages=1, group_m=2,
                                  group_columns=8, subtile=False, flatten=False)
@@ -244,7 +247,7 @@ def _lm_head_group_maxima_kernel(hidden_desc, weight_desc, logits_desc, bias_ptr
                                  GROUP_COLUMNS: tl.constexpr, SUBTILE: tl.constexpr, FLATTEN: tl.constexpr,
                                  DOT_PRECISION: tl.constexpr, STORE_LOGITS: tl.constexpr = True,
                                  GROUP_TOP2: tl.constexpr = False, APPEND: tl.constexpr = False,
-                                 APPEND_IN_PTX: tl.constexpr = False):
+                                 APPEND_IN_PTX: tl.constexpr = False, SUMMARIES: tl.constexpr = True):
     row_tiles = tl.cdiv(num_rows, BLOCK_M)
     column_tiles = tl.cdiv(width, BLOCK_N)
     groups_per_tile: tl.constexpr = BLOCK_N // GROUP_COLUMNS
@@ -274,41 +277,42 @@ def _lm_head_group_maxima_kernel(hidden_desc, weight_desc, logits_desc, bias_ptr
                                   right.to(logits_desc.dtype))
             else:
                 logits_desc.store([row_tile * BLOCK_M, column_tile * BLOCK_N], accumulator.to(logits_desc.dtype))
-        z = tl.where(columns[None, :] < width, accumulator, float("-inf"))
-        rows_ok = rows < num_rows
-        row_offsets = rows.to(tl.int64)
-        groups = column_tile * groups_per_tile + tl.arange(0, groups_per_tile)
-        group_offsets = row_offsets[:, None] * num_groups + groups[None, :]
-        if GROUP_TOP2:
-            # lanes in pairs first: a pair's (larger, its lane, smaller) needs no -inf operand
-            even, odd = tl.split(tl.reshape(_thread_groups(z, BLOCK_M, BLOCK_N, GROUP_COLUMNS),
-                                            (BLOCK_M, groups_per_tile, GROUP_COLUMNS // 2, 2)))
-            pair_lane = 2 * tl.arange(0, GROUP_COLUMNS // 2)[None, None, :] + (odd > even).to(tl.int32)
-            group_max, group_arg, group_second = tl.reduce(
-                (tl.maximum(even, odd), pair_lane, tl.minimum(even, odd)), 2, _combine_top2)
-            tl.store(group_arg_ptr + group_offsets, group_arg.to(tl.int8), mask=rows_ok[:, None])
-            tl.store(group_second_ptr + group_offsets, group_second, mask=rows_ok[:, None])
-            # rounding is monotone: the maximum of z · log2e / τ, from the groups already in registers
-            # (no pass over z)
-            tile_max2 = tl.max(group_max, axis=1) * log2e_over_t
-        elif APPEND:
-            grouped = _thread_groups(z, BLOCK_M, BLOCK_N, GROUP_COLUMNS)
-            appending_rows = tl.where(rows_ok, row_offsets, -1)
-            # before the statistics: their exp2 cover the atomics' round trip (the stores come after them)
-            floor, bits, first = _reserve_slots(grouped, appending_rows, floor_ptr, counts_ptr, GROUP_COLUMNS)
-            tile_max2 = tl.max(tl.max(grouped, axis=2), axis=1) * log2e_over_t
-        else:
-            group_max = tl.max(tl.reshape(z, (BLOCK_M, groups_per_tile, GROUP_COLUMNS)), axis=2)
-            tile_max2 = tl.max(z * log2e_over_t, axis=1)
-        safe_max2 = tl.where(tile_max2 == float("-inf"), 0.0, tile_max2)
-        tile_sum2 = tl.sum(tl.exp2(tl.fma(z, log2e_over_t, -safe_max2[:, None])), axis=1)
-        tl.store(tile_max2_ptr + row_offsets * column_tiles + column_tile, tile_max2, mask=rows_ok)
-        tl.store(tile_sum2_ptr + row_offsets * column_tiles + column_tile, tile_sum2, mask=rows_ok)
-        if APPEND:
-            _store_appends(grouped, floor, bits, first, column_tile, appending_rows, keys_ptr, key_capacity, BLOCK_N,
-                           GROUP_COLUMNS, APPEND_IN_PTX)
-        else:
-            tl.store(group_max_ptr + group_offsets, group_max, mask=rows_ok[:, None])
+        if SUMMARIES:  # else the logits alone (the appended schedules' floors sample)
+            z = tl.where(columns[None, :] < width, accumulator, float("-inf"))
+            rows_ok = rows < num_rows
+            row_offsets = rows.to(tl.int64)
+            groups = column_tile * groups_per_tile + tl.arange(0, groups_per_tile)
+            group_offsets = row_offsets[:, None] * num_groups + groups[None, :]
+            if GROUP_TOP2:
+                # lanes in pairs first: a pair's (larger, its lane, smaller) needs no -inf operand
+                even, odd = tl.split(tl.reshape(_thread_groups(z, BLOCK_M, BLOCK_N, GROUP_COLUMNS),
+                                                (BLOCK_M, groups_per_tile, GROUP_COLUMNS // 2, 2)))
+                pair_lane = 2 * tl.arange(0, GROUP_COLUMNS // 2)[None, None, :] + (odd > even).to(tl.int32)
+                group_max, group_arg, group_second = tl.reduce(
+                    (tl.maximum(even, odd), pair_lane, tl.minimum(even, odd)), 2, _combine_top2)
+                tl.store(group_arg_ptr + group_offsets, group_arg.to(tl.int8), mask=rows_ok[:, None])
+                tl.store(group_second_ptr + group_offsets, group_second, mask=rows_ok[:, None])
+                # rounding is monotone: the maximum of z · log2e / τ, from the groups already in registers
+                # (no pass over z)
+                tile_max2 = tl.max(group_max, axis=1) * log2e_over_t
+            elif APPEND:
+                grouped = _thread_groups(z, BLOCK_M, BLOCK_N, GROUP_COLUMNS)
+                appending_rows = tl.where(rows_ok, row_offsets, -1)
+                # before the statistics: their exp2 cover the atomics' round trip (the stores come after them)
+                floor, bits, first = _reserve_slots(grouped, appending_rows, floor_ptr, counts_ptr, GROUP_COLUMNS)
+                tile_max2 = tl.max(tl.max(grouped, axis=2), axis=1) * log2e_over_t
+            else:
+                group_max = tl.max(tl.reshape(z, (BLOCK_M, groups_per_tile, GROUP_COLUMNS)), axis=2)
+                tile_max2 = tl.max(z * log2e_over_t, axis=1)
+            safe_max2 = tl.where(tile_max2 == float("-inf"), 0.0, tile_max2)
+            tile_sum2 = tl.sum(tl.exp2(tl.fma(z, log2e_over_t, -safe_max2[:, None])), axis=1)
+            tl.store(tile_max2_ptr + row_offsets * column_tiles + column_tile, tile_max2, mask=rows_ok)
+            tl.store(tile_sum2_ptr + row_offsets * column_tiles + column_tile, tile_sum2, mask=rows_ok)
+            if APPEND:
+                _store_appends(grouped, floor, bits, first, column_tile, appending_rows, keys_ptr, key_capacity,
+                               BLOCK_N, GROUP_COLUMNS, APPEND_IN_PTX)
+            else:
+                tl.store(group_max_ptr + group_offsets, group_max, mask=rows_ok[:, None])
 
 
 def _check_appends(appends: Appends, rows: int) -> None:
@@ -347,11 +351,12 @@ class EpilogueMatmul:
     once, so that a call's host work is one launch. Arguments as
     `lm_head_logits_with_summaries`'s, ``weight`` and ``bias`` whole (the slices are offsets into
     them); ``appends``: append each element at or above its row's floor (`Appends`) instead of
-    storing logits or group maxima."""
+    storing logits or group maxima; ``summaries=False``: the logits alone (a call returns None),
+    no statistics computed or allocated."""
 
     def __init__(self, hidden: torch.Tensor, weight: torch.Tensor, bias, max_width: int, temperature: float,
                  logits: torch.Tensor | None, config: GroupMaximaConfig | None = None, group_top2: bool = False,
-                 appends: "Appends | None" = None):
+                 appends: "Appends | None" = None, summaries: bool = True):
         config = config or default_config()
         if hidden.dtype == torch.float32 and not INTERPRETED:
             # the float32 tiles need ~320 KiB of shared memory, and IEEE products would trail cuBLAS far
@@ -362,6 +367,8 @@ class EpilogueMatmul:
             raise ValueError("appends: the matmul appends above floors with neither logits stored nor group_top2")
         if appends is not None:
             _check_appends(appends, hidden.shape[0])
+        if not summaries and (logits is None or group_top2 or appends is not None):
+            raise ValueError("summaries: a matmul without summaries stores logits, with neither group_top2 nor appends")
         if logits is not None and logits.dtype not in (torch.float32, hidden.dtype):
             raise ValueError(f"logits: expected a float32 buffer (rows starting at 16-byte boundaries) or one of the "
                              f"inputs' dtype {hidden.dtype} (rounded logits), got {logits.dtype}")
@@ -375,7 +382,7 @@ class EpilogueMatmul:
         self.store_logits = logits is not None
         self.group_top2 = group_top2
         self.appends = appends
-        self.summaries = self._summaries(max_width)
+        self.summaries = self._summaries(max_width) if summaries else None
         if hidden.shape[0] == 0:
             return
         user = "the teacher's epilogue matmul"
@@ -404,27 +411,33 @@ class EpilogueMatmul:
     def __call__(self, column_start: int, width: int) -> RowSummaries:
         """Columns ``column_start … column_start + width`` (width ≤ max_width) -> their logits
         in the buffer's first ``width`` columns and their `RowSummaries` (the same tensors from
-        one full-width call to the next: read them before the next call)."""
+        one full-width call to the next: read them before the next call; None without
+        summaries)."""
         config = self.config
-        summaries = self.summaries if width == self.max_width else self._summaries(width)
+        summaries = self.summaries
+        if summaries is not None and width != self.max_width:
+            summaries = self._summaries(width)
         num_rows, hidden_size = self.hidden.shape
         if num_rows == 0:
             return summaries
-        tiles = -(-num_rows // config.block_m) * summaries.tile_max2.shape[1]
+        tiles = -(-num_rows // config.block_m) * -(-width // config.block_n)
         programs = min(tiles, self.multiprocessors)
+        # stand-ins fill the operands a variant does not read
+        stand_in = summaries.tile_max2 if summaries is not None else self.hidden
         _lm_head_group_maxima_kernel[(programs,)](
             self.hidden_desc, self.weight_desc, self.logits_desc,
-            self.bias if self.bias is not None else summaries.tile_max2, summaries.tile_max2, summaries.tile_sum2,
-            summaries.group_max, summaries.group_arg if self.group_top2 else summaries.group_max,
-            summaries.group_second if self.group_top2 else summaries.group_max,
+            self.bias if self.bias is not None else stand_in, stand_in,
+            summaries.tile_sum2 if summaries is not None else stand_in,
+            summaries.group_max if summaries is not None else stand_in,
+            summaries.group_arg if self.group_top2 else stand_in,
+            summaries.group_second if self.group_top2 else stand_in,
             num_rows, width, column_start, hidden_size, self.log2e_over_t,
-            *(self.appends.operands() if self.appends else (summaries.tile_max2, summaries.tile_max2,
-                                                            summaries.tile_max2, 0)),
+            *(self.appends.operands() if self.appends else (stand_in, stand_in, stand_in, 0)),
             HAS_BIAS=self.bias is not None, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
             GROUP_M=config.group_m, NUM_PROGRAMS=programs, GROUP_COLUMNS=config.group_columns,
             SUBTILE=config.subtile, FLATTEN=config.flatten, STORE_LOGITS=self.store_logits,
             GROUP_TOP2=self.group_top2, APPEND=self.appends is not None,
-            APPEND_IN_PTX=STORE_APPENDS_IN_PTX,
+            APPEND_IN_PTX=STORE_APPENDS_IN_PTX, SUMMARIES=summaries is not None,
             # float32 inputs get float32 products (tf32 would move logits by ~1e-3)
             DOT_PRECISION="ieee" if self.hidden.dtype == torch.float32 else "tf32",
             num_warps=config.num_warps, num_stages=config.num_stages)

@@ -235,7 +235,9 @@ class SampleMatmul:
         if step != 1 or num_rows > self.tile_max2.shape[0]:
             raise ValueError(f"rows: a slice of step 1 and at most {self.tile_max2.shape[0]} rows, got {rows}")
         _check_appends(appends, num_rows)
-        tile_max2, tile_sum2 = self.tile_max2[:num_rows], self.tile_sum2[:num_rows]
+        tile_max2, tile_sum2 = self.tile_max2, self.tile_sum2
+        if num_rows < tile_max2.shape[0]:  # no views where the window is the whole buffer (host time)
+            tile_max2, tile_sum2 = tile_max2[:num_rows], tile_sum2[:num_rows]
         if num_rows == 0:
             return tile_max2, tile_sum2
         tiles = -(-num_rows // config.block_m) * self.tile_max2.shape[1]

@@ -28,7 +28,14 @@ def floors_of_rows(hidden: torch.Tensor, weight: torch.Tensor, sample_bias, widt
     columns = weight[:width:plan.stride]
     for start in range(0, num_rows, block):
         rows = slice(start, min(start + block, num_rows))
-        part = sample[:rows.stop - rows.start]
-        EpilogueMatmul(hidden[rows], columns, sample_bias, plan.sample_width, temperature, part)(0, plan.sample_width)
-        reduce(part[:, :plan.sample_width], rows, floors[rows])
+        part = _rows_of(sample, slice(0, rows.stop - rows.start))
+        EpilogueMatmul(_rows_of(hidden, rows), columns, sample_bias, plan.sample_width, temperature, part,
+                       summaries=False)(0, plan.sample_width)
+        reduce(part[:, :plan.sample_width], rows, _rows_of(floors, rows))
     return floors
+
+
+def _rows_of(tensor: torch.Tensor, rows: slice) -> torch.Tensor:
+    """``tensor[rows]``, or the tensor itself where that is all of it (a view is host time, and
+    this is the device's wait: the previous call ended in a sync)."""
+    return tensor if rows.start == 0 and rows.stop == tensor.shape[0] else tensor[rows]
