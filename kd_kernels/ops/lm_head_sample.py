@@ -115,7 +115,7 @@ def _store_kept(z, lane_bit, bits, below, first, column, row_offsets, keys_ptr, 
         tl.store(keys_ptr + place, raw_key, mask=(bits[:, :, None] & lane_bit) != 0)
 
 
-@triton.jit(do_not_specialize=["seed_key", "row_start"])
+@triton.jit(do_not_specialize=["seed_key", "row_start", "first_row"])
 def _lm_head_sample_kernel(hidden_desc, weight_desc, bias_ptr, tile_max2_ptr, tile_sum2_ptr, floor_ptr, keys_ptr,
                            counts_ptr, row_start, num_rows, width, noise_offset, hidden_size, log2e_over_t,
                            key_capacity, seed_key, first_row, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
