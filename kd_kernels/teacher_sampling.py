@@ -133,8 +133,8 @@ def teacher_sample_appended(hidden: torch.Tensor, weight: torch.Tensor, num_samp
     """The appended schedule (module docstring), ``chunk_rows`` rows at a time (None: within
     APPENDED_BYTES), every ``stride``-th column sampled for the floors (None: `sample_stride`).
     Rows it cannot finish exactly are redone by the logits schedule. One host sync: the count of
-    rows to redo. Until the first sampling matmul is launched the device waits on the host (the
-    previous call ended in a sync), so that path holds only what the launch needs."""
+    rows to redo. From the previous call's sync until the first sampling matmul is launched the
+    device has only the floors to run, so that host path holds only what the launch needs."""
     if not 1 <= num_samples <= SAMPLE_MAX:
         raise ValueError(f"num_samples: the appended schedule takes 1 <= n <= {SAMPLE_MAX}, got {num_samples}")
     num_rows = hidden.shape[0]

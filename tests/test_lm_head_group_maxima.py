@@ -43,21 +43,27 @@ def test_logits_statistics_and_group_maxima(dtype, temperature, with_bias, width
 
 
 @pytest.mark.parametrize("dtype", [FLOAT32_INTERPRETED, torch.float16])
-def test_logits_alone_without_summaries(dtype):
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_logits_alone_without_summaries(dtype, with_bias):
     """``summaries=False`` (the floors' sample): the same logits, in the inputs' dtype too, and
-    no statistics; it refuses what needs them."""
+    no statistics (nothing written through the operands standing in for them); it refuses what
+    needs them."""
     generator = torch.Generator().manual_seed(5)
     hidden = torch.randn(21, 16, generator=generator).to(DEVICE, dtype)
     weight = torch.randn(203, 16, generator=generator).to(DEVICE, dtype)
-    bias = torch.randn(203, generator=generator).to(DEVICE, dtype)
+    bias = torch.randn(68, generator=generator).to(DEVICE, dtype) if with_bias else None
+    hidden_before = hidden.clone()
     logits = torch.full((21, 80), float("nan"), dtype=dtype, device=DEVICE)
-    matmul = EpilogueMatmul(hidden, weight[::3], bias[::3].contiguous(), 68, 1.0, logits, summaries=False)
-    assert matmul(0, 68) is None
-    exact = reference.lm_head_logits(hidden, weight[::3], bias[::3])
+    matmul = EpilogueMatmul(hidden, weight[::3], bias, 68, 1.0, logits, summaries=False)
+    assert matmul(0, 40) is None and matmul(0, 68) is None  # a narrower call (junk past its width), then all
+    assert torch.equal(hidden, hidden_before)
+    exact = reference.lm_head_logits(hidden, weight[::3], bias)
     tolerance = 1e-5 if dtype == torch.float32 else 2e-3
     assert torch.allclose(logits[:, :68].double().cpu(), exact.cpu(), atol=tolerance, rtol=tolerance)
-    with pytest.raises(ValueError, match="summaries: a matmul without summaries stores logits"):
-        EpilogueMatmul(hidden, weight, None, 30, 1.0, None, summaries=False)
+    for refused in (dict(logits=None), dict(group_top2=True)):
+        arguments = dict(logits=logits, summaries=False) | refused
+        with pytest.raises(ValueError, match="summaries: a matmul without summaries stores logits"):
+            EpilogueMatmul(hidden, weight[::3], None, 68, 1.0, **arguments)
 
 
 def test_the_logits_buffer_must_take_tma_stores():
@@ -72,7 +78,8 @@ def test_the_logits_buffer_must_take_tma_stores():
 
 @INTERPRETER_ONLY
 def test_the_epilogue_matmul_refuses_float32_natively(monkeypatch):
-    monkeypatch.setattr(lm_head_group_maxima, "INTERPRETED", False)  # the check runs before any launch
+    # the check runs before any launch; the GPU's config it makes is cached apart from the interpreter's
+    monkeypatch.setattr(lm_head_group_maxima, "INTERPRETED", False)
     hidden, weight = torch.zeros(4, 16), torch.zeros(30, 16)
     with pytest.raises(ValueError, match="hidden: the epilogue matmul takes bf16 / fp16 on a GPU .* got torch.float32"):
         EpilogueMatmul(hidden, weight, None, 30, 1.0, None)

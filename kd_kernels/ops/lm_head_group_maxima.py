@@ -12,8 +12,9 @@ accumulator and leaves, per row:
   ops/topk_from_group_top2.py); no logits are stored;
 - with `Appends` (the appended schedule), every element at or above the row's floor appended
   to the row's keys (ops/topk_from_appended.py); no logits are stored;
-- otherwise the logits themselves, in float32 or the inputs' dtype (the appended schedule's
-  sample of every stride-th column), and each group's maximum.
+- otherwise the logits themselves, in float32 or the inputs' dtype, and each group's maximum;
+  or, ``summaries=False``, the logits alone (the appended schedules' floors sample of every
+  stride-th column).
 """
 from __future__ import annotations
 
@@ -47,11 +48,15 @@ class GroupMaximaConfig:
     flatten: bool = True
 
 
-@functools.lru_cache(maxsize=None)
 def default_config() -> GroupMaximaConfig:
     """Small tiles under the CPU interpreter (several groups per tile, several tiles per row).
-    One frozen instance: made once, not on every call's host path."""
-    if INTERPRETED:
+    One frozen instance each: made once, not on every call's host path."""
+    return _config(INTERPRETED)
+
+
+@functools.lru_cache(maxsize=None)
+def _config(interpreted: bool) -> GroupMaximaConfig:
+    if interpreted:
         return GroupMaximaConfig(block_m=16, block_n=32, block_k=16, num_warps=1, num_stages=1, group_m=2,
                                  group_columns=8, subtile=False, flatten=False)
     return GroupMaximaConfig()
@@ -408,7 +413,7 @@ class EpilogueMatmul:
         tile_max2, tile_sum2, group_max, *top2 = empty_parts(self.hidden.device, *tile_parts, *top2_parts)
         return RowSummaries(tile_max2, tile_sum2, group_max, self.config.group_columns, *(top2 or (None, None)))
 
-    def __call__(self, column_start: int, width: int) -> RowSummaries:
+    def __call__(self, column_start: int, width: int) -> RowSummaries | None:
         """Columns ``column_start … column_start + width`` (width ≤ max_width) -> their logits
         in the buffer's first ``width`` columns and their `RowSummaries` (the same tensors from
         one full-width call to the next: read them before the next call; None without
