@@ -36,6 +36,9 @@ from .teacher.floors import floors_of_rows
 FLOOR_COLUMNS = 2048
 SAMPLE_MAX = 1023  # n + 1 keys within the appended plan's and the rank sort's limits (k <= 1024)
 LOGITS_CHUNK_BYTES = 1 << 30  # float32 logits of one chunk of the logits schedule
+# a chunk's keys and tile statistics in the appended schedule: 4096 rows at V = 151,936 and n = 16
+# (fewer, fuller ranking launches than the top-k's APPENDED_BYTES allows; docs/DECISIONS.md)
+SAMPLE_CHUNK_BYTES = 2 * APPENDED_BYTES
 RANK_ORDER = "triton"  # how rows rank their candidates: ops/sort_keys.py `top_of_counted_keys`'s order
 
 
@@ -131,7 +134,7 @@ def teacher_sample_appended(hidden: torch.Tensor, weight: torch.Tensor, num_samp
                             vocab_size: int, bias: Optional[torch.Tensor], seed: int, row_offset: int = 0,
                             chunk_rows: Optional[int] = None, stride: Optional[int] = None) -> TeacherSamples:
     """The appended schedule (module docstring), ``chunk_rows`` rows at a time (None: within
-    APPENDED_BYTES), every ``stride``-th column sampled for the floors (None: `sample_stride`).
+    SAMPLE_CHUNK_BYTES), every ``stride``-th column sampled for the floors (None: `sample_stride`).
     Rows it cannot finish exactly are redone by the logits schedule. One host sync: the count of
     rows to redo. From the previous call's sync until the first sampling matmul is launched the
     device has only the floors to run, so that host path holds only what the launch needs."""
@@ -150,7 +153,7 @@ def teacher_sample_appended(hidden: torch.Tensor, weight: torch.Tensor, num_samp
     floors = floors_of_rows(hidden, weight, sample_bias, vocab_size, plan, temperature, APPENDED_BYTES, key_floors)
     # the chunk's rows hold their keys and tile statistics (the counts are the call's)
     chunk_rows = min(num_rows, chunk_rows or appended_chunk_rows(num_rows, vocab_size, plan, default_config().block_n,
-                                                                 0))
+                                                                 0, SAMPLE_CHUNK_BYTES))
     outputs, lse, redo_count = _appended_chunks(hidden, weight, bias, vocab_size, num_samples, temperature, plan, key,
                                                 row_offset, chunk_rows, floors)
     if redo_count:

@@ -10,7 +10,9 @@ from helpers import (HAS_CUDA, check_schedule_with_ties_and_fewer_columns_than_k
                      small_teacher_problem)
 from kd_kernels import reference
 from kd_kernels.teacher import schedule as schedule_module
+from kd_kernels.ops.topk_from_appended import appended_plan
 from kd_kernels.teacher.appended import teacher_topk_appended
+from kd_kernels.teacher.chunks import MATMUL_ROW_GROUP, appended_chunk_rows
 from kd_kernels.teacher.logits_rows import teacher_topk_cublas
 from kd_kernels.teacher.maxima import MAXIMA_MAX_K, teacher_topk_maxima
 from kd_kernels.teacher.schedule import teacher_schedule
@@ -28,6 +30,19 @@ def test_the_schedule_choice():
     assert teacher_schedule(*half, MAXIMA_MAX_K + 1) == "appended" and teacher_schedule(*half, 1024) == "appended"
     assert teacher_schedule(*half, 1025) == "cublas" and teacher_schedule(*single, 256) == "cublas"
     assert teacher_schedule(*single, 64) == "cublas" and teacher_schedule(*odd, 64) == "cublas"
+
+
+def test_appended_chunks_are_whole_quarter_groups_spread_evenly_within_the_budget():
+    plan = appended_plan(151_936, 17)  # 8 · 2048 key bytes + 8 · 594 tile statistics a row (block_n 256)
+    per_row = 8 * plan.capacity + 8 * 594
+    quarter = MATMUL_ROW_GROUP // 4
+    for num_rows in (100, 1000, 4096, 5000, 8192, 12_345, 16_384):
+        for budget in (56 << 20, 112 << 20):
+            rows = appended_chunk_rows(num_rows, 151_936, plan, 256, 0, budget)
+            fewest = -(-num_rows // max(quarter, budget // per_row // quarter * quarter))
+            assert rows == num_rows or (rows % quarter == 0 and rows * per_row <= budget)
+            assert -(-num_rows // rows) == (1 if rows == num_rows else fewest)  # no more chunks than needed
+    assert appended_chunk_rows(8192, 151_936, plan, 256, 0, 112 << 20) == 4096  # not 5120 and 3072
 
 
 @pytest.mark.parametrize("schedule, most_k", [(teacher_topk_maxima, MAXIMA_MAX_K), (teacher_topk_appended, 1024)])

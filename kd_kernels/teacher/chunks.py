@@ -26,13 +26,20 @@ def rows_in_quarter_groups(rows: int, num_rows: int) -> int:
     return num_rows if rows >= num_rows else max(quarter, rows // quarter * quarter)
 
 
-def appended_chunk_rows(num_rows: int, width: int, plan, block_n: int, row_bytes: int) -> int:
+def appended_chunk_rows(num_rows: int, width: int, plan, block_n: int, row_bytes: int,
+                        budget_bytes: int = APPENDED_BYTES) -> int:
     """Rows per chunk of an appending matmul (`AppendedPlan` ``plan``): its buffers within
-    APPENDED_BYTES, in whole quarters of the matmul's L2 row group (`rows_in_quarter_groups`). A
-    row holds its keys (8 · capacity), its tile statistics (8 · V / block_n) and ``row_bytes``
-    more (the schedule's own)."""
+    ``budget_bytes``, in whole quarters of the matmul's L2 row group (`rows_in_quarter_groups`),
+    the rows spread evenly over the fewest chunks (8192 rows within 5120 a chunk: two of 4096,
+    not 5120 and 3072). A row holds its keys (8 · capacity), its tile statistics
+    (8 · V / block_n) and ``row_bytes`` more (the schedule's own)."""
     per_row = 8 * plan.capacity + 8 * -(-width // block_n) + row_bytes
-    return rows_in_quarter_groups(APPENDED_BYTES // per_row, num_rows)
+    most = rows_in_quarter_groups(budget_bytes // per_row, num_rows)
+    if most >= num_rows:
+        return num_rows
+    quarter = MATMUL_ROW_GROUP // 4
+    even = -(-num_rows // -(-num_rows // most))  # the rows of each of the fewest chunks
+    return -(-even // quarter) * quarter  # at most `most`, itself whole quarters
 
 
 def select_topk(logits: torch.Tensor, bias: Optional[torch.Tensor], k: int, temperature: float, width: int,
