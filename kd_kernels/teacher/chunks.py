@@ -13,8 +13,8 @@ from ..lm_head import lm_head_logits_fp32
 from ..topk import TopK
 
 MATMUL_ROW_GROUP = 1024  # the epilogue matmul's L2 group of row tiles (8 × 128 rows)
-# an appended schedule's buffers (the top-k's, the samples'): the floors phase's sample logits,
-# then a chunk's keys, tile statistics and what else its rows hold
+# an appended schedule's buffers: the floors phase's sample logits, then a chunk's keys, tile
+# statistics and what else its rows hold (the samples' chunks take twice this: SAMPLE_CHUNK_BYTES)
 APPENDED_BYTES = 56 << 20
 
 
