@@ -24,7 +24,9 @@ from .lm_head import lm_head_logits_fp32
 from .ops.buffers import empty_parts
 from .ops.lm_head_group_maxima import default_config, epilogue_applies
 from .ops.lm_head_sample import SampleAppends, SampleMatmul
-from .ops.sample_keys import logits_candidates, logits_capacity, rank_samples, sample_key_floors
+from .ops.host_value import HostValue
+from .ops.sample_keys import (logits_candidates, logits_capacity, noise_candidates, rank_noisy_candidates,
+                               rank_samples, sample_key_floors)
 from .ops.topk_from_appended import MAX_KEYS, appended_plan, tile_logsumexp
 from .samples import TeacherSamples
 from .sampling import seed_key
@@ -136,8 +138,9 @@ def teacher_sample_appended(hidden: torch.Tensor, weight: torch.Tensor, num_samp
     """The appended schedule (module docstring), ``chunk_rows`` rows at a time (None: within
     SAMPLE_CHUNK_BYTES), every ``stride``-th column sampled for the floors (None: `sample_stride`).
     Rows it cannot finish exactly are redone by the logits schedule. One host sync: the count of
-    rows to redo. From the previous call's sync until the first sampling matmul is launched the
-    device has only the floors to run, so that host path holds only what the launch needs."""
+    rows to redo, known before the last chunk is ranked. From the previous call's sync until the
+    first sampling matmul is launched the device has only that ranking and the floors to run, so
+    that host path holds only what the launch needs."""
     if not 1 <= num_samples <= SAMPLE_MAX:
         raise ValueError(f"num_samples: the appended schedule takes 1 <= n <= {SAMPLE_MAX}, got {num_samples}")
     num_rows = hidden.shape[0]
@@ -167,25 +170,32 @@ def _appended_chunks(hidden: torch.Tensor, weight: torch.Tensor, bias, width: in
                      temperature: float, plan, key: int, row_offset: int, chunk_rows: int, floors: torch.Tensor):
     """The appended schedule's chunks after the floors -> (outputs, lse, the count of rows to redo,
     read by the host: the schedule's one sync), ``outputs``' overflow flagging those rows. The
-    outputs are allocated once the first matmul is launched, off the device's wait; the work
-    buffers live only within this call, so a redo does not hold them."""
+    count is complete once the last chunk's candidates are made noisy: the host waits for that
+    point only, and the last chunk's ranking runs on the device meanwhile and after, while the
+    host returns and the next call launches its floors. The outputs are allocated once the first
+    matmul is launched, off the device's wait; the work buffers live only within this call, so a
+    redo does not hold them."""
     num_rows = hidden.shape[0]
     counters, keys = empty_parts(hidden.device, ((num_rows + 1,), torch.int32), ((chunk_rows, plan.capacity),
                                                                                  torch.int64))
     counters.zero_()
     counts, redo_count = counters[:num_rows], counters[num_rows:]  # the rows' appends, the rows to redo
     appender = SampleMatmul(hidden, weight, bias, width, temperature, key, max_rows=chunk_rows)
-    outputs = lse = None
+    outputs = lse = redo = None
     for start in range(0, num_rows, chunk_rows):
         rows = slice(start, min(start + chunk_rows, num_rows))
         chunk_keys = keys[:rows.stop - start]
         tile_max2, tile_sum2 = appender(SampleAppends(floors[rows], chunk_keys, counts[rows]), rows, row_offset + start)
         if outputs is None:
             outputs, lse = _outputs(num_rows, num_samples, hidden.device)
+        noise_candidates(chunk_keys, counts[rows], floors[rows], num_samples, temperature, key, row_offset + start,
+                         outputs[3][rows], redo_count)
+        if rows.stop == num_rows:
+            redo = HostValue(redo_count)
         tile_logsumexp(tile_max2, tile_sum2, lse[rows])
-        rank_samples(chunk_keys, counts[rows], floors[rows], lse[rows], num_samples, temperature, key,
-                     row_offset + start, RANK_ORDER, tuple(part[rows] for part in outputs), redo_count)
-    return outputs, lse, redo_count.item()
+        rank_noisy_candidates(chunk_keys, counts[rows], lse[rows], num_samples, key, row_offset + start, RANK_ORDER,
+                              tuple(part[rows] for part in outputs[:3]))
+    return outputs, lse, redo.value()
 
 
 @functools.lru_cache(maxsize=64)

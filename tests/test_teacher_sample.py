@@ -273,6 +273,38 @@ def redone(monkeypatch) -> list:
 
 
 @pytest.mark.interpret
+def test_candidates_are_made_noisy_and_the_rows_to_redo_flagged_before_any_ranking():
+    # rows of 40 columns, n = 3, 16 slots: row 0's floor between its 4th and 5th largest exact
+    # keys (kept), row 1's between its 3rd and 4th (too few keys reach it), row 2 counted past the
+    # slots, row 3 a −inf floor over 3 keys (all of them samples: kept), row 4's floor between
+    # its 10th and 11th (kept)
+    rows, width, num_samples, temperature, seed, first_row, capacity = 5, 40, 3, 0.8, 7, 11, 16
+    logits = torch.randn(rows, width, generator=torch.Generator().manual_seed(3)) * 2
+    exact = logits.double() / temperature + sampling.gumbel_noise(seed, first_row + torch.arange(rows),
+                                                                   torch.arange(width))
+    ordered, order = exact.sort(dim=1, descending=True)
+    floors = torch.tensor([(ordered[0, 3] + ordered[0, 4]) / 2, (ordered[1, 2] + ordered[1, 3]) / 2, -1e4,
+                           -math.inf, (ordered[4, 9] + ordered[4, 10]) / 2], dtype=torch.float32)
+    kept = [10, 10, capacity, 3, 14]  # each row's candidates: its largest keys (row 2: the first slots)
+    counts = torch.tensor([10, 10, width, 3, 14], dtype=torch.int32)
+    raw = torch.zeros(rows, capacity, dtype=torch.int64)
+    for row, number in enumerate(kept):
+        columns = order[row, :number]
+        raw[row, :number] = (logits[row, columns].view(torch.int32).long() << 32) | columns
+    keys, overflow, redo = raw.to(DEVICE), torch.ones(rows, dtype=torch.bool, device=DEVICE), torch.zeros(
+        1, dtype=torch.int32, device=DEVICE)
+    sample_keys.noise_candidates(keys, counts.to(DEVICE), floors.to(DEVICE), num_samples, temperature,
+                                 sampling.seed_key(seed), first_row, overflow, redo)
+    assert overflow.tolist() == [False, True, True, False, False]
+    assert redo.item() == 2
+    keys = keys.cpu()
+    for row, number in enumerate(kept):  # the same columns, their keys κ = z / τ + G in the value bits
+        assert torch.equal(keys[row, :number] & 0xFFFFFFFF, order[row, :number])
+        kappa = (keys[row, :number] >> 32).to(torch.int32).view(torch.float32).double()
+        assert torch.allclose(kappa, ordered[row, :number], atol=1e-5, rtol=1e-6)
+
+
+@pytest.mark.interpret
 def test_rows_whose_floor_keeps_too_few_keys_are_redone_exactly(monkeypatch, torch_ranking, redone):
     # r = 1: the floor is the sample's largest key, above the (n+1)-th largest in most rows
     monkeypatch.setattr(topk_from_appended, "sample_rank", lambda k, stride, width: 1)

@@ -117,11 +117,11 @@ def global_row(rows_ptr, first_row, row, ROWS_LISTED: tl.constexpr):
 @triton.jit
 def noisy_raw_keys(raw, inv_t, key):
     """Raw keys (a logit's float bits above its column, int64) of the row of uint32 ``key`` made
-    noisy: ``κ = fma(z, 1/τ, G)``'s bits above the column."""
+    noisy -> (``κ = fma(z, 1/τ, G)``'s bits above the column, κ float32)."""
     z = (raw >> 32).to(tl.int32).to(tl.float32, bitcast=True)
     column = (raw & 0xFFFFFFFF).to(tl.int32)
     kappa = tl.fma(z, inv_t, gumbel_noise(key, column))
-    return (kappa.to(tl.int32, bitcast=True).to(tl.int64) << 32) | column.to(tl.int64)
+    return (kappa.to(tl.int32, bitcast=True).to(tl.int64) << 32) | column.to(tl.int64), kappa
 
 
 def row_operands(global_rows, stand_in: torch.Tensor) -> tuple:

@@ -4,13 +4,14 @@ candidates into its samples.
 
 Candidates are raw keys (a logit's float bits, before τ, bias included, above its global
 column), as the sampling matmul (ops/lm_head_sample.py) or `logits_candidates` append them,
-each row's count beside them. `rank_samples` adds each candidate's exact noise (`noisy_raw_keys`:
-``κ = fma(z, 1/τ, G)``, the same float32 key wherever it is computed), takes the n + 1 largest
-keys per row (lower column first on ties; ops/sort_keys.py), and turns them into log-probs
-``(κ − G) − lse`` and the threshold ``κ_{n+1} − lse``. A row is exact when its candidates hold
-every element whose key is at or above its floor and at least n + 1 of them are: ``overflow``
-flags the others (more candidates than slots, or a (n+1)-th key below the floor) for an exact
-redo.
+each row's count beside them. `noise_candidates` adds each candidate's exact noise
+(`noisy_raw_keys`: ``κ = fma(z, 1/τ, G)``, the same float32 key wherever it is computed) and
+flags the rows to redo; `rank_noisy_candidates` takes the n + 1 largest keys per row (lower column
+first on ties; ops/sort_keys.py) and turns them into log-probs ``(κ − G) − lse`` and the threshold
+``κ_{n+1} − lse``. A row is exact when its candidates hold every element whose key is at or above
+its floor and at least n + 1 of them are: ``overflow`` flags the others (more candidates than
+slots, or fewer than n + 1 keys at or above the floor) for an exact redo, before any row is
+ranked.
 """
 from __future__ import annotations
 
@@ -146,22 +147,32 @@ def logits_candidates(logits: torch.Tensor, bias, width: int, num_samples: int, 
 
 
 @triton.jit(do_not_specialize=["seed_key", "first_row"])
-def _noisy_keys_kernel(keys_ptr, counts_ptr, capacity, inv_t, seed_key, rows_ptr, first_row, BLOCK: tl.constexpr,
-                       ROWS_LISTED: tl.constexpr):
+def _noisy_keys_kernel(keys_ptr, counts_ptr, floors_ptr, overflow_ptr, redo_ptr, capacity, wanted, inv_t, seed_key,
+                       rows_ptr, first_row, BLOCK: tl.constexpr, ROWS_LISTED: tl.constexpr, COUNT_REDO: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
-    count = tl.minimum(tl.load(counts_ptr + row), capacity)
+    appended = tl.load(counts_ptr + row)
+    count = tl.minimum(appended, capacity)
+    floor = tl.load(floors_ptr + row)
     key = row_key(seed_key, global_row(rows_ptr, first_row, row, ROWS_LISTED))
+    reached = tl.zeros([BLOCK], tl.int32)
     for start in range(0, count, BLOCK):
         slot = start + tl.arange(0, BLOCK)
         filled = slot < count
         raw = tl.load(keys_ptr + row * capacity + slot, mask=filled, other=0)
-        tl.store(keys_ptr + row * capacity + slot, noisy_raw_keys(raw, inv_t, key), mask=filled)
+        noisy, kappa = noisy_raw_keys(raw, inv_t, key)
+        tl.store(keys_ptr + row * capacity + slot, noisy, mask=filled)
+        reached += (filled & (kappa >= floor)).to(tl.int32)
+    # fewer than n + 1 keys at or above the floor: the (n+1)-th largest key is below it (a −inf
+    # floor: a row of fewer than n + 1 finite keys, all of them samples)
+    overflow = (appended > capacity) | ((tl.sum(reached, axis=0) < wanted) & (floor > float("-inf")))
+    tl.store(overflow_ptr + row, overflow)
+    if COUNT_REDO:
+        tl.atomic_add(redo_ptr, 1, mask=overflow, sem="relaxed")
 
 
 @triton.jit(do_not_specialize=["seed_key", "first_row"])
-def _finish_samples_kernel(values_ptr, columns_ptr, lse_ptr, floors_ptr, counts_ptr, capacity, logprobs_ptr, ids_ptr,
-                           threshold_ptr, overflow_ptr, redo_ptr, samples, seed_key, rows_ptr, first_row,
-                           TOP: tl.constexpr, ROWS_LISTED: tl.constexpr, COUNT_REDO: tl.constexpr):
+def _finish_samples_kernel(values_ptr, columns_ptr, lse_ptr, logprobs_ptr, ids_ptr, threshold_ptr, samples, seed_key,
+                           rows_ptr, first_row, TOP: tl.constexpr, ROWS_LISTED: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     rank = tl.arange(0, TOP)
     inside = rank < samples
@@ -175,33 +186,49 @@ def _finish_samples_kernel(values_ptr, columns_ptr, lse_ptr, floors_ptr, counts_
     tl.store(ids_ptr + row * samples + rank, tl.where(found, column, 0), mask=inside)
     kth = tl.load(values_ptr + row * (samples + 1) + samples)
     tl.store(threshold_ptr + row, tl.where(kth > float("-inf"), kth - lse, float("-inf")))
-    overflow = (tl.load(counts_ptr + row) > capacity) | (kth < tl.load(floors_ptr + row))
-    tl.store(overflow_ptr + row, overflow)
-    if COUNT_REDO:
-        tl.atomic_add(redo_ptr, 1, mask=overflow, sem="relaxed")
+
+
+def noise_candidates(keys: torch.Tensor, counts: torch.Tensor, floors: torch.Tensor, num_samples: int,
+                     temperature: float, seed_key: int, global_rows, overflow: torch.Tensor,
+                     redo_count: torch.Tensor | None = None) -> None:
+    """The global rows ``global_rows``' (`row_operands`) raw candidates ``keys [R, capacity]``
+    made noisy keys in place (``counts [R]`` of them, which may pass the capacity), and
+    ``overflow [R]`` bool filled: more candidates than slots, or fewer than n + 1 keys at or
+    above the row's floor (``floors [R]``), the rows to redo exactly. ``redo_count``: a ``[1]``
+    int32 counter the flagged rows are added to (one value for the host to read, known before
+    the rows are ranked)."""
+    rows, capacity = keys.shape
+    if not rows:
+        return
+    rows_ptr, first_row, listed = row_operands(global_rows, counts)
+    _noisy_keys_kernel[(rows,)](keys, counts, floors, overflow, redo_count if redo_count is not None else counts,
+                                capacity, num_samples + 1, 1.0 / temperature, signed_key(seed_key), rows_ptr,
+                                first_row, BLOCK=KEY_BLOCK, ROWS_LISTED=listed, COUNT_REDO=redo_count is not None,
+                                num_warps=ROW_WARPS)
+
+
+def rank_noisy_candidates(keys: torch.Tensor, counts: torch.Tensor, lse: torch.Tensor, num_samples: int,
+                          seed_key: int, global_rows, order: str, outputs) -> None:
+    """Noisy candidates (`noise_candidates`'s ``keys`` and ``counts``) and ``lse [R]`` (natural
+    units at τ) -> ``outputs`` = (log-probs ``[R, n]`` float32, ids ``[R, n]`` int32, thresholds
+    ``[R]`` float32) filled. ``order``: "cuda" | "triton" (`top_of_counted_keys`)."""
+    logprobs, ids, thresholds = outputs
+    rows, capacity = keys.shape
+    if not rows:
+        return
+    rows_ptr, first_row, listed = row_operands(global_rows, counts)
+    # the triton order reads counts past the capacity as the capacity
+    values, columns = top_of_counted_keys(keys, counts if order == "triton" else counts.clamp(max=capacity),
+                                          num_samples + 1, order)
+    _finish_samples_kernel[(rows,)](values, columns, lse, logprobs, ids, thresholds, num_samples,
+                                    signed_key(seed_key), rows_ptr, first_row, TOP=triton.next_power_of_2(num_samples),
+                                    ROWS_LISTED=listed, num_warps=ROW_WARPS)
 
 
 def rank_samples(keys: torch.Tensor, counts: torch.Tensor, floors: torch.Tensor, lse: torch.Tensor, num_samples: int,
                  temperature: float, seed_key: int, global_rows, order: str, outputs,
                  redo_count: torch.Tensor | None = None) -> None:
-    """The global rows ``global_rows``' (`row_operands`) raw candidates ``keys [R, capacity]``
-    (made noisy keys in place) and ``counts [R]``, their ``floors [R]`` and ``lse [R]``
-    (natural units at τ) -> ``outputs`` = (log-probs
-    ``[R, n]`` float32, ids ``[R, n]`` int32, thresholds ``[R]`` float32, overflow ``[R]`` bool)
-    filled. ``order``: "cuda" | "triton" (`top_of_counted_keys`). ``redo_count``: a ``[1]`` int32
-    counter the rows flagged in ``overflow`` are added to (one value for the host to read, where
-    a search of the flags would take kernels after the sync)."""
-    logprobs, ids, thresholds, overflow = outputs
-    rows, capacity = keys.shape
-    if not rows:
-        return
-    rows_ptr, first_row, listed = row_operands(global_rows, counts)
-    _noisy_keys_kernel[(rows,)](keys, counts, capacity, 1.0 / temperature, signed_key(seed_key), rows_ptr, first_row,
-                                BLOCK=KEY_BLOCK, ROWS_LISTED=listed, num_warps=ROW_WARPS)
-    # the triton order reads counts past the capacity as the capacity
-    values, columns = top_of_counted_keys(keys, counts if order == "triton" else counts.clamp(max=capacity),
-                                          num_samples + 1, order)
-    _finish_samples_kernel[(rows,)](values, columns, lse, floors, counts, capacity, logprobs, ids, thresholds,
-                                    overflow, redo_count if redo_count is not None else counts, num_samples,
-                                    signed_key(seed_key), rows_ptr, first_row, TOP=triton.next_power_of_2(num_samples),
-                                    ROWS_LISTED=listed, COUNT_REDO=redo_count is not None, num_warps=ROW_WARPS)
+    """`noise_candidates` then `rank_noisy_candidates`: ``outputs`` = (log-probs, ids,
+    thresholds, overflow) filled."""
+    noise_candidates(keys, counts, floors, num_samples, temperature, seed_key, global_rows, outputs[3], redo_count)
+    rank_noisy_candidates(keys, counts, lse, num_samples, seed_key, global_rows, order, outputs[:3])
