@@ -327,9 +327,10 @@ def teacher_sample(hidden: torch.Tensor, weight: torch.Tensor, num_samples: int 
     column) only: `kd_kernels.sampling`), the samples are the n largest keys in descending key
     order (Gumbel-top-n: the first a draw from p, each next one a draw from the rest), the
     threshold the (n+1)-th. Equals `kd_kernels.reference.teacher_sample` up to float32 rounding
-    of the keys (ids may differ only where two keys are within it); never holds ``[N, V]`` logits
-    for bf16 / fp16 inputs on the triton backend (the sampling matmul's epilogue keeps the
-    elements that may reach a floor; docs/DESIGN.md, "Sampled sparse KD").
+    of the keys (ids may differ only where two keys are within it); for bf16 / fp16 inputs on the
+    triton backend, never holds ``[N, V]`` logits (the sampling matmul's epilogue keeps the
+    elements that may reach a floor; docs/DESIGN.md, "Sampled sparse KD") and never waits on the
+    device: a row of keys tied in float32 (non-finite or ~1e9 logits) gets NaN log-probs.
 
     Args:
         hidden: ``[N, H]`` float32 / bfloat16 / float16 teacher final hidden states.

@@ -8,7 +8,8 @@ log-probs over the whole vocab and the (n+1)-th key, chunk by chunk of rows. Two
   ops/sample_keys.py); then per chunk of rows the sampling matmul (ops/lm_head_sample.py) keeps
   the tile statistics and appends every element that may reach the floor; one ranking per row
   adds the exact noise and takes the n + 1 largest keys. Rows whose floor kept fewer than n + 1
-  keys at or above it, or more than the slots, are redone from cuBLAS float32 logits;
+  keys at or above it, or more than the slots, are listed and redone from hidden states by the
+  logits schedule's passes on the device (ops/sample_redo.py): no host sync;
 - logits (float32 inputs, or other layouts): cuBLAS float32 logits per chunk of rows, then two
   passes over each row (ops/sample_keys.py `logits_candidates`: the logsumexp and each lane's
   largest key, then every key at or above a floor under the (n+1)-th) and the same ranking.
@@ -24,9 +25,9 @@ from .lm_head import lm_head_logits_fp32
 from .ops.buffers import empty_parts
 from .ops.lm_head_group_maxima import default_config, epilogue_applies
 from .ops.lm_head_sample import SampleAppends, SampleMatmul
-from .ops.host_value import HostValue
 from .ops.sample_keys import (logits_candidates, logits_capacity, noise_candidates, rank_noisy_candidates,
                                rank_samples, sample_key_floors)
+from .ops.sample_redo import redo_listed_rows
 from .ops.topk_from_appended import MAX_KEYS, appended_plan, tile_logsumexp
 from .samples import TeacherSamples
 from .sampling import seed_key
@@ -137,10 +138,8 @@ def teacher_sample_appended(hidden: torch.Tensor, weight: torch.Tensor, num_samp
                             chunk_rows: Optional[int] = None, stride: Optional[int] = None) -> TeacherSamples:
     """The appended schedule (module docstring), ``chunk_rows`` rows at a time (None: within
     SAMPLE_CHUNK_BYTES), every ``stride``-th column sampled for the floors (None: `sample_stride`).
-    Rows it cannot finish exactly are redone by the logits schedule. One host sync: the count of
-    rows to redo, known before the last chunk is ranked. From the previous call's sync until the
-    first sampling matmul is launched the device has only that ranking and the floors to run, so
-    that host path holds only what the launch needs."""
+    Rows it cannot finish exactly are redone from hidden states by the logits schedule's passes,
+    on the device (ops/sample_redo.py): the call has no host sync."""
     if not 1 <= num_samples <= SAMPLE_MAX:
         raise ValueError(f"num_samples: the appended schedule takes 1 <= n <= {SAMPLE_MAX}, got {num_samples}")
     num_rows = hidden.shape[0]
@@ -157,31 +156,25 @@ def teacher_sample_appended(hidden: torch.Tensor, weight: torch.Tensor, num_samp
     # the chunk's rows hold their keys and tile statistics (the counts are the call's)
     chunk_rows = min(num_rows, chunk_rows or appended_chunk_rows(num_rows, vocab_size, plan, default_config().block_n,
                                                                  0, SAMPLE_CHUNK_BYTES))
-    outputs, lse, redo_count = _appended_chunks(hidden, weight, bias, vocab_size, num_samples, temperature, plan, key,
-                                                row_offset, chunk_rows, floors)
-    if redo_count:
-        redo = outputs[3].nonzero().flatten()
-        _logits_of_rows(hidden, weight, bias, redo, num_samples, temperature, vocab_size, seed, row_offset,
-                        max(1, APPENDED_BYTES // (8 * weight.shape[0])), outputs, lse)
+    outputs, lse = _appended_chunks(hidden, weight, bias, vocab_size, num_samples, temperature, plan, key, row_offset,
+                                    chunk_rows, floors)
     return _finish(outputs, lse, temperature, seed)
 
 
 def _appended_chunks(hidden: torch.Tensor, weight: torch.Tensor, bias, width: int, num_samples: int,
                      temperature: float, plan, key: int, row_offset: int, chunk_rows: int, floors: torch.Tensor):
-    """The appended schedule's chunks after the floors -> (outputs, lse, the count of rows to redo,
-    read by the host: the schedule's one sync), ``outputs``' overflow flagging those rows. The
-    count is complete once the last chunk's candidates are made noisy: the host waits for that
-    point only, and the last chunk's ranking runs on the device meanwhile and after, while the
-    host returns and the next call launches its floors. The outputs are allocated once the first
-    matmul is launched, off the device's wait; the work buffers live only within this call, so a
-    redo does not hold them."""
+    """The appended schedule's chunks after the floors, then the exact redo of the rows they
+    list (ops/sample_redo.py, sized on the device) -> (outputs, lse). No host sync: the host
+    launches the next call while this one runs. The outputs are allocated once the first matmul
+    is launched; the chunks' buffers are freed before the redo's are made, so the redo reuses
+    their memory."""
     num_rows = hidden.shape[0]
-    counters, keys = empty_parts(hidden.device, ((num_rows + 1,), torch.int32), ((chunk_rows, plan.capacity),
-                                                                                 torch.int64))
+    counters, redo_rows, keys = empty_parts(hidden.device, ((num_rows + 1,), torch.int32),
+                                            ((num_rows,), torch.int32), ((chunk_rows, plan.capacity), torch.int64))
     counters.zero_()
     counts, redo_count = counters[:num_rows], counters[num_rows:]  # the rows' appends, the rows to redo
     appender = SampleMatmul(hidden, weight, bias, width, temperature, key, max_rows=chunk_rows)
-    outputs = lse = redo = None
+    outputs = lse = None
     for start in range(0, num_rows, chunk_rows):
         rows = slice(start, min(start + chunk_rows, num_rows))
         chunk_keys = keys[:rows.stop - start]
@@ -189,13 +182,14 @@ def _appended_chunks(hidden: torch.Tensor, weight: torch.Tensor, bias, width: in
         if outputs is None:
             outputs, lse = _outputs(num_rows, num_samples, hidden.device)
         noise_candidates(chunk_keys, counts[rows], floors[rows], num_samples, temperature, key, row_offset + start,
-                         outputs[3][rows], redo_count)
-        if rows.stop == num_rows:
-            redo = HostValue(redo_count)
+                         outputs[3][rows], (redo_count, redo_rows), start)
         tile_logsumexp(tile_max2, tile_sum2, lse[rows])
         rank_noisy_candidates(chunk_keys, counts[rows], lse[rows], num_samples, key, row_offset + start, RANK_ORDER,
                               tuple(part[rows] for part in outputs[:3]))
-    return outputs, lse, redo.value()
+    del keys, chunk_keys, appender, tile_max2, tile_sum2
+    redo_listed_rows(hidden, weight, bias, width, num_samples, temperature, key, row_offset, redo_rows, redo_count,
+                     outputs, lse, SAMPLE_CHUNK_BYTES)
+    return outputs, lse
 
 
 @functools.lru_cache(maxsize=64)

@@ -218,7 +218,7 @@ def test_the_appended_schedule_matches_the_reference(dtype, num_samples, tempera
                                         row_offset=row_offset)
     check_samples(got, expected)
     assert got.temperature == temperature and got.seed == 31 and (got.indices < 200).all()
-    assert redone == []  # every row finished by its floor: the host's count read zero
+    assert redone == []  # every row finished by its floor: none listed
 
 
 def test_global_rows_are_a_first_index_or_listed_int64_rows():
@@ -262,18 +262,20 @@ def test_float32_hidden_takes_the_logits_schedule(torch_ranking):
 
 @pytest.fixture
 def redone(monkeypatch) -> list:
-    """The row counts of each redo by the logits schedule (`_logits_of_rows`), in call order."""
-    counts, original = [], schedules._logits_of_rows
+    """The count of rows listed for each exact redo (`redo_listed_rows`) that had any, in call
+    order (read on the host here; the schedule itself never reads it)."""
+    counts, original = [], schedules.redo_listed_rows
 
-    def counted(hidden, weight, bias, rows, *args):
-        counts.append(rows.numel())
-        return original(hidden, weight, bias, rows, *args)
-    monkeypatch.setattr(schedules, "_logits_of_rows", counted)
+    def counted(*args):
+        original(*args)
+        if args[9].item():
+            counts.append(args[9].item())
+    monkeypatch.setattr(schedules, "redo_listed_rows", counted)
     return counts
 
 
 @pytest.mark.interpret
-def test_candidates_are_made_noisy_and_the_rows_to_redo_flagged_before_any_ranking():
+def test_candidates_are_made_noisy_and_the_rows_to_redo_listed_before_any_ranking():
     # rows of 40 columns, n = 3, 16 slots: row 0's floor between its 4th and 5th largest exact
     # keys (kept), row 1's between its 3rd and 4th (too few keys reach it), row 2 counted past the
     # slots, row 3 a −inf floor over 3 keys (all of them samples: kept), row 4's floor between
@@ -291,12 +293,14 @@ def test_candidates_are_made_noisy_and_the_rows_to_redo_flagged_before_any_ranki
     for row, number in enumerate(kept):
         columns = order[row, :number]
         raw[row, :number] = (logits[row, columns].view(torch.int32).long() << 32) | columns
-    keys, overflow, redo = raw.to(DEVICE), torch.ones(rows, dtype=torch.bool, device=DEVICE), torch.zeros(
-        1, dtype=torch.int32, device=DEVICE)
+    keys, overflow = raw.to(DEVICE), torch.ones(rows, dtype=torch.bool, device=DEVICE)
+    count, listed = torch.tensor([1], dtype=torch.int32, device=DEVICE), torch.full((8,), -1, dtype=torch.int32,
+                                                                                    device=DEVICE)
     sample_keys.noise_candidates(keys, counts.to(DEVICE), floors.to(DEVICE), num_samples, temperature,
-                                 sampling.seed_key(seed), first_row, overflow, redo)
+                                 sampling.seed_key(seed), first_row, overflow, (count, listed), row_base=20)
     assert overflow.tolist() == [False, True, True, False, False]
-    assert redo.item() == 2
+    # listed after the one already there, as rows of the call (row_base + the row)
+    assert count.item() == 3 and sorted(listed[1:3].tolist()) == [21, 22] and listed[3:].eq(-1).all()
     keys = keys.cpu()
     for row, number in enumerate(kept):  # the same columns, their keys κ = z / τ + G in the value bits
         assert torch.equal(keys[row, :number] & 0xFFFFFFFF, order[row, :number])

@@ -79,6 +79,17 @@ def _row_logits(row_ptr, bias_ptr, cols, inside, HAS_BIAS: tl.constexpr):
     return z
 
 
+@triton.jit
+def lanes_floor(lane_key, wanted, collect_margin, BISECTIONS: tl.constexpr):
+    """A row's candidate floor from its lanes' largest keys (``[L]`` float32, −inf for an empty
+    lane: distinct elements, so at least ``wanted`` keys reach their ``wanted``-th largest T):
+    T's lower bound less ``collect_margin · (1 + |T|)``, −inf where fewer lanes hold a key."""
+    lanes = lane_key > float("-inf")
+    low = kth_largest_lower_bound(lane_key, lanes, wanted, BISECTIONS)
+    threshold = tl.where(tl.sum(lanes.to(tl.int32), axis=0) >= wanted, low, float("-inf"))
+    return threshold - collect_margin * (1.0 + tl.abs(threshold))
+
+
 @triton.jit(do_not_specialize=["seed_key", "first_row"])
 def _logits_candidates_kernel(logits_ptr, bias_ptr, stride_row, width, keys_ptr, counts_ptr, floors_ptr, lse_ptr,
                               capacity, wanted, inv_t, log2e_over_t, collect_margin, seed_key, rows_ptr, first_row,
@@ -104,11 +115,7 @@ def _logits_candidates_kernel(logits_ptr, bias_ptr, stride_row, width, keys_ptr,
     total = tl.sum(lane_sum * tl.exp2((lane_max - safe_row_max) * log2e_over_t), axis=0)
     lse = (safe_row_max * log2e_over_t + tl.log2(total)) * 0.6931471805599453
     tl.store(lse_ptr + row, tl.where(row_max == float("-inf"), float("-inf"), lse))
-    # the lanes' largest keys are distinct elements: at least `wanted` keys reach T
-    lanes = lane_key > float("-inf")
-    low = kth_largest_lower_bound(lane_key, lanes, wanted, BISECTIONS)
-    threshold = tl.where(tl.sum(lanes.to(tl.int32), axis=0) >= wanted, low, float("-inf"))
-    floor = threshold - collect_margin * (1.0 + tl.abs(threshold))
+    floor = lanes_floor(lane_key, wanted, collect_margin, BISECTIONS)
     tl.store(floors_ptr + row, floor)
     counter = counts_ptr + row + tl.zeros([BLOCK_V], tl.int32)
     for start in range(0, width, BLOCK_V):
@@ -147,8 +154,9 @@ def logits_candidates(logits: torch.Tensor, bias, width: int, num_samples: int, 
 
 
 @triton.jit(do_not_specialize=["seed_key", "first_row"])
-def _noisy_keys_kernel(keys_ptr, counts_ptr, floors_ptr, overflow_ptr, redo_ptr, capacity, wanted, inv_t, seed_key,
-                       rows_ptr, first_row, BLOCK: tl.constexpr, ROWS_LISTED: tl.constexpr, COUNT_REDO: tl.constexpr):
+def _noisy_keys_kernel(keys_ptr, counts_ptr, floors_ptr, overflow_ptr, redo_ptr, redo_rows_ptr, row_base, capacity,
+                       wanted, inv_t, seed_key, rows_ptr, first_row, BLOCK: tl.constexpr, ROWS_LISTED: tl.constexpr,
+                       LIST_REDO: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     appended = tl.load(counts_ptr + row)
     count = tl.minimum(appended, capacity)
@@ -166,8 +174,9 @@ def _noisy_keys_kernel(keys_ptr, counts_ptr, floors_ptr, overflow_ptr, redo_ptr,
     # floor: a row of fewer than n + 1 finite keys, all of them samples)
     overflow = (appended > capacity) | ((tl.sum(reached, axis=0) < wanted) & (floor > float("-inf")))
     tl.store(overflow_ptr + row, overflow)
-    if COUNT_REDO:
-        tl.atomic_add(redo_ptr, 1, mask=overflow, sem="relaxed")
+    if LIST_REDO:
+        slot = tl.atomic_add(redo_ptr, 1, mask=overflow, sem="relaxed")
+        tl.store(redo_rows_ptr + slot, (row_base + row).to(tl.int32), mask=overflow)
 
 
 @triton.jit(do_not_specialize=["seed_key", "first_row"])
@@ -189,22 +198,22 @@ def _finish_samples_kernel(values_ptr, columns_ptr, lse_ptr, logprobs_ptr, ids_p
 
 
 def noise_candidates(keys: torch.Tensor, counts: torch.Tensor, floors: torch.Tensor, num_samples: int,
-                     temperature: float, seed_key: int, global_rows, overflow: torch.Tensor,
-                     redo_count: torch.Tensor | None = None) -> None:
+                     temperature: float, seed_key: int, global_rows, overflow: torch.Tensor, redo=None,
+                     row_base: int = 0) -> None:
     """The global rows ``global_rows``' (`row_operands`) raw candidates ``keys [R, capacity]``
     made noisy keys in place (``counts [R]`` of them, which may pass the capacity), and
     ``overflow [R]`` bool filled: more candidates than slots, or fewer than n + 1 keys at or
-    above the row's floor (``floors [R]``), the rows to redo exactly. ``redo_count``: a ``[1]``
-    int32 counter the flagged rows are added to (one value for the host to read, known before
-    the rows are ranked)."""
+    above the row's floor (``floors [R]``), the rows to redo exactly. ``redo``: None, or
+    (``count [1]`` int32, ``rows [≥ count + R]`` int32): each flagged row ``r`` takes the next
+    slot of the list, ``rows[count] = row_base + r`` (in no set order), ``count`` + 1."""
     rows, capacity = keys.shape
     if not rows:
         return
     rows_ptr, first_row, listed = row_operands(global_rows, counts)
-    _noisy_keys_kernel[(rows,)](keys, counts, floors, overflow, redo_count if redo_count is not None else counts,
-                                capacity, num_samples + 1, 1.0 / temperature, signed_key(seed_key), rows_ptr,
-                                first_row, BLOCK=KEY_BLOCK, ROWS_LISTED=listed, COUNT_REDO=redo_count is not None,
-                                num_warps=ROW_WARPS)
+    redo_count, redo_rows = redo if redo is not None else (counts, counts)
+    _noisy_keys_kernel[(rows,)](keys, counts, floors, overflow, redo_count, redo_rows, row_base, capacity,
+                                num_samples + 1, 1.0 / temperature, signed_key(seed_key), rows_ptr, first_row,
+                                BLOCK=KEY_BLOCK, ROWS_LISTED=listed, LIST_REDO=redo is not None, num_warps=ROW_WARPS)
 
 
 def rank_noisy_candidates(keys: torch.Tensor, counts: torch.Tensor, lse: torch.Tensor, num_samples: int,
@@ -226,9 +235,8 @@ def rank_noisy_candidates(keys: torch.Tensor, counts: torch.Tensor, lse: torch.T
 
 
 def rank_samples(keys: torch.Tensor, counts: torch.Tensor, floors: torch.Tensor, lse: torch.Tensor, num_samples: int,
-                 temperature: float, seed_key: int, global_rows, order: str, outputs,
-                 redo_count: torch.Tensor | None = None) -> None:
+                 temperature: float, seed_key: int, global_rows, order: str, outputs) -> None:
     """`noise_candidates` then `rank_noisy_candidates`: ``outputs`` = (log-probs, ids,
     thresholds, overflow) filled."""
-    noise_candidates(keys, counts, floors, num_samples, temperature, seed_key, global_rows, outputs[3], redo_count)
+    noise_candidates(keys, counts, floors, num_samples, temperature, seed_key, global_rows, outputs[3])
     rank_noisy_candidates(keys, counts, lse, num_samples, seed_key, global_rows, order, outputs[:3])

@@ -33,7 +33,7 @@ def top_of_keys(keys: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]
 
 
 # an empty slot's key (-inf at EMPTY_COLUMN: after every real entry), as a host scalar
-_EMPTY_KEY = value_column_keys(torch.tensor([float("-inf")]), torch.tensor([EMPTY_COLUMN])).item()
+EMPTY_KEY = value_column_keys(torch.tensor([float("-inf")]), torch.tensor([EMPTY_COLUMN])).item()
 
 
 MAX_TRITON_SLOTS = 4096  # a row's keys in one program's registers: the extension's sort takes as many
@@ -77,7 +77,7 @@ def top_of_counted_keys(keys: torch.Tensor, counts: torch.Tensor, k: int, order:
         slots = min(slots, last)
         # the outputs hold the selected keys' two words between the kernel's two steps
         _select_then_sort_kernel[(rows,)](keys, counts, values, values.view(torch.int32), columns, capacity, k,
-                                          _EMPTY_KEY, below, SLOTS=slots, TOP=top,
+                                          EMPTY_KEY, below, SLOTS=slots, TOP=top,
                                           num_warps=max(1, min(8, slots // SLOTS_A_WARP)))
         below, slots = slots, 2 * slots
     return values, columns

@@ -1,0 +1,79 @@
+"""The exact redo of listed rows, sized on the device (ops/sample_redo.py): listed rows equal the
+float64 reference, others are untouched, in rounds or not, with no row listed, and a row of
+massively tied keys gets NaN. Interpreter tiles: 16 rows × 16 columns, slices of 32."""
+import pytest
+import torch
+
+from helpers import HAS_CUDA, small_teacher_problem
+from kd_kernels import reference, sampling
+from kd_kernels.ops.sample_redo import redo_listed_rows, redo_slot_bytes
+from kd_kernels.samples import TeacherSamples
+
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+SENTINEL = 7.0
+
+
+def filled_outputs(rows: int, num_samples: int):
+    """(log-probs, ids, thresholds, overflow) and lse, every value a sentinel."""
+    return ((torch.full((rows, num_samples), SENTINEL, device=DEVICE),
+             torch.full((rows, num_samples), 3, dtype=torch.int32, device=DEVICE),
+             torch.full((rows,), SENTINEL, device=DEVICE), torch.zeros(rows, dtype=torch.bool, device=DEVICE)),
+            torch.full((rows,), SENTINEL, device=DEVICE))
+
+
+def redo(hidden, weight, bias, width, num_samples, temperature, seed, row_offset, listed, budget_bytes=1 << 30):
+    outputs, lse = filled_outputs(hidden.shape[0], num_samples)
+    rows = torch.full((hidden.shape[0],), -1, dtype=torch.int32)
+    rows[:len(listed)] = torch.tensor(listed, dtype=torch.int32)
+    count = torch.tensor([len(listed)], dtype=torch.int32)
+    redo_listed_rows(hidden, weight, bias, width, num_samples, temperature, sampling.seed_key(seed), row_offset,
+                     rows.to(DEVICE), count.to(DEVICE), outputs, lse, budget_bytes)
+    logprobs, ids, thresholds, _ = outputs
+    return TeacherSamples(logprobs.cpu(), ids.cpu(), thresholds.cpu(), lse.cpu(), temperature, seed)
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("slots", [None, 2])
+def test_listed_rows_equal_the_reference_and_the_others_are_untouched(slots):
+    hidden, weight, bias = small_teacher_problem(21, rows=12, columns=203, dtype=torch.float16)
+    num_samples, temperature, seed, row_offset, width = 5, 0.9, 8, 2**33 + 5, 200
+    listed = [9, 2, 11, 0, 5]
+    budget = (1 << 30) if slots is None else slots * redo_slot_bytes(width, num_samples)
+    got = redo(hidden, weight, bias, width, num_samples, temperature, seed, row_offset, listed, budget)
+    expected = reference.teacher_sample(hidden, weight, num_samples, temperature, width, bias, seed=seed,
+                                        row_offset=row_offset).to("cpu")
+    assert torch.equal(got.indices[listed], expected.indices[listed].to(torch.int32))
+    for name in ("logprobs", "log_threshold", "lse"):
+        actual, wanted = getattr(got, name)[listed].double(), getattr(expected, name)[listed]
+        assert torch.allclose(actual, wanted, atol=1e-5, rtol=0), name
+    others = [row for row in range(12) if row not in listed]
+    assert (got.logprobs[others] == SENTINEL).all() and (got.indices[others] == 3).all()
+    assert (got.log_threshold[others] == SENTINEL).all() and (got.lse[others] == SENTINEL).all()
+
+
+@pytest.mark.interpret
+def test_nothing_is_written_where_no_row_is_listed():
+    hidden, weight, bias = small_teacher_problem(22, rows=6, columns=100, dtype=torch.float16)
+    got = redo(hidden, weight, None, 100, 3, 1.0, 1, 0, [])
+    assert (got.logprobs == SENTINEL).all() and (got.lse == SENTINEL).all() and (got.indices == 3).all()
+
+
+@pytest.mark.interpret
+def test_a_row_of_massively_tied_keys_gets_nan_and_the_others_their_samples():
+    # every column has the same logit; row 1's is ~3.6e9, where float32 keys lose the noise (all
+    # 600 keys tie, more than the 256 candidate slots), rows 0 and 2 (small logits) draw from a
+    # uniform row
+    generator = torch.Generator().manual_seed(5)
+    hidden = torch.randn(3, 16, generator=generator)
+    hidden[:, 0] = 0.0
+    hidden[1] = 0.0
+    hidden[1, 0] = 60000.0
+    weight = torch.randn(1, 16, generator=generator).expand(600, 16).clone()
+    weight[:, 0] = 60000.0
+    hidden, weight = hidden.to(DEVICE, torch.float16), weight.to(DEVICE, torch.float16)
+    got = redo(hidden, weight, None, 600, 4, 1.0, 3, 0, [1, 0])
+    assert got.logprobs[1].isnan().all() and got.log_threshold[1].isnan()
+    expected = reference.teacher_sample(hidden, weight, 4, 1.0, 600, None, seed=3).to("cpu")
+    assert torch.equal(got.indices[0], expected.indices[0].to(torch.int32))
+    assert torch.allclose(got.logprobs[0].double(), expected.logprobs[0], atol=1e-5, rtol=0)
+    assert (got.logprobs[2] == SENTINEL).all()
