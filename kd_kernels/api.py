@@ -330,7 +330,9 @@ def teacher_sample(hidden: torch.Tensor, weight: torch.Tensor, num_samples: int 
     of the keys (ids may differ only where two keys are within it); for bf16 / fp16 inputs on the
     triton backend, never holds ``[N, V]`` logits (the sampling matmul's epilogue keeps the
     elements that may reach a floor; docs/DESIGN.md, "Sampled sparse KD") and never waits on the
-    device: a row of keys tied in float32 (non-finite or ~1e9 logits) gets NaN log-probs.
+    device: a row of more keys tied in float32 than its candidate slots (logits of ~1e9, where
+    the noise is lost in rounding) gets NaN log-probs and threshold and ids 0, where float32
+    inputs raise ``RuntimeError``.
 
     Args:
         hidden: ``[N, H]`` float32 / bfloat16 / float16 teacher final hidden states.

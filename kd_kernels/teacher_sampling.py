@@ -166,11 +166,12 @@ def _appended_chunks(hidden: torch.Tensor, weight: torch.Tensor, bias, width: in
     """The appended schedule's chunks after the floors, then the exact redo of the rows they
     list (ops/sample_redo.py, sized on the device) -> (outputs, lse). No host sync: the host
     launches the next call while this one runs. The outputs are allocated once the first matmul
-    is launched; the chunks' buffers are freed before the redo's are made, so the redo reuses
-    their memory."""
+    is launched; the chunks' keys and tile statistics are freed before the redo's buffers are
+    made, and the redo works within the keys' bytes, so the call's peak is the chunks'."""
     num_rows = hidden.shape[0]
-    counters, redo_rows, keys = empty_parts(hidden.device, ((num_rows + 1,), torch.int32),
-                                            ((num_rows,), torch.int32), ((chunk_rows, plan.capacity), torch.int64))
+    counters, redo_rows = empty_parts(hidden.device, ((num_rows + 1,), torch.int32), ((num_rows,), torch.int32))
+    # apart from the counters, which the redo reads: freed before the redo's buffers are made
+    keys = torch.empty(chunk_rows, plan.capacity, dtype=torch.int64, device=hidden.device)
     counters.zero_()
     counts, redo_count = counters[:num_rows], counters[num_rows:]  # the rows' appends, the rows to redo
     appender = SampleMatmul(hidden, weight, bias, width, temperature, key, max_rows=chunk_rows)
@@ -186,9 +187,10 @@ def _appended_chunks(hidden: torch.Tensor, weight: torch.Tensor, bias, width: in
         tile_logsumexp(tile_max2, tile_sum2, lse[rows])
         rank_noisy_candidates(chunk_keys, counts[rows], lse[rows], num_samples, key, row_offset + start, RANK_ORDER,
                               tuple(part[rows] for part in outputs[:3]))
+    freed = keys.nbytes  # one block the redo's buffers fit in
     del keys, chunk_keys, appender, tile_max2, tile_sum2
     redo_listed_rows(hidden, weight, bias, width, num_samples, temperature, key, row_offset, redo_rows, redo_count,
-                     outputs, lse, SAMPLE_CHUNK_BYTES)
+                     outputs, lse, freed)
     return outputs, lse
 
 

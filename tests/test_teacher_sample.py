@@ -275,20 +275,21 @@ def redone(monkeypatch) -> list:
 
 
 @pytest.mark.interpret
-def test_candidates_are_made_noisy_and_the_rows_to_redo_listed_before_any_ranking():
+def test_candidates_are_made_noisy_and_the_rows_to_redo_flagged_and_listed():
     # rows of 40 columns, n = 3, 16 slots: row 0's floor between its 4th and 5th largest exact
     # keys (kept), row 1's between its 3rd and 4th (too few keys reach it), row 2 counted past the
     # slots, row 3 a −inf floor over 3 keys (all of them samples: kept), row 4's floor between
-    # its 10th and 11th (kept)
-    rows, width, num_samples, temperature, seed, first_row, capacity = 5, 40, 3, 0.8, 7, 11, 16
+    # its 10th and 11th (kept), row 5 the floors' least floor (−FLT_MAX) over 3 keys (too few)
+    rows, width, num_samples, temperature, seed, first_row, capacity = 6, 40, 3, 0.8, 7, 11, 16
     logits = torch.randn(rows, width, generator=torch.Generator().manual_seed(3)) * 2
     exact = logits.double() / temperature + sampling.gumbel_noise(seed, first_row + torch.arange(rows),
                                                                    torch.arange(width))
     ordered, order = exact.sort(dim=1, descending=True)
     floors = torch.tensor([(ordered[0, 3] + ordered[0, 4]) / 2, (ordered[1, 2] + ordered[1, 3]) / 2, -1e4,
-                           -math.inf, (ordered[4, 9] + ordered[4, 10]) / 2], dtype=torch.float32)
-    kept = [10, 10, capacity, 3, 14]  # each row's candidates: its largest keys (row 2: the first slots)
-    counts = torch.tensor([10, 10, width, 3, 14], dtype=torch.int32)
+                           -math.inf, (ordered[4, 9] + ordered[4, 10]) / 2, -3.4028234663852886e38],
+                          dtype=torch.float32)
+    kept = [10, 10, capacity, 3, 14, 3]  # each row's candidates: its largest keys (row 2: the first slots)
+    counts = torch.tensor([10, 10, width, 3, 14, 3], dtype=torch.int32)
     raw = torch.zeros(rows, capacity, dtype=torch.int64)
     for row, number in enumerate(kept):
         columns = order[row, :number]
@@ -298,9 +299,9 @@ def test_candidates_are_made_noisy_and_the_rows_to_redo_listed_before_any_rankin
                                                                                     device=DEVICE)
     sample_keys.noise_candidates(keys, counts.to(DEVICE), floors.to(DEVICE), num_samples, temperature,
                                  sampling.seed_key(seed), first_row, overflow, (count, listed), row_base=20)
-    assert overflow.tolist() == [False, True, True, False, False]
+    assert overflow.tolist() == [False, True, True, False, False, True]
     # listed after the one already there, as rows of the call (row_base + the row)
-    assert count.item() == 3 and sorted(listed[1:3].tolist()) == [21, 22] and listed[3:].eq(-1).all()
+    assert count.item() == 4 and sorted(listed[1:4].tolist()) == [21, 22, 25] and listed[4:].eq(-1).all()
     keys = keys.cpu()
     for row, number in enumerate(kept):  # the same columns, their keys κ = z / τ + G in the value bits
         assert torch.equal(keys[row, :number] & 0xFFFFFFFF, order[row, :number])
@@ -330,6 +331,29 @@ def test_rows_far_above_their_floor_are_redone_exactly(torch_ranking, redone):
     assert redone == [12]
     check_samples(got, reference.teacher_sample(hidden, weight, 6, 1.0, 200, bias, seed=3))
     assert (got.indices[:, 0] == 17).all()
+
+
+@pytest.mark.interpret
+def test_a_row_of_massively_tied_keys_gets_nan_from_the_whole_schedule(torch_ranking, redone):
+    # every column has the same logit; row 1's is ~3.6e9, where float32 keys lose the noise (600
+    # keys tie, more than any slots): listed, redone, NaN; the others draw from a uniform row
+    generator = torch.Generator().manual_seed(6)
+    hidden = torch.randn(20, 16, generator=generator)
+    hidden[:, 0] = 0.0
+    hidden[1] = 0.0
+    hidden[1, 0] = 60000.0
+    weight = torch.randn(1, 16, generator=generator).expand(600, 16).clone()
+    weight[:, 0] = 60000.0
+    hidden, weight = hidden.to(DEVICE, torch.float16), weight.to(DEVICE, torch.float16)
+    got = schedules.teacher_sample_appended(hidden, weight, 4, 1.0, 600, None, 3)
+    assert redone and got.logprobs[1].isnan().all() and got.log_threshold[1].isnan()
+    assert (got.indices[1] == 0).all()
+    others = [row for row in range(20) if row != 1]
+    expected = reference.teacher_sample(hidden, weight, 4, 1.0, 600, None, seed=3)
+    check_samples(TeacherSamples(got.logprobs[others], got.indices[others], got.log_threshold[others],
+                                 got.lse[others], 1.0, 3),
+                  TeacherSamples(expected.logprobs[others], expected.indices[others],
+                                 expected.log_threshold[others], expected.lse[others], 1.0, 3))
 
 
 @pytest.mark.interpret

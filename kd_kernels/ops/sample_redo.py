@@ -15,7 +15,8 @@ tile by tile (the gathered hidden rows times the slice's lm_head rows, float32 s
 - pass 2: every key at or above the floor appended to the row's candidates;
 - per listed row, its candidates' exact keys sorted (`rank_samples`' order) and the n + 1 largest
   written back in place as its samples. A listed row whose candidates pass their slots (hundreds
-  of keys equal in float32: non-finite or massively tied logits) gets NaN log-probs and threshold.
+  of keys equal in float32: logits of ~1e9, where the noise is lost in rounding) gets NaN
+  log-probs and threshold and ids 0: no exact samples exist to write, and the host is not asked.
 """
 from __future__ import annotations
 
@@ -142,7 +143,7 @@ def _redo_rank_kernel(count_ptr, slot_start, slots, rows_ptr, row_offset, keys_p
         tied = appended > CAPACITY  # more candidates than slots: no exact samples
         logprobs = tl.where(found, (kappa - gumbel_noise(key, column)) - lse, float("-inf"))
         tl.store(logprobs_ptr + row * samples + rank, tl.where(tied, float("nan"), logprobs), mask=rank < samples)
-        tl.store(ids_ptr + row * samples + rank, tl.where(found, column, 0), mask=rank < samples)
+        tl.store(ids_ptr + row * samples + rank, tl.where(found & ~tied, column, 0), mask=rank < samples)
         kth = tl.max(tl.where(rank == samples, kappa, float("-inf")), axis=0)
         threshold = tl.where(kth > float("-inf"), kth - lse, float("-inf"))
         tl.store(thresholds_ptr + row, tl.where(tied, float("nan"), threshold))
