@@ -109,6 +109,22 @@ def small_teacher_problem(seed, rows=37, columns=203, dtype=torch.float32, scale
     return hidden, weight, bias
 
 
+def tied_row_problem(seed: int, rows: int, columns: int = 600):
+    """float16 hidden ``[rows, 16]`` and weight ``[columns, 16]`` (on the GPU where there is one)
+    whose logits are equal along every row: row 1's are ~3.6e9, where float32 keys ``z / τ + G``
+    lose the noise in rounding (all its keys tie, more than any candidate slots), the other
+    rows' are small (a uniform row)."""
+    generator = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(rows, 16, generator=generator)
+    hidden[:, 0] = 0.0
+    hidden[1] = 0.0
+    hidden[1, 0] = 60000.0
+    weight = torch.randn(1, 16, generator=generator).expand(columns, 16).clone()
+    weight[:, 0] = 60000.0
+    device = "cuda" if HAS_CUDA else "cpu"
+    return hidden.to(device, torch.float16), weight.to(device, torch.float16)
+
+
 def check_schedule_with_ties_and_fewer_columns_than_k(schedule):
     """A teacher schedule ``schedule(hidden, weight, k, temperature, vocab_size, chunk_rows=None)``
     (16-bit inputs) against the reference where every group of a row ties (only the exact redo

@@ -4,7 +4,7 @@ massively tied keys gets NaN. Interpreter tiles: 16 rows × 16 columns, slices o
 import pytest
 import torch
 
-from helpers import HAS_CUDA, small_teacher_problem
+from helpers import HAS_CUDA, small_teacher_problem, tied_row_problem
 from kd_kernels import reference, sampling
 from kd_kernels.ops.sample_redo import redo_listed_rows, redo_slot_bytes
 from kd_kernels.samples import TeacherSamples
@@ -61,17 +61,8 @@ def test_nothing_is_written_where_no_row_is_listed():
 
 @pytest.mark.interpret
 def test_a_row_of_massively_tied_keys_gets_nan_and_the_others_their_samples():
-    # every column has the same logit; row 1's is ~3.6e9, where float32 keys lose the noise (all
-    # 600 keys tie, more than the 256 candidate slots), rows 0 and 2 (small logits) draw from a
-    # uniform row
-    generator = torch.Generator().manual_seed(5)
-    hidden = torch.randn(3, 16, generator=generator)
-    hidden[:, 0] = 0.0
-    hidden[1] = 0.0
-    hidden[1, 0] = 60000.0
-    weight = torch.randn(1, 16, generator=generator).expand(600, 16).clone()
-    weight[:, 0] = 60000.0
-    hidden, weight = hidden.to(DEVICE, torch.float16), weight.to(DEVICE, torch.float16)
+    # row 1: 600 keys tie, more than the 256 candidate slots; rows 0 and 2 draw from a uniform row
+    hidden, weight = tied_row_problem(5, rows=3)
     got = redo(hidden, weight, None, 600, 4, 1.0, 3, 0, [1, 0])
     assert got.logprobs[1].isnan().all() and got.log_threshold[1].isnan() and (got.indices[1] == 0).all()
     expected = reference.teacher_sample(hidden, weight, 4, 1.0, 600, None, seed=3).to("cpu")

@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 import kd_kernels as kd
-from helpers import HAS_CUDA, INTERPRETER_ONLY, small_teacher_problem
+from helpers import HAS_CUDA, INTERPRETER_ONLY, small_teacher_problem, tied_row_problem
 from kd_kernels import reference, sampling
 from kd_kernels import teacher_sampling as schedules
 from kd_kernels.ops import sample_keys, sort_keys, topk_from_appended
@@ -335,16 +335,8 @@ def test_rows_far_above_their_floor_are_redone_exactly(torch_ranking, redone):
 
 @pytest.mark.interpret
 def test_a_row_of_massively_tied_keys_gets_nan_from_the_whole_schedule(torch_ranking, redone):
-    # every column has the same logit; row 1's is ~3.6e9, where float32 keys lose the noise (600
-    # keys tie, more than any slots): listed, redone, NaN; the others draw from a uniform row
-    generator = torch.Generator().manual_seed(6)
-    hidden = torch.randn(20, 16, generator=generator)
-    hidden[:, 0] = 0.0
-    hidden[1] = 0.0
-    hidden[1, 0] = 60000.0
-    weight = torch.randn(1, 16, generator=generator).expand(600, 16).clone()
-    weight[:, 0] = 60000.0
-    hidden, weight = hidden.to(DEVICE, torch.float16), weight.to(DEVICE, torch.float16)
+    # row 1: 600 keys tie, more than any slots: listed, redone, NaN; the others draw from a uniform row
+    hidden, weight = tied_row_problem(6, rows=20)
     got = schedules.teacher_sample_appended(hidden, weight, 4, 1.0, 600, None, 3)
     assert redone and got.logprobs[1].isnan().all() and got.log_threshold[1].isnan()
     assert (got.indices[1] == 0).all()
