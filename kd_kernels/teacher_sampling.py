@@ -66,23 +66,6 @@ def _logits_rows(logits: torch.Tensor, bias, width: int, num_samples: int, tempe
     rank_samples(keys, counts, floors, lse, num_samples, temperature, key, global_rows, RANK_ORDER, outputs)
 
 
-def _logits_of_rows(hidden: torch.Tensor, weight: torch.Tensor, bias, rows: torch.Tensor, num_samples: int,
-                    temperature: float, width: int, seed: int, row_offset: int, chunk_rows: int, outputs, lse) -> None:
-    """``outputs`` and ``lse`` at ``rows`` ([M] int64) filled by the logits schedule from cuBLAS
-    float32 logits, ``chunk_rows`` rows at a time (`_refuse_overflow`)."""
-    key = seed_key(seed)
-    logits = torch.empty(min(chunk_rows, rows.numel()), weight.shape[0], dtype=torch.float32, device=hidden.device)
-    for start in range(0, rows.numel(), chunk_rows):
-        part = rows[start:start + chunk_rows]
-        chunk = lm_head_logits_fp32(hidden[part], weight, logits[:part.numel()])
-        part_outputs, part_lse = _outputs(part.numel(), num_samples, hidden.device)
-        _logits_rows(chunk, bias, width, num_samples, temperature, key, row_offset + part, part_outputs, part_lse)
-        _refuse_overflow(part_outputs[3], "teacher_sample")
-        for target, source in zip(outputs, part_outputs):
-            target[part] = source
-        lse[part] = part_lse
-
-
 def _refuse_overflow(overflow: torch.Tensor, op: str) -> None:
     """The logits schedule's rows have no exact redo: one whose candidates overflow (hundreds of
     keys equal in float32) raises. One host sync."""
@@ -128,8 +111,13 @@ def teacher_sample_logits(hidden: torch.Tensor, weight: torch.Tensor, num_sample
     num_rows = hidden.shape[0]
     outputs, lse = _outputs(num_rows, num_samples, hidden.device)
     chunk_rows = chunk_rows or max(1, min(num_rows, LOGITS_CHUNK_BYTES // (4 * weight.shape[0])))
-    _logits_of_rows(hidden, weight, bias, torch.arange(num_rows, device=hidden.device), num_samples, temperature,
-                    vocab_size, seed, row_offset, chunk_rows, outputs, lse)
+    logits = torch.empty(min(chunk_rows, num_rows), weight.shape[0], dtype=torch.float32, device=hidden.device)
+    for start in range(0, num_rows, chunk_rows):
+        rows = slice(start, min(start + chunk_rows, num_rows))
+        chunk = lm_head_logits_fp32(hidden[rows], weight, logits[:rows.stop - start])
+        _logits_rows(chunk, bias, vocab_size, num_samples, temperature, seed_key(seed), row_offset + start,
+                     tuple(part[rows] for part in outputs), lse[rows])
+    _refuse_overflow(outputs[3], "teacher_sample")
     return _finish(outputs, lse, temperature, seed)
 
 
